@@ -1,0 +1,141 @@
+"""DatasetIndex: deterministic listing, counts kept next to the data, Bamba counts layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchdata_ext import DatasetIndex
+from torchdata_ext.handlers import base as handler_base
+from torchdata_ext.index import COUNTS_FILE
+from torchdata_ext.testing import write_arrow_batches, write_flat_tokens, write_jsonl
+
+
+def _docs(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, int(rng.integers(1, 20)), dtype=np.uint32) for _ in range(n)]
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    root = tmp_path / "data" / "web"
+    root.mkdir(parents=True)
+    sizes = [5, 0, 12, 7]
+    for i, n in enumerate(sizes):
+        write_arrow_batches(str(root / f"shard_{i:02d}.arrow"), _docs(n, i))
+    return root, sizes
+
+
+class _CountingOpens:
+    def __init__(self, monkeypatch):
+        self.n = 0
+        cls = handler_base._resolve("arrow")
+        orig = cls.open
+
+        def counted(this, url):
+            self.n += 1
+            return orig(this, url)
+
+        monkeypatch.setattr(cls, "open", counted)
+
+
+def test_files_sorted_counts_written_and_reused(dataset, monkeypatch) -> None:
+    root, sizes = dataset
+    opens = _CountingOpens(monkeypatch)
+    index = DatasetIndex.build(str(root))
+    assert [f.rsplit("/", 1)[1] for f in index.files] == [f"shard_{i:02d}.arrow" for i in range(4)]
+    assert index.doc_counts.tolist() == sizes and index.name == "web"
+    assert opens.n == 4
+    assert (root / "meta" / COUNTS_FILE).exists()
+    again = DatasetIndex.build(str(root))
+    assert opens.n == 4  # counts came from the metadata file, no file opened
+    assert again.doc_counts.tolist() == sizes and again.token_counts.tolist() == index.token_counts.tolist()
+    assert again.fingerprint() == index.fingerprint()
+
+
+def test_changed_file_is_recounted(dataset) -> None:
+    root, sizes = dataset
+    DatasetIndex.build(str(root))
+    write_arrow_batches(str(root / "shard_03.arrow"), _docs(9, 99))
+    assert DatasetIndex.build(str(root)).doc_counts.tolist() == sizes[:3] + [9]
+
+
+def test_reads_bamba_counts_layout(dataset, monkeypatch) -> None:
+    root, sizes = dataset
+    meta = root.parent / "meta"
+    meta.mkdir()
+    rows = ["dataset/filename,documents,tokens"]
+    rows += [f"web/shard_{i:02d}.arrow,{n},{n * 10}" for i, n in enumerate(sizes)]
+    (meta / "combined_counts.csv").write_text("\n".join(rows) + "\n")
+    opens = _CountingOpens(monkeypatch)
+    index = DatasetIndex.build(str(root), write_counts=False)
+    assert opens.n == 0
+    assert index.doc_counts.tolist() == sizes
+    assert index.token_counts.tolist() == [n * 10 for n in sizes]
+
+
+def test_fingerprint_is_location_independent(dataset, tmp_path) -> None:
+    root, _ = dataset
+    import shutil
+
+    copy = tmp_path / "elsewhere" / "web"
+    shutil.copytree(root, copy)
+    assert DatasetIndex.build(str(copy)).fingerprint() == DatasetIndex.build(str(root)).fingerprint()
+
+
+def test_globs_braces_and_data_sources_txt(dataset, tmp_path) -> None:
+    root, sizes = dataset
+    a = DatasetIndex.build(str(root / "shard_{00..02}.arrow"))
+    assert a.doc_counts.tolist() == sizes[:3]
+    b = DatasetIndex.build(str(root / "shard_0[13].arrow"))
+    assert b.doc_counts.tolist() == [sizes[1], sizes[3]]
+    flat = tmp_path / "bolmo"
+    flat.mkdir()
+    for i in range(2):
+        write_flat_tokens(str(flat / f"bolmo_data_{i:05d}.npy"), _docs(4, i), eos_token=0)
+    (flat / "data_sources.txt").write_text(
+        "\n".join(str(flat / f"bolmo_data_{i:05d}.npy") for i in range(2)) + "\n"
+    )
+    c = DatasetIndex.build(str(flat / "data_sources.txt"), file_type="flat", handler_options={"eos_token": 0})
+    assert c.doc_counts.tolist() == [4, 4] and c.total_tokens > 0
+
+
+def test_memory_filesystem(tmp_path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    try:
+        for i in range(2):
+            write_jsonl(f"memory://idx-test/texts/p{i}.jsonl", [f"doc {i} {j}" for j in range(3 + i)])
+        index = DatasetIndex.build("memory://idx-test/texts")
+        assert index.doc_counts.tolist() == [3, 4] and index.total_tokens == -1
+        assert all(f.startswith("memory://") for f in index.files)
+    finally:
+        fs.rm("/idx-test", recursive=True)
+
+
+def test_errors_name_the_path_and_fix(tmp_path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no data files match .*empty"):
+        DatasetIndex.build(str(empty))
+    with pytest.raises(FileNotFoundError, match="nope"):
+        DatasetIndex.build(str(tmp_path / "nope" / "*.arrow"))
+    (tmp_path / "x.weird").write_text("hi")
+    with pytest.raises(ValueError, match="x.weird: unknown file suffix.*file_type"):
+        DatasetIndex.build(str(tmp_path / "x.weird"))
+    with pytest.raises(FileNotFoundError, match="looking for names ending in"):
+        DatasetIndex.build(str(tmp_path / "*.weird"))
+    with pytest.raises(ValueError, match="unknown file_type='cbor2'"):
+        DatasetIndex.build(str(tmp_path / "x.weird"), file_type="cbor2")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_arrow_batches(str(mixed / "a.arrow"), _docs(2))
+    write_jsonl(str(mixed / "b.jsonl"), ["x"])
+    with pytest.raises(ValueError, match="several formats"):
+        DatasetIndex.build(str(mixed))
+    only_empty = tmp_path / "zero"
+    only_empty.mkdir()
+    write_arrow_batches(str(only_empty / "a.arrow"), [])
+    with pytest.raises(ValueError, match="no documents"):
+        DatasetIndex.build(str(only_empty))

@@ -1,0 +1,151 @@
+"""What flows between nodes: blocks of documents with their provenance.
+
+Documents travel in :class:`DocumentBlock` s, many documents per block as one concatenated
+token array plus offsets, so per-document Python work stays off the hot path. Each document
+(or piece of a long document) keeps where it came from: dataset, file number, document
+number in the file, and the token offset of the piece inside the document, so any piece can be
+read again from the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["Document", "DocumentBlock"]
+
+
+class Document(NamedTuple):
+    """One document, or one piece of a long document.
+
+    Attributes:
+        data: token ids (1-D integer array) or text (``str``).
+        dataset: the dataset name.
+        file: the file's number in the dataset's sorted file list (``DatasetIndex.files``).
+        doc: the document's number inside that file.
+        start: offset (tokens, or characters for text) of this piece inside the document after
+            ``strip_tokens``; 0 for a whole document.
+        last: whether this piece ends the document.
+        epoch: the epoch of the logical shard the document was read in.
+    """
+
+    data: np.ndarray | str
+    dataset: str
+    file: int
+    doc: int
+    start: int = 0
+    last: bool = True
+    epoch: int = 0
+
+
+@dataclass
+class DocumentBlock:
+    """Several documents (or pieces) of one dataset, stored together.
+
+    Attributes:
+        dataset: the dataset name.
+        tokens: all token pieces concatenated (1-D integer array), or None for text.
+        texts: the text pieces, or None for tokens.
+        offsets: ``int64`` array of length ``n + 1``; piece ``i`` is
+            ``tokens[offsets[i]:offsets[i + 1]]`` (for text, offsets count characters).
+        file: ``int32`` file number of each piece.
+        doc: ``int64`` document number (inside its file) of each piece.
+        start: ``int64`` offset of each piece inside its document.
+        last: ``bool`` whether each piece ends its document.
+        shard: the logical shard the block was read from (-1 if mixed).
+        epoch: the epoch of that shard (-1 if mixed).
+    """
+
+    dataset: str
+    tokens: np.ndarray | None
+    texts: list[str] | None
+    offsets: np.ndarray
+    file: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    last: np.ndarray
+    shard: int = -1
+    epoch: int = -1
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Length of each piece (tokens, or characters for text)."""
+        return np.diff(self.offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> Document:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"piece {i} out of range for a block of {n}")
+        if self.tokens is not None:
+            data: np.ndarray | str = self.tokens[self.offsets[i] : self.offsets[i + 1]]
+        else:
+            assert self.texts is not None
+            data = self.texts[i]
+        return Document(
+            data,
+            self.dataset,
+            int(self.file[i]),
+            int(self.doc[i]),
+            int(self.start[i]),
+            bool(self.last[i]),
+            self.epoch,
+        )
+
+    def __iter__(self) -> Iterator[Document]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @classmethod
+    def from_pieces(
+        cls,
+        dataset: str,
+        pieces: Sequence[np.ndarray] | Sequence[str],
+        file: Sequence[int],
+        doc: Sequence[int],
+        start: Sequence[int],
+        last: Sequence[bool],
+        *,
+        shard: int = -1,
+        epoch: int = -1,
+        dtype: np.dtype | type = np.int32,
+    ) -> DocumentBlock:
+        """Build a block from per-piece arrays (or strings) and provenance."""
+        n = len(pieces)
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=n)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens: np.ndarray | None
+        texts: list[str] | None
+        if n and isinstance(pieces[0], str):
+            tokens, texts = None, list(pieces)  # type: ignore[arg-type]
+        else:
+            tokens = (
+                np.concatenate(pieces, dtype=dtype, casting="unsafe")  # type: ignore[call-overload]
+                if n
+                else np.zeros(0, dtype)
+            )
+            texts = None
+        return cls(
+            dataset,
+            tokens,
+            texts,
+            offsets,
+            np.asarray(file, np.int32),
+            np.asarray(doc, np.int64),
+            np.asarray(start, np.int64),
+            np.asarray(last, bool),
+            shard,
+            epoch,
+        )

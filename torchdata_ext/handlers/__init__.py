@@ -1,0 +1,70 @@
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines.
+
+Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
+add a format with :func:`register_handler`. Handler modules are imported lazily by the
+registry, so importing this package does not import pyarrow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchdata_ext.handlers.base import (
+    DataFileError,
+    Document,
+    FileHandler,
+    format_for_url,
+    get_handler,
+    get_handler_class,
+    handler_for_url,
+    register_handler,
+    registered_formats,
+)
+
+if TYPE_CHECKING:
+    from torchdata_ext.handlers.arrow import ArrowHandler
+    from torchdata_ext.handlers.jsonl import JsonlHandler
+    from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
+    from torchdata_ext.handlers.parquet import ParquetHandler
+
+__all__ = [
+    "ArrowHandler",
+    "CepedHandler",
+    "DataFileError",
+    "Document",
+    "FileHandler",
+    "FlatTokenHandler",
+    "JsonlHandler",
+    "NpyHandler",
+    "ParquetHandler",
+    "format_for_url",
+    "get_handler",
+    "get_handler_class",
+    "handler_for_url",
+    "register_handler",
+    "registered_formats",
+]
+
+_LAZY = {
+    "ArrowHandler": "torchdata_ext.handlers.arrow",
+    "CepedHandler": "torchdata_ext.handlers.numpy_tokens",
+    "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
+    "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
+    "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "ParquetHandler": "torchdata_ext.handlers.parquet",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

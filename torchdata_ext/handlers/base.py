@@ -1,0 +1,209 @@
+"""The file-handler interface and the registry of formats by name and suffix.
+
+A handler knows one file format through four operations (the Bamba ``FileHandler``):
+
+* ``open(url)`` returns an opened reader object (held by the caller, never put in state);
+* ``length(reader)`` is the number of documents in the file;
+* ``get(reader, i)`` returns document ``i``: a 1-D NumPy integer array of token ids for
+  tokenized formats (zero-copy from Arrow or a memory map where the format allows), or a
+  ``str`` for text formats;
+* ``slice(doc, start, n)`` returns tokens (or characters) ``start .. start + n`` of a document
+  returned by ``get``.
+
+Users add a format by subclassing :class:`FileHandler` and calling :func:`register_handler`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar, Union
+
+import numpy as np
+
+__all__ = [
+    "DataFileError",
+    "Document",
+    "FileHandler",
+    "format_for_url",
+    "get_handler",
+    "get_handler_class",
+    "handler_for_url",
+    "register_handler",
+    "registered_formats",
+]
+
+Document = Union[np.ndarray, str]
+
+
+class DataFileError(ValueError):
+    """A data file is missing, truncated, corrupt, or lacks the expected field.
+
+    Attributes:
+        url: the file at fault.
+    """
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+
+
+class FileHandler(ABC):
+    """One file format. Subclasses set ``name``, ``suffixes`` and ``produces``.
+
+    Args:
+        col_name: the field holding each document (a token column, or a text field).
+        storage_options: fsspec keyword arguments (credentials, endpoint, ...) used by ``open``.
+
+    Handlers hold configuration only: the opened reader returned by :meth:`open` carries all
+    per-file resources, so a handler can be shared, pickled and sent to worker processes.
+    """
+
+    name: ClassVar[str] = ""
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    produces: ClassVar[str] = "tokens"  # "tokens" or "text"
+
+    def __init__(
+        self, col_name: str = "tokens", storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self.col_name = col_name
+        self.storage_options = dict(storage_options or {})
+
+    @abstractmethod
+    def open(self, url: str) -> Any:
+        """Open ``url`` and return a reader object for :meth:`length` and :meth:`get`.
+
+        Raises:
+            DataFileError: the file is missing, corrupt, or lacks ``col_name``.
+        """
+
+    @abstractmethod
+    def length(self, reader: Any) -> int:
+        """Number of documents in the opened file."""
+
+    @abstractmethod
+    def get(self, reader: Any, index: int) -> Document:
+        """Document ``index`` (0-based) of the opened file."""
+
+    def slice(self, doc: Document, start: int, n: int) -> Document:
+        """Tokens (or characters) ``start .. start + n`` of ``doc``."""
+        return doc[start : start + n]
+
+    def get_many(self, reader: Any, indices: Sequence[int] | np.ndarray) -> list[Document]:
+        """Documents at ``indices``, in that order. Formats override this for speed."""
+        return [self.get(reader, int(i)) for i in indices]
+
+    def doc_lengths(self, reader: Any) -> np.ndarray | None:
+        """Length of every document (tokens, or characters for text) if cheap, else None."""
+        return None
+
+    def close(self, reader: Any) -> None:  # noqa: B027 - optional hook
+        """Release the reader's resources."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(col_name={self.col_name!r})"
+
+
+# name -> "module:Class" (lazy) or a class
+_REGISTRY: dict[str, str | type[FileHandler]] = {
+    "arrow": "torchdata_ext.handlers.arrow:ArrowHandler",
+    "parquet": "torchdata_ext.handlers.parquet:ParquetHandler",
+    "ceped": "torchdata_ext.handlers.numpy_tokens:CepedHandler",
+    "flat": "torchdata_ext.handlers.numpy_tokens:FlatTokenHandler",
+    "npy": "torchdata_ext.handlers.numpy_tokens:NpyHandler",
+    "jsonl": "torchdata_ext.handlers.jsonl:JsonlHandler",
+}
+# suffix (lower case, longest match wins) -> name
+_SUFFIXES: dict[str, str] = {
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".parquet": "parquet",
+    ".npy": "npy",
+    ".bin": "flat",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".jsonl.gz": "jsonl",
+    ".json.gz": "jsonl",
+    ".jsonl.zst": "jsonl",
+    ".json.zst": "jsonl",
+}
+
+
+def register_handler(
+    name: str, handler: type[FileHandler] | str, suffixes: Sequence[str] = ()
+) -> None:
+    """Register a file format.
+
+    Args:
+        name: the format name users pass as ``file_type``.
+        handler: a :class:`FileHandler` subclass, or ``"module:Class"`` to import lazily.
+        suffixes: file name endings (e.g. ``".cbor"``) that select this format automatically.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{name=} must be a non-empty string")
+    _REGISTRY[name] = handler
+    for suffix in suffixes:
+        _SUFFIXES[suffix.lower()] = name
+
+
+def registered_formats() -> dict[str, list[str]]:
+    """Format name -> the suffixes that select it."""
+    out: dict[str, list[str]] = {name: [] for name in _REGISTRY}
+    for suffix, name in _SUFFIXES.items():
+        out.setdefault(name, []).append(suffix)
+    return out
+
+
+def _resolve(name: str) -> type[FileHandler]:
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown file_type={name!r}; known formats: {sorted(_REGISTRY)}. "
+            "Register your own with torchdata_ext.handlers.register_handler"
+        ) from None
+    if isinstance(target, str):
+        module, _, cls = target.partition(":")
+        target = getattr(importlib.import_module(module), cls)
+        _REGISTRY[name] = target
+    return target  # type: ignore[return-value]
+
+
+def get_handler_class(file_type: str) -> type[FileHandler]:
+    """The handler class registered as ``file_type`` (imported on first use).
+
+    Raises:
+        ValueError: no format of that name is registered; lists the known names.
+    """
+    return _resolve(file_type)
+
+
+def get_handler(file_type: str, **options: Any) -> FileHandler:
+    """Build the handler registered as ``file_type`` with ``options`` (``col_name``, ...)."""
+    return _resolve(file_type)(**options)
+
+
+def format_for_url(url: str) -> str:
+    """The registered format name whose suffix ends ``url`` (longest suffix wins).
+
+    Raises:
+        ValueError: no registered suffix matches; names the file and the known suffixes.
+    """
+    lower = url.lower()
+    best = ""
+    for suffix in _SUFFIXES:
+        if lower.endswith(suffix) and len(suffix) > len(best):
+            best = suffix
+    if not best:
+        raise ValueError(
+            f"{url}: unknown file suffix; known suffixes: {sorted(_SUFFIXES)}. "
+            "Pass file_type=... explicitly or register a handler for it"
+        )
+    return _SUFFIXES[best]
+
+
+def handler_for_url(url: str, file_type: str | None = None, **options: Any) -> FileHandler:
+    """The handler for ``url``: ``file_type`` if given, else chosen by the file's suffix."""
+    return get_handler(file_type or format_for_url(url), **options)

@@ -1,0 +1,478 @@
+"""Token files stored as NumPy arrays: CEPED ``.npy``, flat token streams (``.bin``/``.npy``).
+
+Three formats live here:
+
+* ``ceped`` (:class:`CepedHandler`): one 1-D integer ``.npy`` array laid out as
+  ``[n] [len(d1) .. len(dn)] [d1] .. [dn]`` (the CEPED RedPajama preprocessing).
+* ``flat`` (:class:`FlatTokenHandler`): all documents concatenated into one token array, either
+  a raw little-endian ``.bin`` file (``uint32`` unless ``dtype=...``) or a 1-D ``.npy`` (the
+  Bolmo / OLMo layout). Document boundaries come from an offsets sidecar
+  ``<url>.offsets.npy`` (``int64``, ``n + 1`` non-decreasing offsets from 0 to the token count;
+  it wins when present) or from splitting after every ``eos_token``.
+* ``npy`` (:class:`NpyHandler`): sniffs a ``.npy`` file. A file with an offsets sidecar is flat;
+  otherwise a 1-D integer array that passes the CEPED validation *exactly*
+  (``n >= 0``, lengths non-negative, ``1 + n + sum(lengths) == size``) is CEPED; anything else
+  is flat. A flat token stream can pass the CEPED check by accident (e.g. ``[0]`` or
+  ``[2, 1, 0, 7]``), so write an offsets sidecar or pass ``file_type="flat"``/``"ceped"`` when
+  the format is known.
+
+Local files are memory-mapped and every document is a read-only zero-copy view of the map;
+files on other filesystems are read once with ``fs.cat_file`` and viewed with
+``np.frombuffer``.
+
+This module also holds the small helpers the other handlers share (:func:`read_source`,
+:func:`check_index`, :func:`check_indices`).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import operator
+import os
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from torchdata_ext.handlers.base import DataFileError, FileHandler
+from torchdata_ext.urls import filesystem, is_local
+
+__all__ = [
+    "CepedHandler",
+    "FlatTokenHandler",
+    "NpyHandler",
+    "TokenArrayReader",
+]
+
+NPY_MAGIC = b"\x93NUMPY"
+OFFSETS_SUFFIX = ".offsets.npy"
+# tokens compared against eos_token per step, bounding the temporary boolean mask
+_EOS_CHUNK = 1 << 24
+
+Source = Any  # bytes, or an mmap.mmap for local files: anything with the buffer protocol
+
+
+# --------------------------------------------------------------------------- shared helpers
+def read_source(url: str, storage_options: dict[str, Any] | None = None) -> Source:
+    """The bytes of ``url``: a read-only ``mmap`` for local files, ``fs.cat_file`` otherwise.
+
+    An empty local file gives ``b""`` (it cannot be mapped).
+
+    Raises:
+        DataFileError: the file is missing, is a directory, or cannot be read.
+    """
+    fs, path = filesystem(url, storage_options)
+    try:
+        if is_local(fs):
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise DataFileError(
+            url, "file not found; check the path (and storage_options for a remote filesystem)"
+        ) from None
+    except IsADirectoryError:
+        raise DataFileError(
+            url, "is a directory, not a data file; pass file URLs (or a glob such as dir/*.arrow)"
+        ) from None
+    except OSError as exc:
+        raise DataFileError(
+            url, f"cannot read the file ({exc}); check permissions and storage_options"
+        ) from exc
+
+
+def source_exists(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` names an existing file."""
+    fs, path = filesystem(url, storage_options)
+    return bool(fs.isfile(path))
+
+
+def check_index(url: str, index: Any, n: int) -> int:
+    """``index`` as an ``int`` in ``[0, n)``; IndexError naming ``url`` otherwise."""
+    i = operator.index(index)
+    if not 0 <= i < n:
+        raise IndexError(f"document index {i} out of range [0, {n}) in {url}")
+    return i
+
+
+def check_indices(url: str, indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    """``indices`` as an int64 array, each in ``[0, n)``; IndexError naming ``url`` otherwise."""
+    arr = np.asarray(indices)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"document indices must be integers, got dtype {arr.dtype} for {url}")
+    arr = arr.reshape(-1).astype(np.int64, copy=False)
+    bad = np.flatnonzero((arr < 0) | (arr >= n))
+    if bad.size:
+        raise IndexError(f"document index {int(arr[bad[0]])} out of range [0, {n}) in {url}")
+    return arr
+
+
+def parse_npy(url: str, buf: Source) -> np.ndarray:
+    """View the ``.npy`` file held in ``buf`` as an array, zero-copy.
+
+    Raises:
+        DataFileError: not a ``.npy`` file, a corrupt header, object dtype, or truncated data.
+    """
+    size = len(buf)
+    if bytes(buf[:6]) != NPY_MAGIC:
+        raise DataFileError(
+            url,
+            "not a NumPy .npy file (no \\x93NUMPY magic at the start); check the file, or for a "
+            "raw token stream use file_type='flat' with a .bin name and dtype=...",
+        )
+    major = buf[6] if size > 6 else 0
+    if major == 1:
+        len_size = 2
+    elif major in (2, 3):
+        len_size = 4
+    else:
+        raise DataFileError(
+            url,
+            f".npy format version {major} is not supported or the file is corrupt; re-save it with numpy.save",
+        )
+    if size < 8 + len_size:
+        raise DataFileError(url, "the .npy header is truncated; re-create or re-download the file")
+    header_len = int.from_bytes(bytes(buf[8 : 8 + len_size]), "little")
+    data_offset = 8 + len_size + header_len
+    if data_offset > size:
+        raise DataFileError(url, "the .npy header is truncated; re-create or re-download the file")
+    header = io.BytesIO(bytes(buf[:data_offset]))
+    try:
+        np.lib.format.read_magic(header)
+        if major == 1:
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(header)
+        else:
+            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(header)
+    except (ValueError, SyntaxError) as exc:
+        raise DataFileError(
+            url, f"corrupt .npy header ({exc}); re-create the file with numpy.save"
+        ) from exc
+    if dtype.hasobject:
+        raise DataFileError(
+            url, f"the .npy array has object dtype {dtype}; token files need an integer dtype"
+        )
+    count = int(np.prod(shape, dtype=np.int64))
+    need = count * dtype.itemsize
+    if size - data_offset < need:
+        raise DataFileError(
+            url,
+            f"truncated: the .npy header declares {count} items of {dtype} ({need} bytes) but "
+            f"only {size - data_offset} bytes follow; re-create or re-download the file",
+        )
+    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_offset)
+    if fortran_order and len(shape) > 1:
+        return arr.reshape(shape[::-1]).T
+    return arr.reshape(shape)
+
+
+def _load_offsets(url: str, buf: Source, n_tokens: int) -> np.ndarray:
+    """Validate an offsets sidecar: 1-D integer, starts at 0, non-decreasing, ends at n_tokens."""
+    raw = parse_npy(url, buf)
+    fix = "re-write the offsets file (n + 1 int64 offsets from 0 to the token count) or delete it and pass eos_token=..."
+    if raw.ndim != 1 or raw.dtype.kind not in "iu":
+        raise DataFileError(
+            url,
+            f"offsets sidecar must be a 1-D integer array, got shape {raw.shape} dtype {raw.dtype}; {fix}",
+        )
+    if raw.size == 0:
+        raise DataFileError(url, f"offsets sidecar is empty (it needs at least [0]); {fix}")
+    offsets = np.array(raw, dtype=np.int64)
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise DataFileError(
+            url,
+            f"offsets run from {int(offsets[0])} to {int(offsets[-1])} but must run from 0 to "
+            f"the token count {n_tokens}; {fix}",
+        )
+    if offsets.size > 1 and bool((np.diff(offsets) < 0).any()):
+        raise DataFileError(url, f"offsets are not non-decreasing; {fix}")
+    return offsets
+
+
+def ceped_offsets(arr: np.ndarray) -> np.ndarray | str:
+    """Document offsets of a CEPED array, or the reason it is not one.
+
+    A CEPED array is 1-D integer ``[n] [len(d1) .. len(dn)] [d1] .. [dn]`` with ``n >= 0``,
+    non-negative lengths and ``1 + n + sum(lengths) == arr.size``. The returned offsets
+    (int64, ``n + 1`` values) index into ``arr`` itself.
+    """
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        return f"not a 1-D integer array (shape {arr.shape}, dtype {arr.dtype})"
+    size = int(arr.size)
+    if size == 0:
+        return "the array is empty (a CEPED array starts with the document count n)"
+    n = int(arr[0])
+    if n < 0 or 1 + n > size:
+        return f"the first value n={n} is not a valid document count for an array of {size} values"
+    lengths = np.array(arr[1 : 1 + n], dtype=np.int64)
+    if n and (int(lengths.min()) < 0 or int(lengths.max()) > size):
+        return "the document lengths after n are not all in [0, size]"
+    total = 1 + n + int(lengths.sum())
+    if total != size:
+        return f"1 + n + sum(lengths) = {total} but the array holds {size} values"
+    offsets = np.empty(n + 1, dtype=np.int64)
+    offsets[0] = 0
+    np.cumsum(lengths, out=offsets[1:])
+    offsets += 1 + n
+    return offsets
+
+
+def eos_offsets(tokens: np.ndarray, eos_token: int) -> np.ndarray:
+    """Offsets of the documents of ``tokens`` when each ends with ``eos_token`` (included).
+
+    A trailing run without an EOS token is the last document. Vectorised (np.flatnonzero),
+    scanning in chunks so the temporary mask stays small.
+    """
+    size = int(tokens.size)
+    ends = [
+        np.flatnonzero(tokens[s : s + _EOS_CHUNK] == eos_token) + (s + 1)
+        for s in range(0, size, _EOS_CHUNK)
+    ]
+    parts = [np.zeros(1, dtype=np.int64), *(e.astype(np.int64, copy=False) for e in ends)]
+    offsets = np.concatenate(parts)
+    if offsets[-1] != size:
+        offsets = np.append(offsets, np.int64(size))
+    return offsets
+
+
+# --------------------------------------------------------------------------- reader
+class TokenArrayReader:
+    """An opened CEPED or flat token file: document ``i`` is ``tokens[offsets[i]:offsets[i+1]]``.
+
+    Attributes:
+        url: the file.
+        tokens: the token array (a zero-copy view of the memory map or of the fetched bytes).
+        offsets: int64 document boundaries, ``length + 1`` values.
+        kind: ``"ceped"`` or ``"flat"``.
+        produces: always ``"tokens"``.
+    """
+
+    produces = "tokens"
+
+    def __init__(self, url: str, tokens: np.ndarray, offsets: np.ndarray, kind: str) -> None:
+        self.url = url
+        self.tokens = tokens
+        self.offsets = offsets
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return int(self.offsets.size) - 1
+
+    def close(self) -> None:
+        """Drop the references to the file's memory (views already handed out stay valid)."""
+        self.tokens = np.zeros(0, dtype=self.tokens.dtype)
+        self.offsets = np.zeros(1, dtype=np.int64)
+
+    def __enter__(self) -> TokenArrayReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TokenArrayReader({self.url!r}, kind={self.kind!r}, docs={len(self)})"
+
+
+class _TokenArrayHandler(FileHandler):
+    """length / get / get_many / doc_lengths over a :class:`TokenArrayReader`."""
+
+    produces: ClassVar[str] = "tokens"
+
+    def produces_for(self, reader: TokenArrayReader) -> str:
+        """What ``get`` returns for this reader: always ``"tokens"``."""
+        return reader.produces
+
+    def length(self, reader: TokenArrayReader) -> int:
+        return int(reader.offsets.size) - 1
+
+    def get(self, reader: TokenArrayReader, index: int) -> np.ndarray:
+        offsets = reader.offsets
+        i = check_index(reader.url, index, int(offsets.size) - 1)
+        return reader.tokens[offsets[i] : offsets[i + 1]]
+
+    def get_many(self, reader: TokenArrayReader, indices: Sequence[int] | np.ndarray) -> list[Any]:
+        idx = check_indices(reader.url, indices, int(reader.offsets.size) - 1)
+        tokens = reader.tokens
+        starts = reader.offsets[idx].tolist()
+        ends = reader.offsets[idx + 1].tolist()
+        return [tokens[s:e] for s, e in zip(starts, ends, strict=True)]
+
+    def doc_lengths(self, reader: TokenArrayReader) -> np.ndarray:
+        return np.diff(reader.offsets).astype(np.int64, copy=False)
+
+    def close(self, reader: TokenArrayReader) -> None:
+        reader.close()
+
+    # -- opening helpers
+    def _token_array(self, url: str, buf: Source, raw_dtype: np.dtype | None) -> np.ndarray:
+        """The 1-D integer token array of a ``.npy`` file or (``raw_dtype``) a raw file."""
+        if bytes(buf[:6]) == NPY_MAGIC or raw_dtype is None:
+            arr = parse_npy(url, buf)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise DataFileError(
+                    url,
+                    f"token arrays must be 1-D integer, got shape {arr.shape} dtype {arr.dtype}; "
+                    "re-save the tokens as a 1-D integer array",
+                )
+            return arr
+        itemsize = raw_dtype.itemsize
+        if len(buf) % itemsize:
+            raise DataFileError(
+                url,
+                f"the file holds {len(buf)} bytes, not a multiple of the {raw_dtype} item size "
+                f"{itemsize}: it is truncated or the dtype is wrong; pass dtype=... or re-create it",
+            )
+        return np.frombuffer(buf, dtype=raw_dtype)
+
+    def _flat_offsets(
+        self, url: str, tokens: np.ndarray, eos_token: int | None, reason: str = ""
+    ) -> np.ndarray:
+        """Offsets from the ``<url>.offsets.npy`` sidecar if present, else from ``eos_token``."""
+        sidecar = url + OFFSETS_SUFFIX
+        if source_exists(sidecar, self.storage_options):
+            return _load_offsets(sidecar, read_source(sidecar, self.storage_options), tokens.size)
+        if eos_token is None:
+            raise DataFileError(
+                url,
+                (f"{reason}; " if reason else "")
+                + "a flat token file needs document boundaries but there is no offsets sidecar "
+                f"{sidecar.rsplit('/', 1)[-1]!r} and no eos_token; pass eos_token=... (documents "
+                "end with it) or write the offsets file (see torchdata_ext.testing.write_flat_tokens)",
+            )
+        info = np.iinfo(tokens.dtype)
+        if not info.min <= eos_token <= info.max:
+            raise DataFileError(
+                url,
+                f"eos_token={eos_token} cannot occur in a {tokens.dtype} token array; "
+                "pass the right eos_token (or dtype=... for raw files)",
+            )
+        return eos_offsets(tokens, eos_token)
+
+
+def _integer_dtype(dtype: Any, what: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.kind not in "iu":
+        raise ValueError(f"{what}={dtype!r} must be an integer dtype (e.g. 'uint32')")
+    return dt
+
+
+# --------------------------------------------------------------------------- handlers
+class CepedHandler(_TokenArrayHandler):
+    """CEPED ``.npy`` token files: ``[n] [len(d1) .. len(dn)] [d1] .. [dn]``.
+
+    Args:
+        col_name: unused (the file has no columns); accepted for a uniform signature.
+        storage_options: fsspec keyword arguments.
+
+    Documents are zero-copy slices of the memory-mapped (or fetched) array, in the file's dtype.
+    """
+
+    name: ClassVar[str] = "ceped"
+    suffixes: ClassVar[tuple[str, ...]] = (".npy",)
+
+    def __init__(
+        self, col_name: str = "tokens", storage_options: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(col_name, storage_options)
+
+    def open(self, url: str) -> TokenArrayReader:
+        buf = read_source(url, self.storage_options)
+        arr = parse_npy(url, buf)
+        offsets = ceped_offsets(arr)
+        if isinstance(offsets, str):
+            raise DataFileError(
+                url,
+                f"not a CEPED .npy file, or truncated: {offsets}; CEPED files hold "
+                "[n][len(d1)..len(dn)][d1]..[dn] - re-create the file, or for a flat token "
+                "array use file_type='flat' with eos_token=...",
+            )
+        return TokenArrayReader(url, arr, offsets, "ceped")
+
+
+class FlatTokenHandler(_TokenArrayHandler):
+    """One flat token array per file (``.bin`` raw or 1-D ``.npy``), split into documents.
+
+    Args:
+        col_name: unused (the file has no columns); accepted for a uniform signature.
+        storage_options: fsspec keyword arguments.
+        eos_token: documents end with this token (included in the document); a trailing run
+            without it is the last document. Ignored when an offsets sidecar exists.
+        dtype: element type of raw (non-``.npy``) files, default ``uint32``. A ``.npy`` file
+            (recognised by its magic bytes, whatever its name) always uses its own dtype.
+
+    Document boundaries: the sidecar ``<url>.offsets.npy`` (int64, ``n + 1`` non-decreasing
+    offsets from 0 to the token count) when it exists, else ``eos_token`` splitting. With
+    neither, ``open`` raises :class:`DataFileError`. EOS splitting cannot express empty
+    documents (each document holds at least its EOS token); the sidecar can.
+    """
+
+    name: ClassVar[str] = "flat"
+    suffixes: ClassVar[tuple[str, ...]] = (".bin",)
+
+    def __init__(
+        self,
+        col_name: str = "tokens",
+        storage_options: dict[str, Any] | None = None,
+        eos_token: int | None = None,
+        dtype: Any = "uint32",
+    ) -> None:
+        super().__init__(col_name, storage_options)
+        self.eos_token = None if eos_token is None else operator.index(eos_token)
+        self.dtype = _integer_dtype(dtype, "dtype")
+
+    def open(self, url: str) -> TokenArrayReader:
+        buf = read_source(url, self.storage_options)
+        tokens = self._token_array(url, buf, self.dtype)
+        offsets = self._flat_offsets(url, tokens, self.eos_token)
+        return TokenArrayReader(url, tokens, offsets, "flat")
+
+    def __repr__(self) -> str:
+        return f"FlatTokenHandler(eos_token={self.eos_token!r}, dtype={str(self.dtype)!r})"
+
+
+class NpyHandler(_TokenArrayHandler):
+    """``.npy`` token files, CEPED or flat, told apart by content.
+
+    Args:
+        col_name: unused (the file has no columns); accepted for a uniform signature.
+        storage_options: fsspec keyword arguments.
+        eos_token: for flat files without an offsets sidecar, as in :class:`FlatTokenHandler`.
+
+    Sniffing, in order: an offsets sidecar ``<url>.offsets.npy`` means flat; a 1-D integer
+    array that passes the CEPED validation exactly means CEPED; anything else is flat (and
+    needs ``eos_token`` or the sidecar). ``reader.kind`` tells which was chosen. Pass
+    ``file_type="ceped"`` or ``"flat"`` to skip the sniff when the format is known.
+    """
+
+    name: ClassVar[str] = "npy"
+    suffixes: ClassVar[tuple[str, ...]] = (".npy",)
+
+    def __init__(
+        self,
+        col_name: str = "tokens",
+        storage_options: dict[str, Any] | None = None,
+        eos_token: int | None = None,
+    ) -> None:
+        super().__init__(col_name, storage_options)
+        self.eos_token = None if eos_token is None else operator.index(eos_token)
+
+    def open(self, url: str) -> TokenArrayReader:
+        buf = read_source(url, self.storage_options)
+        tokens = self._token_array(url, buf, None)
+        if not source_exists(url + OFFSETS_SUFFIX, self.storage_options):
+            offsets = ceped_offsets(tokens)
+            if not isinstance(offsets, str):
+                return TokenArrayReader(url, tokens, offsets, "ceped")
+            reason = f"not a CEPED array ({offsets}), so read as flat tokens"
+        else:
+            reason = ""
+        return TokenArrayReader(
+            url, tokens, self._flat_offsets(url, tokens, self.eos_token, reason), "flat"
+        )
+
+    def __repr__(self) -> str:
+        return f"NpyHandler(eos_token={self.eos_token!r})"

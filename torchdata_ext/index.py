@@ -1,0 +1,317 @@
+"""Dataset index: a dataset's files in a fixed order with their document and token counts.
+
+Counting documents means opening every file, so the counts are kept in a small CSV next to the
+data and read back on the next start. The layout is IBM Bamba's: a ``meta`` folder holding a
+``*counts*.csv`` whose rows are ``dataset/filename,documents,tokens`` (paths relative to the
+folder holding ``meta``). Such files written by Bamba's tooling are read as they are;
+torchdata-ext writes ``meta/torchdata_ext_counts.csv`` with an extra ``bytes`` column so a file
+that changed size since it was counted is counted again rather than trusted.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import logging
+import os
+import posixpath
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchdata_ext.handlers.base import (
+    FileHandler,
+    format_for_url,
+    get_handler,
+    get_handler_class,
+    registered_formats,
+)
+from torchdata_ext.urls import expand_urls, filesystem
+
+__all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
+
+logger = logging.getLogger(__name__)
+
+COUNTS_FILE = "torchdata_ext_counts.csv"
+_HEADER = ["dataset/filename", "documents", "tokens", "bytes"]
+
+
+def read_data_sources(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """The file URLs listed in a Bolmo-style ``data_sources.txt`` (one per line, ``#`` comments).
+
+    Relative entries are taken relative to the folder holding the list.
+    """
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rt") as f:
+        lines = [ln.strip() for ln in f.read().splitlines()]
+    base = url.rsplit("/", 1)[0] if "/" in url else "."
+    out = []
+    for ln in lines:
+        if not ln or ln.startswith("#"):
+            continue
+        if "://" in ln or ln.startswith("/"):
+            out.append(ln)
+        else:
+            out.append(posixpath.join(base, ln))
+    if not out:
+        raise ValueError(f"{url}: the data sources list names no files; add one URL per line")
+    return out
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    """The files of one (sub-)dataset, sorted, with per-file document and token counts.
+
+    Build one with :meth:`build`. Attributes:
+        name: the dataset name (used in outputs and state keys).
+        files: file URLs in their fixed (sorted) order.
+        doc_counts: documents per file (``int64``).
+        token_counts: tokens per file, or -1 where unknown (text formats).
+        file_type: the registered format name used for every file.
+        handler_options: keyword arguments for the handler (``col_name``, ``eos_token``, ...).
+        storage_options: fsspec keyword arguments.
+    """
+
+    name: str
+    files: tuple[str, ...]
+    doc_counts: np.ndarray
+    token_counts: np.ndarray
+    file_type: str
+    handler_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_docs(self) -> int:
+        return int(self.doc_counts.sum())
+
+    @property
+    def total_tokens(self) -> int:
+        """Total tokens, or -1 when some file's token count is unknown."""
+        return -1 if (self.token_counts < 0).any() else int(self.token_counts.sum())
+
+    def handler(self) -> FileHandler:
+        """A new handler for this dataset's files."""
+        return get_handler(
+            self.file_type, storage_options=self.storage_options, **self.handler_options
+        )
+
+    def fingerprint(self) -> str:
+        """A short hash of file names (relative to their common folder) and document counts.
+
+        Two indexes of the same data give the same fingerprint wherever the data is mounted,
+        so a checkpoint can be checked against the data it is restored into.
+        """
+        h = hashlib.sha256()
+        for rel, n in zip(_relative_names(self.files), self.doc_counts.tolist()):
+            h.update(f"{rel}\0{n}\n".encode())
+        return h.hexdigest()[:16]
+
+    @classmethod
+    def build(
+        cls,
+        urls: str | os.PathLike[str] | Sequence[str],
+        *,
+        name: str | None = None,
+        file_type: str | None = None,
+        col_name: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        handler_options: dict[str, Any] | None = None,
+        counts: str | None = None,
+        write_counts: bool = True,
+    ) -> DatasetIndex:
+        """List a dataset's files and count their documents.
+
+        Args:
+            urls: a folder, a file, a glob or brace pattern, a ``data_sources.txt`` list, or a
+                list of these; fsspec URLs.
+            name: the dataset name; defaults to the last component of the common folder.
+            file_type: a registered format name (``"arrow"``, ``"parquet"``, ``"npy"``,
+                ``"ceped"``, ``"flat"``, ``"jsonl"``, ...); default: chosen by file suffix.
+            col_name: the token or text field, passed to the handler.
+            storage_options: fsspec keyword arguments (credentials, endpoint, ...).
+            handler_options: further handler arguments (e.g. ``{"eos_token": 0}`` for flat
+                token files).
+            counts: URL of a counts CSV to read (default: look for ``meta/*counts*.csv`` in the
+                data folder and its parent).
+            write_counts: write ``meta/torchdata_ext_counts.csv`` into the data folder when
+                any file had to be opened to count it (failures to write are logged, not
+                raised).
+
+        Raises:
+            FileNotFoundError: no data file matches ``urls``.
+            ValueError: mixed formats without ``file_type``, or an unknown suffix.
+            DataFileError: a file cannot be read.
+        """
+        storage_options = dict(storage_options or {})
+        handler_options = dict(handler_options or {})
+        if col_name is not None:
+            handler_options["col_name"] = col_name
+        raw = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else list(urls)
+        expanded: list[str] = []
+        for u in raw:
+            if u.endswith(".txt"):
+                expanded.extend(read_data_sources(u, storage_options))
+            else:
+                expanded.append(u)
+        suffixes = None
+        if file_type is not None:
+            get_handler_class(file_type)  # unknown names fail here, naming the known ones
+            suffixes = tuple(registered_formats().get(file_type, []))
+            if file_type in ("flat", "ceped"):
+                suffixes += (".npy",)
+            suffixes = suffixes or None
+        else:
+            suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
+        files = expand_urls(expanded, storage_options, suffixes=suffixes)
+        if file_type is None:
+            kinds = {format_for_url(f) for f in files}
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"the files of dataset {urls!r} have several formats {sorted(kinds)}; "
+                    "pass file_type=... or point urls at one format"
+                )
+            file_type = kinds.pop()
+        root = _common_dir(files)
+        if name is None:
+            name = posixpath.basename(root.rstrip("/")) or "dataset"
+        index = cls(
+            name=name,
+            files=tuple(files),
+            doc_counts=np.zeros(len(files), np.int64),
+            token_counts=np.full(len(files), -1, np.int64),
+            file_type=file_type,
+            handler_options=handler_options,
+            storage_options=storage_options,
+        )
+        index._fill_counts(root, counts, write_counts)
+        if index.total_docs == 0:
+            raise ValueError(
+                f"dataset {name!r} at {urls!r} has no documents in its {len(files)} file(s); "
+                "check the path and col_name"
+            )
+        return index
+
+    # -- counting ---------------------------------------------------------------------------
+    def _fill_counts(self, root: str, counts_url: str | None, write: bool) -> None:
+        sizes = _file_sizes(self.files, self.storage_options)
+        known = _read_counts(root, counts_url, self.storage_options)
+        missing: list[int] = []
+        for i, f in enumerate(self.files):
+            rec = _lookup(known, f, root)
+            if rec is None or (rec[2] >= 0 and sizes[i] >= 0 and rec[2] != sizes[i]):
+                missing.append(i)
+            else:
+                self.doc_counts[i], self.token_counts[i] = rec[0], rec[1]
+        if not missing:
+            return
+        handler = self.handler()
+        for i in missing:
+            reader = handler.open(self.files[i])
+            try:
+                self.doc_counts[i] = handler.length(reader)
+                lengths = handler.doc_lengths(reader)
+                is_text = getattr(reader, "produces", handler.produces) == "text"
+                self.token_counts[i] = -1 if lengths is None or is_text else int(lengths.sum())
+            finally:
+                handler.close(reader)
+        if write and counts_url is None:
+            self._write_counts(root, sizes)
+
+    def _write_counts(self, root: str, sizes: list[int]) -> None:
+        rel = _relative_names(self.files, root)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(_HEADER)
+        for r, n, t, b in zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes):
+            w.writerow([r, n, t, b])
+        url = posixpath.join(root, "meta", COUNTS_FILE)
+        try:
+            fs, path = filesystem(url, self.storage_options)
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with fs.open(tmp, "w") as f:
+                f.write(buf.getvalue())
+            fs.mv(tmp, path)
+        except Exception as exc:  # read-only data is normal on shared storage
+            logger.warning("could not write document counts to %s (%s); continuing", url, exc)
+
+
+def _common_dir(files: Sequence[str]) -> str:
+    dirs = [f.rsplit("/", 1)[0] if "/" in f else "." for f in files]
+    common = os.path.commonprefix(dirs)
+    if not all(d == common or d.startswith(common.rstrip("/") + "/") for d in dirs):
+        common = common.rsplit("/", 1)[0]
+    return common
+
+
+def _relative_names(files: Sequence[str], root: str | None = None) -> list[str]:
+    root = _common_dir(files) if root is None else root
+    prefix = root.rstrip("/") + "/"
+    return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
+
+
+def _file_sizes(files: Sequence[str], storage_options: dict[str, Any]) -> list[int]:
+    out = []
+    for f in files:
+        try:
+            fs, path = filesystem(f, storage_options)
+            out.append(int(fs.size(path)))
+        except Exception:
+            out.append(-1)
+    return out
+
+
+def _read_counts(
+    root: str, counts_url: str | None, storage_options: dict[str, Any]
+) -> dict[str, tuple[str, tuple[int, int, int]]]:
+    """Known counts: absolute-ish key -> (relative name, (docs, tokens, bytes))."""
+    out: dict[str, tuple[str, tuple[int, int, int]]] = {}
+    candidates: list[tuple[str, str]] = []  # (csv url, folder its names are relative to)
+    if counts_url is not None:
+        parent = posixpath.dirname(posixpath.dirname(counts_url.rstrip("/")))
+        candidates.append((counts_url, parent))
+    else:
+        for base in (root, posixpath.dirname(root.rstrip("/"))):
+            if not base:
+                continue
+            try:
+                fs, path = filesystem(posixpath.join(base, "meta"), storage_options)
+                found = sorted(fs.glob(posixpath.join(path, "*counts*.csv")))
+            except Exception:
+                continue
+            # our own file last, so it wins over others on conflicts
+            found.sort(key=lambda p: p.endswith(COUNTS_FILE))
+            candidates.extend((posixpath.join(base, "meta", posixpath.basename(p)), base) for p in found)
+    for url, base in candidates:
+        try:
+            fs, path = filesystem(url, storage_options)
+            with fs.open(path, "rt") as f:
+                rows = list(csv.reader(f))
+        except FileNotFoundError:
+            if counts_url is not None:
+                raise FileNotFoundError(f"counts file {counts_url!r} not found") from None
+            continue
+        for row in rows[1:]:
+            if len(row) < 2:
+                continue
+            try:
+                docs = int(row[1])
+                toks = int(row[2]) if len(row) > 2 and row[2] != "" else -1
+                nbytes = int(row[3]) if len(row) > 3 and row[3] != "" else -1
+            except ValueError:
+                raise ValueError(
+                    f"{url}: bad row {row!r}; expected dataset/filename,documents,tokens[,bytes]"
+                ) from None
+            out[posixpath.join(base, row[0])] = (row[0], (docs, toks, nbytes))
+    return out
+
+
+def _lookup(
+    known: dict[str, tuple[str, tuple[int, int, int]]], f: str, root: str
+) -> tuple[int, int, int] | None:
+    hit = known.get(f)
+    return hit[1] if hit is not None else None

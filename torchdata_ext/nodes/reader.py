@@ -1,0 +1,508 @@
+"""The reader node: every document of a worker's logical shards, once per epoch, shuffled.
+
+For each logical shard it owns, a worker walks the shard's documents in a seeded pseudo-random
+order: the shard's file pieces in an order shuffled per epoch, and inside each piece a
+:class:`~torchdata_ext.walk.RandomWalk` over its documents. Shards are read one at a time (one
+open file at a time), in an order shuffled per epoch; a shard at a lower epoch always goes
+first, so after a rescale no worker starts a new epoch while it still owns unfinished shards.
+
+The position in a shard is ``(epoch, pos, offset)``: its epoch, the number of documents of the
+walk already finished, and how many tokens of the next document were already delivered (when
+long documents are cut into ``max_chunksize`` pieces). The reader's state is that cursor per
+owned shard, keyed by global shard id, so re-partitioning state over a new number of workers
+is a re-partition of a dict.
+
+State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shards`` (checked
+on restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
+"skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
+blocks the uninterrupted run would have produced next.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from torchdata_ext.document import DocumentBlock
+from torchdata_ext.handlers.base import Document, FileHandler
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.shards import (
+    Fragment,
+    check_shard_count,
+    file_offsets,
+    shard_fragments,
+    worker_shards,
+)
+from torchdata_ext.walk import RandomWalk, mix_seed
+from torchdata_ext.world import World
+
+__all__ = ["ShardReader", "merge_reader_states"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+_FRAGMENT_TAG = 0x46524147  # tags keep the derived seeds of different uses apart
+_WALK_TAG = 0x57414C4B
+_ORDER_TAG = 0x4F524452
+
+
+@dataclass
+class _Cursor:
+    epoch: int = 0
+    pos: int = 0
+    offset: int = 0
+    skipped_files: list[int] = field(default_factory=list)
+    skipped_docs: list[list[int]] = field(default_factory=list)
+    skips: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "offset": self.offset,
+            "skipped_files": list(self.skipped_files),
+            "skipped_docs": [list(x) for x in self.skipped_docs],
+            "skips": self.skips,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> _Cursor:
+        return cls(
+            int(d["epoch"]),
+            int(d["pos"]),
+            int(d["offset"]),
+            [int(x) for x in d["skipped_files"]],
+            [[int(a), int(b)] for a, b in d["skipped_docs"]],
+            int(d["skips"]),
+        )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A shard's walk in one epoch: its file pieces in order and where each starts."""
+
+    fragments: tuple[Fragment, ...]
+    starts: np.ndarray  # int64, len(fragments) + 1: walk position where each piece starts
+    seeds: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.starts[-1])
+
+
+class ShardReader(BaseNode[DocumentBlock]):
+    """Read a dataset's documents in random-walk order, exactly once per epoch per document.
+
+    Args:
+        dataset: the dataset (a :class:`~torchdata_ext.index.DatasetIndex`; build one with
+            ``DatasetIndex.build(url, ...)``).
+        n_logical_shards: N, the number of logical shards the documents are cut into; the same
+            on every rank; must be >= ranks x workers and <= the number of documents. Keep it
+            fixed for the life of a run (it is part of the checkpoint).
+        seed: the shuffling seed (same on every rank).
+        world: this copy's place among all copies; default: detected when iteration starts
+            (``torch.distributed`` rank and the dataloader worker info).
+        epochs: stop after this many epochs over the worker's shards (``StopIteration``);
+            None (default) runs forever, starting each new epoch with a new order.
+        block_docs: at most this many documents (or pieces) per output block; a block never
+            spans two files.
+        min_length: skip documents shorter than this (tokens; characters for text) after
+            ``strip_tokens``.
+        strip_tokens: token ids removed from both ends of each document (e.g. BOS/EOS already
+            in the data, so the packer can place its own).
+        max_chunksize: documents longer than this (tokens; characters for text) come out as
+            consecutive pieces of at most this length; None keeps documents whole.
+        on_error: ``"raise"`` (default) stops on an unreadable file or document; ``"skip"``
+            logs it, counts it, records it in the state (a resumed or rescaled run skips the same
+            things) and goes on. See :attr:`skipped`.
+        dtype: the integer dtype of output tokens (``np.int32`` default; ``np.int64``).
+    """
+
+    def __init__(
+        self,
+        dataset: DatasetIndex,
+        n_logical_shards: int,
+        *,
+        seed: int = 0,
+        world: World | None = None,
+        epochs: int | None = None,
+        block_docs: int = 64,
+        min_length: int = 0,
+        strip_tokens: Sequence[int] = (),
+        max_chunksize: int | None = None,
+        on_error: Literal["raise", "skip"] = "raise",
+        dtype: np.dtype | type = np.int32,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dataset, DatasetIndex):
+            raise TypeError(
+                f"dataset must be a DatasetIndex (got {type(dataset).__name__}); "
+                "build one with DatasetIndex.build(url)"
+            )
+        _check_int("seed", seed, None)
+        _check_int("block_docs", block_docs, 1)
+        _check_int("min_length", min_length, 0)
+        if epochs is not None:
+            _check_int("epochs", epochs, 1)
+        if max_chunksize is not None:
+            _check_int("max_chunksize", max_chunksize, 1)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
+        if not np.issubdtype(np.dtype(dtype), np.integer):
+            raise TypeError(f"{dtype=} must be an integer dtype such as np.int32 or np.int64")
+        check_shard_count(n_logical_shards, dataset.total_docs, 1)
+        self.dataset = dataset
+        self.n_logical_shards = int(n_logical_shards)
+        self.seed = int(seed)
+        self.epochs = epochs
+        self.block_docs = int(block_docs)
+        self.min_length = int(min_length)
+        self.strip_tokens = tuple(int(t) for t in strip_tokens)
+        self._strip_arr = np.asarray(self.strip_tokens, np.int64)
+        self.max_chunksize = max_chunksize
+        self.on_error = on_error
+        self.dtype = np.dtype(dtype)
+        self._given_world = world
+        self._fingerprint = dataset.fingerprint()
+        self._offsets = file_offsets(dataset.doc_counts)
+        self._handler: FileHandler | None = None
+        self._open_file: tuple[int, Any] | None = None
+        self._cursors: dict[int, _Cursor] = {}
+        self._frozen: dict[str, dict[str, Any]] = {}
+        self._active: int | None = None
+        self._plan_cache: tuple[int, int, _Plan] | None = None
+        self._order_cache: dict[int, np.ndarray] = {}
+        self._empty_run = 0
+        self.world: World | None = None
+
+    # -- BaseNode ----------------------------------------------------------------------------
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._close_file()
+        self.world = self._given_world or World.detect()
+        check_shard_count(self.n_logical_shards, self.dataset.total_docs, self.world.total_workers)
+        owned = worker_shards(
+            self.n_logical_shards, self.world.total_workers, self.world.global_worker
+        )
+        self._cursors = {}
+        if initial_state is not None:
+            self._check_state(initial_state)
+            shards = initial_state["shards"]
+            for sid in owned:
+                if str(sid) not in shards:
+                    raise ValueError(
+                        f"the reader state for dataset {self.dataset.name!r} has no cursor for "
+                        f"logical shard {sid}, which global worker {self.world.global_worker} of "
+                        f"{self.world.total_workers} owns; pass the merged state of all workers "
+                        "when the number of ranks or workers changed"
+                    )
+                self._cursors[sid] = _Cursor.from_dict(shards[str(sid)])
+        else:
+            self._cursors = {sid: _Cursor() for sid in owned}
+        self._frozen = {str(s): c.as_dict() for s, c in self._cursors.items()}
+        self._active = None
+        self._plan_cache = None
+        self._empty_run = 0
+
+    def next(self) -> DocumentBlock:
+        while True:
+            sid = self._pick_active()
+            if sid is None:
+                self._close_file()
+                raise StopIteration
+            block = self._read_block(sid)
+            if block is not None:
+                self._empty_run = 0
+                return block
+
+    def get_state(self) -> dict[str, Any]:
+        shards = dict(self._frozen)
+        if self._active is not None:
+            shards[str(self._active)] = self._cursors[self._active].as_dict()
+        return {
+            "format": STATE_FORMAT,
+            "dataset": self.dataset.name,
+            "fingerprint": self._fingerprint,
+            "seed": self.seed,
+            "n_logical_shards": self.n_logical_shards,
+            "shards": shards,
+        }
+
+    # -- public helpers ----------------------------------------------------------------------
+    @property
+    def skipped(self) -> int:
+        """Documents skipped by ``on_error="skip"`` in this worker's shards (all epochs,
+        including before a restore)."""
+        return sum(c.skips for c in self._cursors.values())
+
+    @property
+    def owned_shards(self) -> list[int]:
+        """The logical shard ids this copy reads (after iteration started)."""
+        return sorted(self._cursors)
+
+    def shard_size(self, shard: int) -> int:
+        """Number of documents in logical shard ``shard``."""
+        total = self.dataset.total_docs
+        n = self.n_logical_shards
+        return ((shard + 1) * total) // n - (shard * total) // n
+
+    # -- shard order and plans ----------------------------------------------------------------
+    def _order_rank(self, epoch: int) -> np.ndarray:
+        ranks = self._order_cache.get(epoch)
+        if ranks is None:
+            perm = np.random.default_rng(mix_seed(self.seed, _ORDER_TAG, epoch)).permutation(
+                self.n_logical_shards
+            )
+            ranks = np.empty_like(perm)
+            ranks[perm] = np.arange(self.n_logical_shards)
+            if len(self._order_cache) > 4:
+                self._order_cache.clear()
+            self._order_cache[epoch] = ranks
+        return ranks
+
+    def _pick_active(self) -> int | None:
+        if self._active is not None:
+            return self._active
+        best: tuple[int, int] | None = None
+        best_sid = None
+        for sid, c in self._cursors.items():
+            if self.epochs is not None and c.epoch >= self.epochs:
+                continue
+            key = (c.epoch, int(self._order_rank(c.epoch)[sid]))
+            if best is None or key < best:
+                best, best_sid = key, sid
+        self._active = best_sid
+        return best_sid
+
+    def _plan(self, sid: int, epoch: int) -> _Plan:
+        if self._plan_cache is not None and self._plan_cache[:2] == (sid, epoch):
+            return self._plan_cache[2]
+        frags = shard_fragments(self._offsets, self.n_logical_shards, sid)
+        rng = np.random.default_rng(mix_seed(self.seed, _FRAGMENT_TAG, sid, epoch))
+        order = rng.permutation(len(frags))
+        ordered = tuple(frags[i] for i in order)
+        starts = np.zeros(len(ordered) + 1, np.int64)
+        np.cumsum([f.size for f in ordered], out=starts[1:])
+        seeds = tuple(mix_seed(self.seed, _WALK_TAG, sid, epoch, f.file, f.start) for f in ordered)
+        plan = _Plan(ordered, starts, seeds)
+        self._plan_cache = (sid, epoch, plan)
+        return plan
+
+    def _finish_epoch(self, sid: int) -> None:
+        c = self._cursors[sid]
+        c.epoch, c.pos, c.offset = c.epoch + 1, 0, 0
+        self._frozen[str(sid)] = c.as_dict()
+        self._active = None
+        self._empty_run += self.shard_size(sid)
+        if self._empty_run > 2 * sum(self.shard_size(s) for s in self._cursors):
+            raise ValueError(
+                f"dataset {self.dataset.name!r}: a whole epoch of logical shards "
+                f"{self.owned_shards[:8]}... gave no document: every document is shorter than "
+                f"{self.min_length=} or was skipped; lower min_length or check the data"
+            )
+
+    # -- reading -------------------------------------------------------------------------------
+    def _read_block(self, sid: int) -> DocumentBlock | None:
+        c = self._cursors[sid]
+        plan = self._plan(sid, c.epoch)
+        if c.pos >= plan.size:
+            self._finish_epoch(sid)
+            return None
+        j = int(np.searchsorted(plan.starts, c.pos, side="right")) - 1
+        frag = plan.fragments[j]
+        k = c.pos - int(plan.starts[j])
+        count = min(self.block_docs, frag.size - k)
+        if frag.file in c.skipped_files:  # known bad: skip again without a retry or a warning
+            c.skips += int(plan.starts[j + 1]) - c.pos
+            c.pos = int(plan.starts[j + 1])
+            return None
+        reader = self._reader_for(frag.file, c, plan, j)
+        if reader is None:
+            return None
+        doc_ids = RandomWalk(frag.size, plan.seeds[j]).take(k, count) + frag.start
+        docs = self._fetch(reader, frag.file, doc_ids, c)
+        pieces: list[Any] = []
+        files: list[int] = []
+        docnums: list[int] = []
+        starts: list[int] = []
+        lasts: list[bool] = []
+        limit = self.max_chunksize
+        for d, data in zip(doc_ids.tolist(), docs):
+            if len(pieces) >= self.block_docs:
+                break
+            if data is not None:
+                if self._strip_arr.size and not isinstance(data, str):
+                    data = _strip(data, self._strip_arr)
+                n = len(data)
+                if n >= self.min_length and n > 0:
+                    while len(pieces) < self.block_docs:
+                        off = c.offset
+                        stop = n if limit is None else min(n, off + limit)
+                        pieces.append(data[off:stop])
+                        files.append(frag.file)
+                        docnums.append(d)
+                        starts.append(off)
+                        lasts.append(stop == n)
+                        if stop == n:
+                            c.offset = 0
+                            break
+                        c.offset = stop
+                    if c.offset:
+                        break  # the block is full in the middle of this document
+            c.pos += 1
+        if not pieces:
+            return None
+        return DocumentBlock.from_pieces(
+            self.dataset.name,
+            pieces,
+            files,
+            docnums,
+            starts,
+            lasts,
+            shard=sid,
+            epoch=c.epoch,
+            dtype=self.dtype,
+        )
+
+    def _reader_for(self, file: int, c: _Cursor, plan: _Plan, j: int) -> Any:
+        if self._open_file is not None and self._open_file[0] == file:
+            return self._open_file[1]
+        self._close_file()
+        if self._handler is None:
+            self._handler = self.dataset.handler()
+        url = self.dataset.files[file]
+        try:
+            reader = self._handler.open(url)
+            n = self._handler.length(reader)
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise
+            logger.warning("skipping unreadable file %s (%s)", url, exc)
+            c.skipped_files.append(file)
+            c.skips += int(plan.starts[j + 1]) - c.pos
+            c.pos = int(plan.starts[j + 1])
+            return None
+        if n != self.dataset.doc_counts[file]:
+            raise ValueError(
+                f"{url}: has {n} documents but the dataset index counted "
+                f"{int(self.dataset.doc_counts[file])}; the file changed since it was counted: "
+                "delete its row in meta/*counts*.csv (or the file) and rebuild the index"
+            )
+        self._open_file = (file, reader)
+        return reader
+
+    def _fetch(
+        self, reader: Any, file: int, doc_ids: np.ndarray, c: _Cursor
+    ) -> list[Document | None]:
+        assert self._handler is not None
+        skipped = {d for f, d in c.skipped_docs if f == file} if c.skipped_docs else set()
+        if not skipped:
+            try:
+                return list(self._handler.get_many(reader, doc_ids))
+            except Exception:
+                if self.on_error == "raise":
+                    raise
+        out: list[Document | None] = []
+        for d in doc_ids.tolist():
+            if d in skipped:
+                out.append(None)
+                continue
+            try:
+                out.append(self._handler.get(reader, d))
+            except Exception as exc:
+                if self.on_error == "raise":
+                    raise
+                logger.warning(
+                    "skipping unreadable document %d of %s (%s)", d, self.dataset.files[file], exc
+                )
+                c.skipped_docs.append([file, d])
+                c.skips += 1
+                skipped.add(d)
+                out.append(None)
+        return out
+
+    def _close_file(self) -> None:
+        if self._open_file is not None and self._handler is not None:
+            self._handler.close(self._open_file[1])
+        self._open_file = None
+
+    # -- state checks --------------------------------------------------------------------------
+    def _check_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "shards" not in state:
+            raise ValueError("not a ShardReader state: it has no 'shards' entry")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"reader state format {state.get('format')!r} is not supported "
+                f"(this version reads format {STATE_FORMAT})"
+            )
+        for key, mine in (
+            ("fingerprint", self._fingerprint),
+            ("seed", self.seed),
+            ("n_logical_shards", self.n_logical_shards),
+        ):
+            if state[key] != mine:
+                what = {
+                    "fingerprint": "the dataset's files or document counts differ",
+                    "seed": "the seed differs",
+                    "n_logical_shards": "n_logical_shards differs",
+                }[key]
+                raise ValueError(
+                    f"cannot restore dataset {self.dataset.name!r}: {what} "
+                    f"(checkpoint {key}={state[key]!r}, this reader {key}={mine!r}); "
+                    f"restore with the same data, seed and n_logical_shards as the checkpoint"
+                )
+
+
+def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the states of all copies of one reader (every rank and worker) into one.
+
+    The merged state restores on any number of ranks x workers: each new copy takes the
+    cursors of the logical shards it owns under the new partition.
+
+    Raises:
+        ValueError: the states come from different datasets, seeds or shard counts, a shard
+            appears twice, or a shard is missing.
+    """
+    if not states:
+        raise ValueError("merge_reader_states needs at least one state")
+    first = states[0]
+    shards: dict[str, Any] = {}
+    for i, st in enumerate(states):
+        for key in ("format", "fingerprint", "seed", "n_logical_shards"):
+            if st[key] != first[key]:
+                raise ValueError(
+                    f"state {i} has {key}={st[key]!r} but state 0 has {first[key]!r}; "
+                    "only states of the same reader can be merged"
+                )
+        for sid, cur in st["shards"].items():
+            if sid in shards:
+                raise ValueError(f"logical shard {sid} appears in two states; pass each copy once")
+            shards[sid] = cur
+    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards)
+    if missing:
+        raise ValueError(
+            f"the states cover {len(shards)} of {first['n_logical_shards']} logical shards "
+            f"(missing e.g. {sorted(missing, key=int)[:5]}); pass the states of all ranks and workers"
+        )
+    return {**first, "shards": shards}
+
+
+def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:
+    lo, hi = 0, len(data)
+    while lo < hi and data[lo] in strip:
+        lo += 1
+    while hi > lo and data[hi - 1] in strip:
+        hi -= 1
+    return data[lo:hi]
+
+
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r} must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")

@@ -1,0 +1,129 @@
+"""fsspec URL handling: brace expansion, globs, and filesystem resolution.
+
+Every path in torchdata-ext is an fsspec URL: a local path, ``file://``, ``memory://``,
+``s3://`` or anything fsspec knows, optionally with shell globs (``*``, ``?``, ``[..]``) and
+brace expansion (``shard_{00..99}.jsonl``, ``{a,b}/*.arrow``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import braceexpand
+import fsspec
+from fsspec.core import url_to_fs
+
+__all__ = ["expand_urls", "filesystem", "is_local", "join", "protocol_of", "unstrip"]
+
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """Resolve ``url`` to ``(filesystem, path)`` with fsspec.
+
+    Args:
+        url: an fsspec URL or local path.
+        storage_options: keyword arguments for the filesystem (credentials, endpoint, ...).
+
+    Raises:
+        ValueError: the URL's protocol is unknown or its filesystem package is not installed.
+    """
+    try:
+        return url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as exc:
+        raise ValueError(
+            f"cannot open {url=}: {exc}. For s3:// URLs install the s3 extra "
+            "(pip install 'torchdata-ext[s3]')"
+        ) from exc
+
+
+def protocol_of(fs: Any) -> str:
+    """The primary protocol name of an fsspec filesystem (``"file"``, ``"s3"``, ...)."""
+    proto = fs.protocol
+    return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
+
+
+def is_local(fs: Any) -> bool:
+    """Whether ``fs`` is the local filesystem (files can be memory-mapped)."""
+    return protocol_of(fs) in ("file", "local")
+
+
+def unstrip(fs: Any, path: str) -> str:
+    """Turn a filesystem-internal ``path`` back into a full URL for ``fs``."""
+    if is_local(fs):
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def join(url: str, *parts: str) -> str:
+    """Join URL path components with ``/`` (works for local paths and object stores)."""
+    out = url.rstrip("/")
+    for part in parts:
+        out = out + "/" + part.strip("/")
+    return out
+
+
+def expand_urls(
+    urls: str | os.PathLike[str] | list[str] | tuple[str, ...],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    suffixes: tuple[str, ...] | None = None,
+) -> list[str]:
+    """Expand braces, globs and directories into a sorted, de-duplicated list of file URLs.
+
+    A directory expands to every file below it (recursively) whose name ends with one of
+    ``suffixes`` (all files when ``suffixes`` is None); hidden files and files under a
+    ``meta`` folder are left out. A file named explicitly (no glob) is always kept. The result is sorted, so the same inputs always give the same
+    order on every rank.
+
+    Args:
+        urls: one URL or a list of URLs, each possibly with braces and globs.
+        storage_options: keyword arguments for the filesystem.
+        suffixes: file name endings to keep when expanding a directory or glob.
+
+    Raises:
+        FileNotFoundError: a URL (after expansion) matches no file.
+    """
+    if isinstance(urls, (str, os.PathLike)):
+        urls = [os.fspath(urls)]
+    out: list[str] = []
+    for raw in urls:
+        for url in braceexpand.braceexpand(str(raw)):
+            fs, path = filesystem(url, storage_options)
+            found: list[str] = []
+            if any(c in path for c in _GLOB_CHARS):
+                for p in fs.glob(path):
+                    found.extend(_files_below(fs, p, suffixes))
+            elif fs.isdir(path):
+                found.extend(_files_below(fs, path, suffixes))
+            elif fs.exists(path):
+                found.append(path)  # a file named explicitly is taken whatever its suffix
+            if not found:
+                raise FileNotFoundError(
+                    f"no data files match {url!r}"
+                    + (f" (looking for names ending in {list(suffixes)})" if suffixes else "")
+                    + "; check the path, the pattern and storage_options"
+                )
+            out.extend(unstrip(fs, p) for p in found)
+    return sorted(set(out))
+
+
+def _files_below(fs: Any, path: str, suffixes: tuple[str, ...] | None) -> list[str]:
+    if fs.isdir(path):
+        files = [p for p in fs.find(path) if not _hidden_or_meta(p[len(path) :])]
+    else:
+        files = [path]
+    if suffixes is not None:
+        files = [p for p in files if p.lower().endswith(suffixes)]
+    return files
+
+
+def _hidden_or_meta(rel: str) -> bool:
+    parts = [p for p in rel.split("/") if p]
+    return any(p.startswith((".", "_")) or p == "meta" for p in parts)
+
+
+def open_url(url: str, mode: str = "rb", storage_options: dict[str, Any] | None = None) -> Any:
+    """Open ``url`` with fsspec (no compression inference)."""
+    return fsspec.open(url, mode, **(storage_options or {})).open()

@@ -1,0 +1,117 @@
+"""Random-walk shuffling: a seeded bijection on ``[0, n)`` with O(1) memory.
+
+The walk is a small Feistel network on the next even power of two >= ``n`` with cycle
+walking (values that land outside ``[0, n)`` are encrypted again until they land inside), which
+gives a permutation of ``[0, n)`` for every ``n >= 1``. Element ``i`` of the walk can be computed
+directly, so a position in the walk is one integer and a walk can be resumed anywhere.
+
+Seeds for the walks of different shards and epochs are derived with :func:`mix_seed`, a
+SplitMix64-style hash, so that every (seed, shard, epoch, ...) tuple gives an independent walk.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["RandomWalk", "mix_seed"]
+
+_M64 = (1 << 64) - 1
+_ROUNDS = 4
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def mix_seed(*values: int) -> int:
+    """Hash any number of integers into one 63-bit seed (order matters).
+
+    Args:
+        values: integers (seed, shard id, epoch, ...); negative values are allowed.
+    """
+    h = 0x6A09E667F3BCC908
+    for v in values:
+        h = _splitmix(h ^ (int(v) & _M64))
+    return h >> 1
+
+
+class RandomWalk:
+    """A seeded pseudo-random permutation of ``[0, n)``.
+
+    Args:
+        n: the number of elements (documents); ``n >= 0``.
+        seed: any integer; different seeds give (practically) independent orders.
+
+    ``walk[i]`` is the ``i``-th element visited; :meth:`take` computes a run of them at once
+    with NumPy. Memory is O(1) in ``n``.
+    """
+
+    __slots__ = ("_half", "_keys", "_mask", "n", "seed")
+
+    def __init__(self, n: int, seed: int) -> None:
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"{n=} must be a non-negative integer")
+        self.n = int(n)
+        self.seed = int(seed)
+        bits = max(2, (max(self.n - 1, 1)).bit_length())
+        bits += bits & 1  # even, so the two Feistel halves have equal width
+        self._half = bits // 2
+        self._mask = (1 << self._half) - 1
+        self._keys = tuple(mix_seed(self.seed, r) for r in range(_ROUNDS))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"walk index {i} out of range for n={self.n}")
+        x = int(i)
+        while True:
+            x = self._encrypt_scalar(x)
+            if x < self.n:
+                return x
+
+    def take(self, start: int, count: int) -> np.ndarray:
+        """Elements ``start .. start + count`` of the walk as an ``int64`` array."""
+        if start < 0 or count < 0 or start + count > self.n:
+            raise IndexError(f"walk slice [{start}, {start + count}) out of range for n={self.n}")
+        x = np.arange(start, start + count, dtype=np.uint64)
+        out = self._encrypt(x)
+        bad = np.flatnonzero(out >= self.n)
+        while bad.size:
+            out[bad] = self._encrypt(out[bad])
+            bad = bad[out[bad] >= self.n]
+        return out.astype(np.int64)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        chunk = 65536
+        for s in range(0, self.n, chunk):
+            yield from self.take(s, min(chunk, self.n - s)).tolist()
+
+    # -- Feistel network -------------------------------------------------------------------
+    def _encrypt_scalar(self, x: int) -> int:
+        h, m = self._half, self._mask
+        left, right = x >> h, x & m
+        for key in self._keys:
+            left, right = right, left ^ (_splitmix(right ^ key) & m)
+        return (left << h) | right
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        h, m = np.uint64(self._half), np.uint64(self._mask)
+        left, right = x >> h, x & m
+        for key in self._keys:
+            left, right = right, left ^ (_splitmix_np(right ^ np.uint64(key)) & m)
+        return (left << h) | right
+
+    def __repr__(self) -> str:
+        return f"RandomWalk(n={self.n}, seed={self.seed})"
+
+
+def _splitmix_np(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
