@@ -82,7 +82,9 @@ def main() -> None:
     folder = os.path.join(args.data_dir, f"{args.tokens}")
     generate(folder, args.tokens, args.files)
     index = DatasetIndex.build(folder)
-    print(f"dataset: {len(index.files)} files, {index.total_docs:,} docs, {index.total_tokens:,} tokens")
+    print(
+        f"dataset: {len(index.files)} files, {index.total_docs:,} docs, {index.total_tokens:,} tokens"
+    )
     raw_best = rd_best = float("inf")
     for _ in range(args.repeats):  # alternate, best of N, so page cache warms both equally
         n_raw, t_raw = raw_limit(list(index.files))

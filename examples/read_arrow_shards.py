@@ -79,7 +79,9 @@ def main() -> None:
                 tokens += block.num_tokens
                 seen.update(zip(block.file.tolist(), block.doc.tolist()))
             checkpoint.append(pickle.dumps(ld.state_dict()))
-        print(f"checkpoint after {sum(seen.values()):,} documents: {sum(map(len, checkpoint)):,} bytes")
+        print(
+            f"checkpoint after {sum(seen.values()):,} documents: {sum(map(len, checkpoint)):,} bytes"
+        )
         # a new job restores from the checkpoint and finishes the epoch
         for w in range(args.workers):
             ld = loader(w)

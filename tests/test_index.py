@@ -49,7 +49,10 @@ def test_files_sorted_counts_written_and_reused(dataset, monkeypatch) -> None:
     assert (root / "meta" / COUNTS_FILE).exists()
     again = DatasetIndex.build(str(root))
     assert opens.n == 4  # counts came from the metadata file, no file opened
-    assert again.doc_counts.tolist() == sizes and again.token_counts.tolist() == index.token_counts.tolist()
+    assert (
+        again.doc_counts.tolist() == sizes
+        and again.token_counts.tolist() == index.token_counts.tolist()
+    )
     assert again.fingerprint() == index.fingerprint()
 
 
@@ -80,7 +83,9 @@ def test_fingerprint_is_location_independent(dataset, tmp_path) -> None:
 
     copy = tmp_path / "elsewhere" / "web"
     shutil.copytree(root, copy)
-    assert DatasetIndex.build(str(copy)).fingerprint() == DatasetIndex.build(str(root)).fingerprint()
+    assert (
+        DatasetIndex.build(str(copy)).fingerprint() == DatasetIndex.build(str(root)).fingerprint()
+    )
 
 
 def test_globs_braces_and_data_sources_txt(dataset, tmp_path) -> None:
@@ -96,7 +101,9 @@ def test_globs_braces_and_data_sources_txt(dataset, tmp_path) -> None:
     (flat / "data_sources.txt").write_text(
         "\n".join(str(flat / f"bolmo_data_{i:05d}.npy") for i in range(2)) + "\n"
     )
-    c = DatasetIndex.build(str(flat / "data_sources.txt"), file_type="flat", handler_options={"eos_token": 0})
+    c = DatasetIndex.build(
+        str(flat / "data_sources.txt"), file_type="flat", handler_options={"eos_token": 0}
+    )
     assert c.doc_counts.tolist() == [4, 4] and c.total_tokens > 0
 
 
@@ -106,7 +113,9 @@ def test_memory_filesystem(tmp_path) -> None:
     fs = fsspec.filesystem("memory")
     try:
         for i in range(2):
-            write_jsonl(f"memory://idx-test/texts/p{i}.jsonl", [f"doc {i} {j}" for j in range(3 + i)])
+            write_jsonl(
+                f"memory://idx-test/texts/p{i}.jsonl", [f"doc {i} {j}" for j in range(3 + i)]
+            )
         index = DatasetIndex.build("memory://idx-test/texts")
         assert index.doc_counts.tolist() == [3, 4] and index.total_tokens == -1
         assert all(f.startswith("memory://") for f in index.files)

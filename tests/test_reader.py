@@ -102,7 +102,10 @@ def small(tmp_path_factory):
     root.mkdir()
     docs = make_docs(45, 3, lo=1, hi=30)
     # strip-able BOS (1) / EOS (2) on some docs
-    docs = [np.concatenate([[1], d, [2, 2]]).astype(np.uint32) if i % 3 == 0 else d for i, d in enumerate(docs)]
+    docs = [
+        np.concatenate([[1], d, [2, 2]]).astype(np.uint32) if i % 3 == 0 else d
+        for i, d in enumerate(docs)
+    ]
     write_arrow_batches(str(root / "a.arrow"), docs[:20])
     write_arrow_batches(str(root / "b.arrow"), docs[20:])
     return str(root), docs
@@ -145,7 +148,9 @@ def test_endless_by_default(small) -> None:
 def test_chunks_strip_and_min_length(small) -> None:
     root, docs = small
     index = DatasetIndex.build(root)
-    blocks = all_docs(index, 3, World(), block_docs=4, max_chunksize=4, strip_tokens=(1, 2), min_length=3)
+    blocks = all_docs(
+        index, 3, World(), block_docs=4, max_chunksize=4, strip_tokens=(1, 2), min_length=3
+    )
     pieces: dict[tuple[int, int], list] = collections.defaultdict(list)
     for b in blocks:
         assert (b.lengths <= 4).all()

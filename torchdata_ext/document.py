@@ -132,9 +132,7 @@ class DocumentBlock:
             tokens, texts = None, list(pieces)  # type: ignore[arg-type]
         else:
             tokens = (
-                np.concatenate(pieces, dtype=dtype, casting="unsafe")  # type: ignore[call-overload]
-                if n
-                else np.zeros(0, dtype)
+                np.concatenate(pieces, dtype=dtype, casting="unsafe") if n else np.zeros(0, dtype)
             )
             texts = None
         return cls(

@@ -214,7 +214,7 @@ class DatasetIndex:
             try:
                 self.doc_counts[i] = handler.length(reader)
                 lengths = handler.doc_lengths(reader)
-                is_text = getattr(reader, "produces", handler.produces) == "text"
+                is_text = handler.produces_for(reader) == "text"
                 self.token_counts[i] = -1 if lengths is None or is_text else int(lengths.sum())
             finally:
                 handler.close(reader)
@@ -285,7 +285,9 @@ def _read_counts(
                 continue
             # our own file last, so it wins over others on conflicts
             found.sort(key=lambda p: p.endswith(COUNTS_FILE))
-            candidates.extend((posixpath.join(base, "meta", posixpath.basename(p)), base) for p in found)
+            candidates.extend(
+                (posixpath.join(base, "meta", posixpath.basename(p)), base) for p in found
+            )
     for url, base in candidates:
         try:
             fs, path = filesystem(url, storage_options)

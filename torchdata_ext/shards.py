@@ -89,9 +89,7 @@ def shard_bounds(total_docs: int, n_logical_shards: int) -> np.ndarray:
     return np.array([(i * total_docs) // n for i in range(n + 1)], dtype=np.int64)
 
 
-def shard_fragments(
-    offsets: np.ndarray, n_logical_shards: int, shard: int
-) -> list[Fragment]:
+def shard_fragments(offsets: np.ndarray, n_logical_shards: int, shard: int) -> list[Fragment]:
     """The per-file pieces of logical shard ``shard``, in file order.
 
     Args:

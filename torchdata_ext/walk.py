@@ -11,6 +11,8 @@ SplitMix64-style hash, so that every (seed, shard, epoch, ...) tuple gives an in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 __all__ = ["RandomWalk", "mix_seed"]
@@ -86,7 +88,7 @@ class RandomWalk:
             bad = bad[out[bad] >= self.n]
         return out.astype(np.int64)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[int]:
         chunk = 65536
         for s in range(0, self.n, chunk):
             yield from self.take(s, min(chunk, self.n - s)).tolist()

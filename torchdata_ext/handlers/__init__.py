@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchdata_ext.handlers.base import (
     DataFileError,
-    Document,
+    DocData,
     FileHandler,
     format_for_url,
     get_handler,
@@ -31,7 +31,7 @@ __all__ = [
     "ArrowHandler",
     "CepedHandler",
     "DataFileError",
-    "Document",
+    "DocData",
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",

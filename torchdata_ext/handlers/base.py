@@ -18,13 +18,13 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import numpy as np
 
 __all__ = [
     "DataFileError",
-    "Document",
+    "DocData",
     "FileHandler",
     "format_for_url",
     "get_handler",
@@ -34,7 +34,8 @@ __all__ = [
     "registered_formats",
 ]
 
-Document = Union[np.ndarray, str]
+DocData = np.ndarray | str
+"""What a handler returns for one document: a 1-D integer token array, or text."""
 
 
 class DataFileError(ValueError):
@@ -83,16 +84,20 @@ class FileHandler(ABC):
         """Number of documents in the opened file."""
 
     @abstractmethod
-    def get(self, reader: Any, index: int) -> Document:
+    def get(self, reader: Any, index: int) -> DocData:
         """Document ``index`` (0-based) of the opened file."""
 
-    def slice(self, doc: Document, start: int, n: int) -> Document:
+    def slice(self, doc: DocData, start: int, n: int) -> DocData:
         """Tokens (or characters) ``start .. start + n`` of ``doc``."""
         return doc[start : start + n]
 
-    def get_many(self, reader: Any, indices: Sequence[int] | np.ndarray) -> list[Document]:
+    def get_many(self, reader: Any, indices: Sequence[int] | np.ndarray) -> list[DocData]:
         """Documents at ``indices``, in that order. Formats override this for speed."""
         return [self.get(reader, int(i)) for i in indices]
+
+    def produces_for(self, reader: Any) -> str:
+        """``"tokens"`` or ``"text"``: what :meth:`get` returns for this opened file."""
+        return str(getattr(reader, "produces", self.produces))
 
     def doc_lengths(self, reader: Any) -> np.ndarray | None:
         """Length of every document (tokens, or characters for text) if cheap, else None."""
@@ -168,7 +173,7 @@ def _resolve(name: str) -> type[FileHandler]:
         module, _, cls = target.partition(":")
         target = getattr(importlib.import_module(module), cls)
         _REGISTRY[name] = target
-    return target  # type: ignore[return-value]
+    return target
 
 
 def get_handler_class(file_type: str) -> type[FileHandler]:

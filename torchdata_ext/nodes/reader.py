@@ -20,6 +20,7 @@ blocks the uninterrupted run would have produced next.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.handlers.base import Document, FileHandler
+from torchdata_ext.handlers.base import DocData, FileHandler
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.shards import (
     Fragment,
@@ -175,6 +176,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._cursors: dict[int, _Cursor] = {}
         self._frozen: dict[str, dict[str, Any]] = {}
         self._active: int | None = None
+        self._queue: list[tuple[int, int, int]] = []  # (epoch, order rank, shard), a heap
+        self._owned_docs = 0
         self._plan_cache: tuple[int, int, _Plan] | None = None
         self._order_cache: dict[int, np.ndarray] = {}
         self._empty_run = 0
@@ -206,6 +209,11 @@ class ShardReader(BaseNode[DocumentBlock]):
             self._cursors = {sid: _Cursor() for sid in owned}
         self._frozen = {str(s): c.as_dict() for s, c in self._cursors.items()}
         self._active = None
+        self._queue = [
+            (c.epoch, int(self._order_rank(c.epoch)[s]), s) for s, c in self._cursors.items()
+        ]
+        heapq.heapify(self._queue)
+        self._owned_docs = sum(self.shard_size(s) for s in self._cursors)
         self._plan_cache = None
         self._empty_run = 0
 
@@ -247,7 +255,7 @@ class ShardReader(BaseNode[DocumentBlock]):
 
     def shard_size(self, shard: int) -> int:
         """Number of documents in logical shard ``shard``."""
-        total = self.dataset.total_docs
+        total = int(self._offsets[-1])
         n = self.n_logical_shards
         return ((shard + 1) * total) // n - (shard * total) // n
 
@@ -266,18 +274,12 @@ class ShardReader(BaseNode[DocumentBlock]):
         return ranks
 
     def _pick_active(self) -> int | None:
-        if self._active is not None:
-            return self._active
-        best: tuple[int, int] | None = None
-        best_sid = None
-        for sid, c in self._cursors.items():
-            if self.epochs is not None and c.epoch >= self.epochs:
-                continue
-            key = (c.epoch, int(self._order_rank(c.epoch)[sid]))
-            if best is None or key < best:
-                best, best_sid = key, sid
-        self._active = best_sid
-        return best_sid
+        """The shard to read: lowest epoch first, then the epoch's shuffled shard order."""
+        if self._active is None and self._queue:
+            epoch, _, sid = self._queue[0]
+            if self.epochs is None or epoch < self.epochs:
+                self._active = sid
+        return self._active
 
     def _plan(self, sid: int, epoch: int) -> _Plan:
         if self._plan_cache is not None and self._plan_cache[:2] == (sid, epoch):
@@ -298,8 +300,9 @@ class ShardReader(BaseNode[DocumentBlock]):
         c.epoch, c.pos, c.offset = c.epoch + 1, 0, 0
         self._frozen[str(sid)] = c.as_dict()
         self._active = None
+        heapq.heapreplace(self._queue, (c.epoch, int(self._order_rank(c.epoch)[sid]), sid))
         self._empty_run += self.shard_size(sid)
-        if self._empty_run > 2 * sum(self.shard_size(s) for s in self._cursors):
+        if self._empty_run > 2 * self._owned_docs:
             raise ValueError(
                 f"dataset {self.dataset.name!r}: a whole epoch of logical shards "
                 f"{self.owned_shards[:8]}... gave no document: every document is shorter than "
@@ -398,7 +401,7 @@ class ShardReader(BaseNode[DocumentBlock]):
 
     def _fetch(
         self, reader: Any, file: int, doc_ids: np.ndarray, c: _Cursor
-    ) -> list[Document | None]:
+    ) -> list[DocData | None]:
         assert self._handler is not None
         skipped = {d for f, d in c.skipped_docs if f == file} if c.skipped_docs else set()
         if not skipped:
@@ -407,7 +410,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             except Exception:
                 if self.on_error == "raise":
                     raise
-        out: list[Document | None] = []
+        out: list[DocData | None] = []
         for d in doc_ids.tolist():
             if d in skipped:
                 out.append(None)
