@@ -314,3 +314,17 @@ def test_merge_refuses_incomplete_or_mixed_states(small) -> None:
     c = ShardReader(index, 6, world=World(0, 1, 1, 2), seed=9)
     with pytest.raises(ValueError, match="seed=9"):
         merge_reader_states([a.state_dict(), c.state_dict()])
+
+
+def test_fetch_document_rebuilds_any_piece_from_provenance(small) -> None:
+    index = DatasetIndex.build(small[0])
+    reader = ShardReader(index, 4, world=World(), block_docs=3, max_chunksize=4, strip_tokens=(1, 2))
+    for block in run(reader, 30):
+        for i, d in enumerate(block):
+            whole = reader.fetch_document("books", d.file, d.doc)
+            assert np.array_equal(whole[d.start : d.start + len(d.data)], d.data)
+            assert d.last == (d.start + len(d.data) == len(whole))
+            sub = block.select(i, i + 1)
+            assert np.array_equal(sub.tokens, d.data) and sub.doc[0] == d.doc
+    with pytest.raises(KeyError, match="not 'web'"):
+        reader.fetch_document("web", 0, 0)

@@ -107,6 +107,26 @@ class DocumentBlock:
         for i in range(len(self)):
             yield self[i]
 
+    def select(self, lo: int, hi: int) -> DocumentBlock:
+        """Pieces ``lo .. hi`` as a new block sharing this block's memory (zero-copy)."""
+        n = len(self)
+        lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
+        hi = max(lo, hi)
+        off = self.offsets[lo : hi + 1]
+        base = int(off[0]) if len(off) else 0
+        return DocumentBlock(
+            self.dataset,
+            None if self.tokens is None else self.tokens[base : int(off[-1])],
+            None if self.texts is None else self.texts[lo:hi],
+            off - base,
+            self.file[lo:hi],
+            self.doc[lo:hi],
+            self.start[lo:hi],
+            self.last[lo:hi],
+            self.shard,
+            self.epoch,
+        )
+
     @classmethod
     def from_pieces(
         cls,

@@ -248,6 +248,31 @@ class ShardReader(BaseNode[DocumentBlock]):
         including before a restore)."""
         return sum(c.skips for c in self._cursors.values())
 
+    def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
+        """Document ``doc`` of file number ``file`` as this reader delivers it (after
+        ``strip_tokens``, whole, in the output dtype), read again from the source.
+
+        Nodes downstream use this to rebuild buffered data from provenance on restore instead of
+        keeping token copies in their state.
+        """
+        if dataset != self.dataset.name:
+            raise KeyError(f"this reader reads dataset {self.dataset.name!r}, not {dataset!r}")
+        if self._handler is None:
+            self._handler = self.dataset.handler()
+        if self._open_file is not None and self._open_file[0] == file:
+            data = self._handler.get(self._open_file[1], doc)
+        else:
+            reader = self._handler.open(self.dataset.files[file])
+            try:
+                data = self._handler.get(reader, doc)
+            finally:
+                self._handler.close(reader)
+        if isinstance(data, str):
+            return data
+        if self._strip_arr.size:
+            data = _strip(data, self._strip_arr)
+        return np.asarray(data).astype(self.dtype, copy=False)
+
     @property
     def owned_shards(self) -> list[int]:
         """The logical shard ids this copy reads (after iteration started)."""

@@ -1,0 +1,85 @@
+"""Provenance: where every token of a packed sequence came from, so it can be read again.
+
+Buffering nodes (the packer's remainder, the shuffle buffer) do not keep token copies in their
+state. A packed sequence carries a provenance table instead: an ``int64`` array of shape
+``(k, 5)``, one row per run of tokens, in order::
+
+    [dataset_id, file, doc, start, length]
+
+* ``dataset_id >= 0``: tokens ``start .. start + length`` of document ``doc`` of file number
+  ``file`` of the dataset whose name is ``names[dataset_id]``, as the source chain delivers the
+  whole document (``DocumentSource.fetch_document``: after ``strip_tokens``, after tokenizing
+  and BOS/EOS placement for text);
+* ``dataset_id == -1`` (:data:`LITERAL`): ``length`` copies of the token id in the ``file``
+  column (a BOS, EOS, separator or pad token the packer placed).
+
+The rows' lengths add up to the sequence length. :func:`resolve` rebuilds the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from torchdata_ext.handlers.base import DocData
+
+__all__ = ["LITERAL", "PROV_COLUMNS", "DocumentSource", "resolve"]
+
+LITERAL = -1
+PROV_COLUMNS = 5
+
+
+@runtime_checkable
+class DocumentSource(Protocol):
+    """A node that can read one whole document again, as it delivered it."""
+
+    def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
+        """Document ``doc`` of file number ``file`` of ``dataset``, whole."""
+        ...
+
+
+def resolve(
+    provenance: np.ndarray,
+    names: Sequence[str],
+    source: DocumentSource,
+    dtype: np.dtype | type = np.int32,
+) -> np.ndarray:
+    """The tokens a provenance table describes, read again through ``source``.
+
+    Args:
+        provenance: ``(k, 5)`` integer array as described in this module.
+        names: dataset names indexed by ``dataset_id``.
+        source: the node to fetch documents from (usually the packer's upstream).
+        dtype: the dtype of the result.
+    """
+    prov = np.asarray(provenance, dtype=np.int64).reshape(-1, PROV_COLUMNS)
+    total = int(prov[:, 4].sum()) if len(prov) else 0
+    out = np.empty(total, dtype=dtype)
+    pos = 0
+    cache: dict[tuple[int, int, int], np.ndarray] = {}
+    for ds, file, doc, start, length in prov.tolist():
+        if ds == LITERAL:
+            out[pos : pos + length] = file
+        else:
+            key = (ds, file, doc)
+            data = cache.get(key)
+            if data is None:
+                fetched = source.fetch_document(names[ds], file, doc)
+                if isinstance(fetched, str):
+                    raise TypeError(
+                        f"provenance row for dataset {names[ds]!r} file {file} doc {doc} resolved "
+                        "to text; fetch through the tokenizing node, not the reader"
+                    )
+                data = np.asarray(fetched)
+                cache[key] = data
+            if start + length > len(data):
+                raise ValueError(
+                    f"provenance asks for tokens {start}..{start + length} of document {doc} of "
+                    f"file {file} of dataset {names[ds]!r}, which has {len(data)}: the data "
+                    "changed since the checkpoint was taken"
+                )
+            out[pos : pos + length] = data[start : start + length]
+        pos += length
+    return out
