@@ -318,7 +318,9 @@ def test_merge_refuses_incomplete_or_mixed_states(small) -> None:
 
 def test_fetch_document_rebuilds_any_piece_from_provenance(small) -> None:
     index = DatasetIndex.build(small[0])
-    reader = ShardReader(index, 4, world=World(), block_docs=3, max_chunksize=4, strip_tokens=(1, 2))
+    reader = ShardReader(
+        index, 4, world=World(), block_docs=3, max_chunksize=4, strip_tokens=(1, 2)
+    )
     for block in run(reader, 30):
         for i, d in enumerate(block):
             whole = reader.fetch_document("books", d.file, d.doc)

@@ -50,6 +50,7 @@ STATE_FORMAT = 1
 _FRAGMENT_TAG = 0x46524147  # tags keep the derived seeds of different uses apart
 _WALK_TAG = 0x57414C4B
 _ORDER_TAG = 0x4F524452
+_FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers on restore)
 
 
 @dataclass
@@ -173,6 +174,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._offsets = file_offsets(dataset.doc_counts)
         self._handler: FileHandler | None = None
         self._open_file: tuple[int, Any] | None = None
+        self._fetch_cache: dict[int, Any] = {}
         self._cursors: dict[int, _Cursor] = {}
         self._frozen: dict[str, dict[str, Any]] = {}
         self._active: int | None = None
@@ -262,11 +264,14 @@ class ShardReader(BaseNode[DocumentBlock]):
         if self._open_file is not None and self._open_file[0] == file:
             data = self._handler.get(self._open_file[1], doc)
         else:
-            reader = self._handler.open(self.dataset.files[file])
-            try:
-                data = self._handler.get(reader, doc)
-            finally:
-                self._handler.close(reader)
+            reader = self._fetch_cache.pop(file, None)
+            if reader is None:
+                reader = self._handler.open(self.dataset.files[file])
+            self._fetch_cache[file] = reader  # most recently used last
+            while len(self._fetch_cache) > _FETCH_CACHE_FILES:
+                old = next(iter(self._fetch_cache))
+                self._handler.close(self._fetch_cache.pop(old))
+            data = self._handler.get(reader, doc)
         if isinstance(data, str):
             return data
         if self._strip_arr.size:
