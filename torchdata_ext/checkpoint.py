@@ -1,0 +1,376 @@
+"""Checkpoints of the loader: a folder on any fsspec URL, or inside a DCP checkpoint; rescaling.
+
+Folder layout (``url/``)::
+
+    manifest.json            format, topology (ranks, workers), logical shards, fingerprints
+    rank_00000.json          per rank: which logical worker produces the next batch
+    worker_000000.pkl        per global worker: its graph state (pickled plain data)
+
+Every file is written under a temporary name and renamed, so a kill never leaves a half-written
+file; the manifest is written last (after a barrier when ``torch.distributed`` is initialised),
+so a folder without a manifest is an incomplete checkpoint and is refused.
+
+Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
+reads only the old workers' files it needs (the old owners of its logical shards), merges the
+reader cursors of its shards, and re-splits the interleave token counters, so the epoch goes
+on with nothing repeated and nothing lost.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import posixpath
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from torchdata_ext.loader import STATE_FORMAT, TokenLoader
+from torchdata_ext.shards import worker_shards
+from torchdata_ext.urls import filesystem
+from torchdata_ext.world import World
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "DCPLoaderState",
+    "load_checkpoint",
+    "rescale_worker_states",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+_MANIFEST = "manifest.json"
+
+
+# -- atomic file I/O -----------------------------------------------------------------------------
+def _write_atomic(url: str, data: bytes, storage_options: dict[str, Any] | None) -> None:
+    fs, path = filesystem(url, storage_options)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with fs.open(tmp, "wb") as f:
+        f.write(data)
+    fs.mv(tmp, path)
+
+
+def _read(url: str, storage_options: dict[str, Any] | None) -> bytes:
+    fs, path = filesystem(url, storage_options)
+    try:
+        return bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"checkpoint file {url} is missing: the checkpoint is incomplete or from another "
+            "topology; pass the folder of a complete checkpoint"
+        ) from None
+
+
+# -- finding reader states inside a graph state ----------------------------------------------------
+def _is_reader_state(x: Any) -> bool:
+    return isinstance(x, dict) and {"fingerprint", "shards", "n_logical_shards", "dataset"} <= set(
+        x
+    )
+
+
+def _walk(x: Any, path: tuple = ()) -> Iterable[tuple[tuple, Any]]:
+    yield path, x
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _walk(v, (*path, k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _walk(v, (*path, i))
+
+
+def _reader_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    return {p: x for p, x in _walk(graph) if _is_reader_state(x)}
+
+
+def _token_counters(graph: dict[str, Any]) -> dict[tuple, dict[str, int]]:
+    return {
+        (*p, "tokens_delivered"): x["tokens_delivered"]
+        for p, x in _walk(graph)
+        if isinstance(x, dict) and isinstance(x.get("tokens_delivered"), dict)
+    }
+
+
+def _set(tree: Any, path: tuple, value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
+    """Dataset fingerprints, seeds and shard counts found in a graph state (for the manifest)."""
+    return {
+        st["dataset"]: {
+            "fingerprint": st["fingerprint"],
+            "seed": st["seed"],
+            "n_logical_shards": st["n_logical_shards"],
+        }
+        for st in _reader_states(graph).values()
+    }
+
+
+# -- rescaling -------------------------------------------------------------------------------------
+def old_workers_needed(n_logical_shards: int, old_total: int, new_world: World) -> list[int]:
+    """Old global workers whose logical shards the new worker owns (the files it must read)."""
+    mine = worker_shards(n_logical_shards, new_world.total_workers, new_world.global_worker)
+    out = []
+    for g in range(old_total):
+        theirs = worker_shards(n_logical_shards, old_total, g)
+        if theirs.start < mine.stop and mine.start < theirs.stop:
+            out.append(g)
+    return out
+
+
+def rescale_worker_states(
+    old_graphs: dict[int, dict[str, Any]],
+    old_total: int,
+    new_world: World,
+    build: Callable[[World], BaseNode],
+) -> dict[str, Any]:
+    """The graph state for ``new_world`` from the states of old global workers.
+
+    Args:
+        old_graphs: graph states of (at least) the old workers returned by
+            :func:`old_workers_needed`, by old global worker id.
+        old_total: the old number of global workers.
+        new_world: the new worker's place.
+        build: the graph builder (the same function the loader uses).
+
+    The new graph starts from a fresh state whose reader cursors are replaced by the merged
+    cursors of the old workers, and whose interleave token counters are the old counters
+    re-split (each old worker's counters divided evenly among the new workers that read it).
+    """
+    root = build(new_world)
+    root.reset(None)
+    box = {"graph": root.state_dict()}  # a container, so even the root state can be replaced
+    targets = _reader_states(box)
+    if not targets:
+        raise ValueError("the graph has no ShardReader state to rescale")
+    n_shards = {st["n_logical_shards"] for st in targets.values()}
+    if len(n_shards) != 1:
+        raise ValueError(
+            f"all datasets must use the same n_logical_shards to rescale, got {n_shards}"
+        )
+    n = n_shards.pop()
+    needed = old_workers_needed(n, old_total, new_world)
+    missing = [g for g in needed if g not in old_graphs]
+    if missing:
+        raise ValueError(f"rescaling needs the states of old workers {missing}")
+    by_dataset: dict[str, list[dict[str, Any]]] = {}
+    for g in needed:
+        for st in _reader_states(old_graphs[g]).values():
+            by_dataset.setdefault(st["dataset"], []).append(st)
+    for path, st in targets.items():
+        old = by_dataset.get(st["dataset"])
+        if not old:
+            raise ValueError(f"the checkpoint has no state for dataset {st['dataset']!r}")
+        _set(box, path, _merge_partial(old))
+    # token counters: each old worker's share split among the new workers that read it
+    new_total = new_world.total_workers
+    readers_of = {
+        g: sum(
+            1
+            for w in range(new_total)
+            if g in old_workers_needed(n, old_total, _nth_world(new_world, w))
+        )
+        for g in needed
+    }
+    for path, counters in _token_counters(box).items():
+        summed = dict.fromkeys(counters, 0)
+        for g in needed:
+            counted = _token_counters({"graph": old_graphs[g]}).get(path)
+            if counted is None:
+                continue
+            for name, v in counted.items():
+                if name in summed:
+                    summed[name] += int(v) // readers_of[g]
+        _set(box, path, summed)
+    return box["graph"]
+
+
+def _nth_world(like: World, g: int) -> World:
+    return World(g // like.num_workers, like.world_size, g % like.num_workers, like.num_workers)
+
+
+def _merge_partial(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge reader states that may cover only part of the shards (no completeness check)."""
+    first = states[0]
+    shards: dict[str, Any] = {}
+    for st in states:
+        for key in ("format", "fingerprint", "seed", "n_logical_shards"):
+            if st[key] != first[key]:
+                raise ValueError(
+                    f"old worker states disagree on {key} ({st[key]!r} vs {first[key]!r}); "
+                    "the checkpoint mixes runs"
+                )
+        shards.update(st["shards"])
+    return {**first, "shards": shards}
+
+
+# -- folder checkpoints -------------------------------------------------------------------------------
+def save_checkpoint(
+    loader: TokenLoader, url: str, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Write this rank's part of the loader checkpoint into folder ``url`` (atomically).
+
+    Call on every rank at the same step. Rank 0 writes the manifest last.
+    """
+    state = loader.state_dict()
+    for g, st in state["workers"].items():
+        _write_atomic(
+            posixpath.join(url, f"worker_{int(g):06d}.pkl"),
+            pickle.dumps(st, protocol=pickle.HIGHEST_PROTOCOL),
+            storage_options,
+        )
+    _write_atomic(
+        posixpath.join(url, f"rank_{loader.rank:05d}.json"),
+        json.dumps({"next_worker": state["next_worker"]}).encode(),
+        storage_options,
+    )
+    _barrier()
+    if loader.rank == 0:
+        any_graph = next(iter(state["workers"].values()))["graph"]
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "loader_format": STATE_FORMAT,
+            "world_size": loader.world_size,
+            "num_workers": loader.logical_workers,
+            "datasets": graph_summary(any_graph),
+        }
+        _write_atomic(
+            posixpath.join(url, _MANIFEST),
+            json.dumps(manifest, indent=1, sort_keys=True).encode(),
+            storage_options,
+        )
+    _barrier()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    try:
+        manifest = json.loads(_read(posixpath.join(url, _MANIFEST), storage_options))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
+            "(a kill during save); restore from an earlier checkpoint"
+        ) from None
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{url}: checkpoint format {manifest.get('format')!r} is not supported "
+            f"(this version reads format {CHECKPOINT_FORMAT})"
+        )
+    return manifest
+
+
+def load_checkpoint(
+    loader: TokenLoader, url: str, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Restore ``loader`` (not yet iterating) from folder ``url``, rescaling if the number of
+    ranks or workers changed. Reads only the files this rank needs."""
+    manifest = read_manifest(url, storage_options)
+    old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
+    W = loader.logical_workers
+    _check_datasets(loader, manifest)
+    if (old_ranks, old_workers) == (loader.world_size, W):
+        graphs = {}
+        for w in range(W):
+            g = loader.rank * W + w
+            st = pickle.loads(_read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options))
+            graphs[w] = st["graph"]
+        meta = json.loads(
+            _read(posixpath.join(url, f"rank_{loader.rank:05d}.json"), storage_options)
+        )
+        loader.load_worker_states(graphs, next_worker=meta["next_worker"])
+        return
+    old_total = old_ranks * old_workers
+    cache: dict[int, dict[str, Any]] = {}
+    new_graphs = {}
+    n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
+    for w in range(W):
+        world = World(loader.rank, loader.world_size, w, W)
+        for g in old_workers_needed(n, old_total, world):
+            if g not in cache:
+                raw = _read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options)
+                cache[g] = pickle.loads(raw)["graph"]
+        new_graphs[w] = rescale_worker_states(cache, old_total, world, loader.build)
+    logger.info(
+        "rescaled loader checkpoint %s from %dx%d to %dx%d (read %d of %d worker states)",
+        url, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
+    )  # fmt: skip
+    loader.load_worker_states(new_graphs, next_worker=0)
+
+
+def _check_datasets(loader: TokenLoader, manifest: dict[str, Any]) -> None:
+    world = World(loader.rank, loader.world_size, 0, loader.logical_workers)
+    root = loader.build(world)
+    root.reset(None)
+    mine = graph_summary(root.state_dict())
+    theirs = manifest["datasets"]
+    problems = []
+    for name in sorted(set(mine) | set(theirs)):
+        if name not in mine:
+            problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
+        elif name not in theirs:
+            problems.append(f"dataset {name!r} is in this pipeline but not in the checkpoint")
+        else:
+            for key in ("fingerprint", "seed", "n_logical_shards"):
+                if mine[name][key] != theirs[name][key]:
+                    what = "files or document counts" if key == "fingerprint" else key
+                    problems.append(
+                        f"dataset {name!r}: {what} differ (checkpoint {key}="
+                        f"{theirs[name][key]!r}, now {mine[name][key]!r})"
+                    )
+    if problems:
+        raise ValueError(
+            "cannot restore this loader checkpoint: "
+            + "; ".join(problems)
+            + ". Restore with the same data, seed and logical shards as the checkpoint"
+        )
+
+
+# -- torch.distributed.checkpoint -------------------------------------------------------------------
+class DCPLoaderState:
+    """Put the loader state into the same ``torch.distributed.checkpoint`` as the model.
+
+    ``dcp.save({"model": ..., "optim": ..., "data": DCPLoaderState(loader)}, checkpoint_id=...)``
+    stores each rank's state under its own key (``rank_00003``), so ranks never overwrite each
+    other, and ``dcp.load`` restores it on the same topology. (To change the number of ranks or
+    workers, save a folder checkpoint with :func:`save_checkpoint` too, and restore with
+    :func:`load_checkpoint`.)
+    """
+
+    def __init__(self, loader: TokenLoader) -> None:
+        self.loader = loader
+
+    def _key(self) -> str:
+        return f"rank_{self.loader.rank:05d}"
+
+    def state_dict(self) -> dict[str, Any]:
+        buf = io.BytesIO(pickle.dumps(self.loader.state_dict(), protocol=pickle.HIGHEST_PROTOCOL))
+        return {self._key(): buf}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            raw = state[self._key()]
+        except KeyError:
+            raise ValueError(
+                f"the checkpoint has no loader state for {self._key()}; it was saved with "
+                "another number of ranks: restore with load_checkpoint from a folder checkpoint"
+            ) from None
+        data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
+        self.loader.load_state_dict(pickle.loads(data))

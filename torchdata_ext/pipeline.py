@@ -1,0 +1,288 @@
+"""The standard pre-training pipeline in one call, from a Bamba-style config.
+
+::
+
+    data_path/<dataset>/*.arrow ─► DatasetIndex ─► ShardReader (logical shards, random walk)
+        ─► Tokenize (text only) ─► Interleave (weights, in tokens) ─► Pack (seq_length)
+        ─► ShuffleBuffer ─► Collate (batch_size) ─► Loader / StatefulDataLoader
+
+Every field of IBM Bamba's data config (``data_path``, ``file_type``, ``col_name``,
+``datasets``, ``weights``, ``seq_length``, ``bos_token``, ``eos_token``, ``bol_token``,
+``eol_token``, ``strip_tokens``, ``logical_shards``, ``num_workers``, ``batch_size``, ``seed``)
+means what it means there; the rest select the tokenizer, packing mode and shuffle buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.urls import filesystem, join
+from torchdata_ext.world import World
+
+__all__ = ["PipelineConfig", "build_datasets", "build_pipeline"]
+
+
+def _split_list(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, Sequence):
+        return [str(v).strip() for v in value]
+    raise TypeError(f"{what}={value!r} must be a comma-separated string or a list")
+
+
+@dataclass
+class PipelineConfig:
+    """Everything needed to build the standard pipeline.
+
+    Attributes:
+        data_path: folder (fsspec URL) holding one sub-folder per dataset.
+        datasets: dataset sub-folder names, a list or a comma-separated string
+            (Bamba: ``"web,code"``); empty means ``data_path`` itself is one dataset.
+        weights: relative weight of each dataset in tokens (need not sum to 1); list or
+            comma-separated string; default: equal.
+        file_type: a registered format name (``"arrow"``, ``"parquet"``, ``"npy"``, ``"flat"``,
+            ``"ceped"``, ``"jsonl"``), or None to choose by file suffix.
+        col_name: the token column (or text field for text data).
+        seq_length: tokens per output sequence (per ``input_ids`` row).
+        shift: output ``input_ids``/``labels`` shifted by one (packs ``seq_length + 1``
+            tokens; Bamba's behaviour); False outputs ``seq_length``-token ``input_ids`` only.
+        bos_token / eos_token: added at each document's start / end where missing (None: none).
+        bol_token / eol_token: added at the start / end of every output sequence (None: none).
+        strip_tokens: token ids stripped from both ends of every document before the above
+            (list or comma-separated string, Bamba's format).
+        logical_shards: logical shards per dataset (>= ranks x workers; e.g. 1024-30720).
+        num_workers: dataloader worker processes per rank (used by the loader helpers).
+        batch_size: sequences per batch.
+        seed: seed of shuffling, interleaving and the shuffle buffer.
+        tokenizer: None for tokenized data; ``"byte"`` for the byte tokenizer; or a path to a
+            Hugging Face ``tokenizer.json``.
+        pack_mode: ``"concat"``, ``"pad"`` or ``"best_fit"``.
+        best_fit_window: documents considered at once in ``best_fit`` mode.
+        shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
+        interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
+            ``"samples"`` (random by weight).
+        epochs: None for an endless stream; 1 for validation data.
+        min_length: skip documents shorter than this many tokens.
+        max_chunksize: cut token documents longer than this many tokens in the reader (bounds
+            memory; None keeps them whole).
+        block_docs: documents per block moving through the pipeline.
+        pad_token: token id of padding (pad mode, best-fit mode and the final flush).
+        storage_options: fsspec options (credentials, endpoint) for ``data_path``.
+        dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+    """
+
+    data_path: str = ""
+    datasets: list[str] | str = field(default_factory=list)
+    weights: list[float] | str = field(default_factory=list)
+    file_type: str | None = "arrow"
+    col_name: str = "tokens"
+    seq_length: int = 4096
+    shift: bool = True
+    bos_token: int | None = None
+    eos_token: int | None = 0
+    bol_token: int | None = None
+    eol_token: int | None = None
+    strip_tokens: list[int] | str = ""
+    logical_shards: int = 1024
+    num_workers: int = 1
+    batch_size: int = 8
+    seed: int = 42
+    tokenizer: str | None = None
+    pack_mode: Literal["concat", "pad", "best_fit"] = "concat"
+    best_fit_window: int = 1000
+    shuffle_buffer: int = 10_000
+    interleave_mode: Literal["tokens", "samples"] = "tokens"
+    epochs: int | None = None
+    min_length: int = 1
+    max_chunksize: int | None = None
+    block_docs: int = 64
+    pad_token: int = 0
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    dtype: Literal["int64", "int32"] = "int64"
+
+    def __post_init__(self) -> None:
+        self.datasets = _split_list(self.datasets, "datasets")
+        raw_weights = _split_list(self.weights, "weights")
+        try:
+            self.weights = [float(w) for w in raw_weights]
+        except ValueError:
+            raise ValueError(f"weights={raw_weights!r} must be numbers") from None
+        strip = _split_list(self.strip_tokens, "strip_tokens")
+        try:
+            self.strip_tokens = [int(t) for t in strip]
+        except ValueError:
+            raise ValueError(f"strip_tokens={strip!r} must be token ids (integers)") from None
+        if not self.data_path:
+            raise ValueError("data_path is empty; set it to the folder (URL) holding the data")
+        if self.weights and len(self.weights) != max(1, len(self.datasets)):
+            raise ValueError(
+                f"{len(self.weights)} weights for {len(self.datasets)} datasets "
+                f"({self.datasets}); give one weight per dataset"
+            )
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"weights={self.weights} must all be > 0")
+        for name in ("seq_length", "logical_shards", "batch_size", "block_docs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.dtype not in ("int64", "int32"):
+            raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PipelineConfig:
+        """Build from a mapping; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_file(cls, url: str, storage_options: dict[str, Any] | None = None) -> PipelineConfig:
+        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL)."""
+        fs, path = filesystem(url, storage_options)
+        with fs.open(path, "rt") as f:
+            text = f.read()
+        if url.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml") from None
+            data = yaml.safe_load(text)
+        elif url.endswith(".json"):
+            data = json.loads(text)
+        else:
+            raise ValueError(f"{url}: config files must end in .yaml, .yml or .json")
+        if not isinstance(data, dict):
+            raise ValueError(f"{url}: the config must be a mapping of keys to values")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def dataset_weights(self) -> dict[str, float]:
+        names = list(self.datasets) or [self._single_name()]
+        weights = list(self.weights) or [1.0] * len(names)
+        return dict(zip(names, weights))  # type: ignore[arg-type]
+
+    def _single_name(self) -> str:
+        return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
+    """The ``DatasetIndex`` of every dataset of ``cfg``, by name."""
+    out: dict[str, DatasetIndex] = {}
+    handler_options: dict[str, Any] = {}
+    if cfg.file_type in ("flat", "npy") and cfg.eos_token is not None:
+        handler_options["eos_token"] = cfg.eos_token
+    for name in cfg.dataset_weights:
+        url = join(cfg.data_path, name) if cfg.datasets else cfg.data_path
+        out[name] = DatasetIndex.build(
+            url,
+            name=name,
+            file_type=cfg.file_type,
+            col_name=cfg.col_name,
+            storage_options=cfg.storage_options,
+            handler_options=handler_options,
+        )
+    return out
+
+
+def build_pipeline(
+    cfg: PipelineConfig,
+    world: World | None = None,
+    datasets: Mapping[str, DatasetIndex] | None = None,
+    *,
+    collate: bool = True,
+) -> BaseNode:
+    """Build the whole node graph for one (rank, worker) from ``cfg``.
+
+    Args:
+        cfg: the pipeline config.
+        world: this copy's place (default: detected when iteration starts).
+        datasets: pre-built indexes (default: built from ``cfg``).
+        collate: end with ``Collate`` (batches of torch tensors); False ends with the shuffle
+            buffer (one packed-sequence dict of NumPy arrays per item).
+    """
+    import torch
+
+    from torchdata_ext.nodes.collate import Collate
+    from torchdata_ext.nodes.interleave import Interleave
+    from torchdata_ext.nodes.pack import Pack
+    from torchdata_ext.nodes.reader import ShardReader
+    from torchdata_ext.nodes.shuffle import ShuffleBuffer
+    from torchdata_ext.nodes.tokenize import Tokenize
+
+    datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
+    tokenizer = _load_tokenizer(cfg.tokenizer)
+    sources: dict[str, BaseNode] = {}
+    for name, index in datasets.items():
+        node: BaseNode = ShardReader(
+            index,
+            cfg.logical_shards,
+            seed=cfg.seed,
+            world=world,
+            epochs=cfg.epochs,
+            block_docs=cfg.block_docs,
+            min_length=cfg.min_length,
+            strip_tokens=cfg.strip_tokens,  # type: ignore[arg-type]
+            max_chunksize=cfg.max_chunksize if tokenizer is None else None,
+            dtype=np.int32,
+        )
+        if tokenizer is not None:
+            node = Tokenize(node, tokenizer)
+        sources[name] = node
+    node = Interleave(sources, cfg.dataset_weights, mode=cfg.interleave_mode, seed=cfg.seed)
+    node = Pack(
+        node,
+        cfg.seq_length,
+        mode=cfg.pack_mode,
+        bos_token=cfg.bos_token,
+        eos_token=cfg.eos_token,
+        bol_token=cfg.bol_token,
+        eol_token=cfg.eol_token,
+        pad_token=cfg.pad_token,
+        shift=cfg.shift,
+        window=cfg.best_fit_window,
+    )
+    if cfg.shuffle_buffer > 1:
+        node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)
+    if collate:
+        dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
+        node = Collate(node, cfg.batch_size, dtype=dtype)
+    return node
+
+
+def _load_tokenizer(spec: str | None) -> Any:
+    if spec is None:
+        return None
+    from torchdata_ext.tokenizers import ByteTokenizer
+
+    if spec == "byte":
+        return ByteTokenizer()
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(
+            "text data needs the tokenizers package: pip install 'torchdata-ext[text]'"
+        ) from None
+    fs, path = filesystem(spec)
+    if not fs.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer={spec!r}: no such file; pass 'byte' or the path of a tokenizer.json"
+        )
+    with fs.open(path, "rt") as f:
+        return Tokenizer.from_str(f.read())
