@@ -408,3 +408,43 @@ def test_bad_arguments_name_the_problem(data) -> None:
     other = Interleave(readers(data, ["tiny", "code"]), {"tiny": 1, "code": 1})
     with pytest.raises(ValueError, match="restore with the same source names"):
         other.reset(state)
+
+
+def test_quantum_takes_longer_runs_and_keeps_the_mix() -> None:
+    """With quantum_tokens the runs are longer but every share stays within its bound."""
+    from torchdata.nodes import IterableWrapper
+
+    from torchdata_ext.document import DocumentBlock
+
+    def source(name: str, length: int) -> IterableWrapper:
+        def blocks():
+            i = 0
+            while True:
+                n = 256
+                pieces = [np.full(length, 7, np.int32)] * n
+                yield DocumentBlock.from_pieces(
+                    name, pieces, [0] * n, list(range(i, i + n)), [0] * n, [True] * n
+                )
+                i += n
+
+        return IterableWrapper(blocks())
+
+    def run_mix(quantum: int):
+        node = Interleave(
+            {"a": source("a", 10), "b": source("b", 30)},
+            {"a": 3.0, "b": 1.0},
+            quantum_tokens=quantum,
+        )
+        tokens = {"a": 0, "b": 0}
+        blocks = 0
+        while sum(tokens.values()) < 200_000:
+            blk = next(node)
+            tokens[blk.dataset] += blk.num_tokens
+            blocks += 1
+            total = sum(tokens.values())
+            bound = (quantum + 30) / total + 1e-9
+            assert abs(tokens["a"] / total - 0.75) <= bound
+        return blocks
+
+    exact, coarse = run_mix(0), run_mix(2000)
+    assert coarse < exact / 10

@@ -75,6 +75,11 @@ class Interleave(BaseNode[DocumentBlock]):
             (deterministic); ``"samples"``: each document is drawn from a source with probability
             proportional to its weight (seeded).
         seed: the seed of the ``"samples"`` draws.
+        quantum_tokens: ``"tokens"`` mode only: keep taking from the chosen source until it is
+            this many tokens past the next source's share (0, the default: decide document by
+            document, as Bamba). A few thousand tokens cuts the per-decision overhead when
+            documents are short; any share stays within ``(quantum_tokens + longest document)
+            / tokens delivered`` of its target.
 
     Raises:
         ValueError: no sources, a weight <= 0 (or not finite), a missing or extra weight, or an
@@ -95,8 +100,16 @@ class Interleave(BaseNode[DocumentBlock]):
         *,
         mode: Literal["tokens", "samples"] = "tokens",
         seed: int = 0,
+        quantum_tokens: int = 0,
     ) -> None:
         super().__init__()
+        if (
+            isinstance(quantum_tokens, bool)
+            or not isinstance(quantum_tokens, (int, np.integer))
+            or quantum_tokens < 0
+        ):
+            raise ValueError(f"{quantum_tokens=} must be an integer >= 0")
+        self.quantum_tokens = int(quantum_tokens)
         if not isinstance(sources, Mapping) or not isinstance(weights, Mapping):
             raise TypeError("sources and weights must be mappings name -> node and name -> weight")
         if not sources:
@@ -290,6 +303,8 @@ class Interleave(BaseNode[DocumentBlock]):
             return n - lo
         r2 = min(self._ratio(i) for i in others)
         first_at_r2 = min(i for i in others if self._ratio(i) == r2)
+        if self.quantum_tokens:
+            r2 += self.quantum_tokens / self.weights[s]
         # after taking pieces lo .. lo + j - 1, s is chosen again iff its ratio is below r2, or
         # equal to it and s is listed before every source at r2
         off = block.offsets
