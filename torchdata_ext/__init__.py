@@ -3,22 +3,49 @@
 The standard pipeline, stage by stage: file handlers (:mod:`torchdata_ext.handlers`) read
 shard files over fsspec; :class:`DatasetIndex` lists and counts a dataset's documents;
 :class:`ShardReader` cuts them into logical shards and walks each shard in a seeded random
-order, exactly once per epoch, with a small per-shard state that survives restarts.
+order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`Pack`,
+:class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches;
+:func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
+runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
+restores and rescales it.
 """
 
 from torchdata_ext.document import Document, DocumentBlock
 from torchdata_ext.index import DatasetIndex
-from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.loader import PipelineDataset, TokenLoader
+from torchdata_ext.nodes import (
+    Collate,
+    Interleave,
+    Pack,
+    ShardReader,
+    ShuffleBuffer,
+    Tokenize,
+    merge_reader_states,
+)
+from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
 
 __all__ = [
+    "ByteTokenizer",
+    "Collate",
     "DatasetIndex",
     "Document",
     "DocumentBlock",
+    "Interleave",
+    "Pack",
+    "PipelineConfig",
+    "PipelineDataset",
     "RandomWalk",
     "ShardReader",
+    "ShuffleBuffer",
+    "Tokenize",
+    "TokenLoader",
     "World",
+    "build_datasets",
+    "build_pipeline",
+    "merge_reader_states",
     "mix_seed",
 ]
 

@@ -72,6 +72,9 @@ class PipelineConfig:
         shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
         interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
             ``"samples"`` (random by weight).
+        mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
+            next one's share before the mix switches (0: document by document). The default
+            keeps per-block overhead low; after the shuffle buffer the order is mixed anyway.
         epochs: None for an endless stream; 1 for validation data.
         min_length: skip documents shorter than this many tokens.
         max_chunksize: cut token documents longer than this many tokens in the reader (bounds
@@ -103,6 +106,7 @@ class PipelineConfig:
     best_fit_window: int = 1000
     shuffle_buffer: int = 10_000
     interleave_mode: Literal["tokens", "samples"] = "tokens"
+    mix_quantum_tokens: int = 16_384
     epochs: int | None = None
     min_length: int = 1
     max_chunksize: int | None = None
@@ -245,7 +249,13 @@ def build_pipeline(
         if tokenizer is not None:
             node = Tokenize(node, tokenizer)
         sources[name] = node
-    node = Interleave(sources, cfg.dataset_weights, mode=cfg.interleave_mode, seed=cfg.seed)
+    node = Interleave(
+        sources,
+        cfg.dataset_weights,
+        mode=cfg.interleave_mode,
+        seed=cfg.seed,
+        quantum_tokens=cfg.mix_quantum_tokens,
+    )
     node = Pack(
         node,
         cfg.seq_length,

@@ -11,7 +11,12 @@ state. A packed sequence carries a provenance table instead: an ``int64`` array 
   whole document (``DocumentSource.fetch_document``: after ``strip_tokens``, after tokenizing
   and BOS/EOS placement for text);
 * ``dataset_id == -1`` (:data:`LITERAL`): ``length`` copies of the token id in the ``file``
-  column (a BOS, EOS, separator or pad token the packer placed).
+  column (a BOS, EOS or separator token the packer placed);
+* ``dataset_id == -2`` (:data:`PAD`): ``length`` copies of the token id in the ``file`` column,
+  placed as padding (kept apart from :data:`LITERAL` so padding stays recognisable when the pad
+  token id equals another special token, e.g. Bamba's ``eos_token = 0 = pad_token``).
+
+The ``doc`` and ``start`` columns of literal and pad rows are 0.
 
 The rows' lengths add up to the sequence length. :func:`resolve` rebuilds the tokens.
 """
@@ -25,9 +30,10 @@ import numpy as np
 
 from torchdata_ext.handlers.base import DocData
 
-__all__ = ["LITERAL", "PROV_COLUMNS", "DocumentSource", "resolve"]
+__all__ = ["LITERAL", "PAD", "PROV_COLUMNS", "DocumentSource", "resolve"]
 
 LITERAL = -1
+PAD = -2
 PROV_COLUMNS = 5
 
 
@@ -60,7 +66,7 @@ def resolve(
     pos = 0
     cache: dict[tuple[int, int, int], np.ndarray] = {}
     for ds, file, doc, start, length in prov.tolist():
-        if ds == LITERAL:
+        if ds in (LITERAL, PAD):
             out[pos : pos + length] = file
         else:
             key = (ds, file, doc)

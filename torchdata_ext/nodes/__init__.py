@@ -1,5 +1,18 @@
 """The pipeline nodes, one per module, each a ``torchdata.nodes.BaseNode``."""
 
+from torchdata_ext.nodes.collate import Collate
+from torchdata_ext.nodes.interleave import Interleave
+from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
+from torchdata_ext.nodes.shuffle import ShuffleBuffer
+from torchdata_ext.nodes.tokenize import Tokenize
 
-__all__ = ["ShardReader", "merge_reader_states"]
+__all__ = [
+    "Collate",
+    "Interleave",
+    "Pack",
+    "ShardReader",
+    "ShuffleBuffer",
+    "Tokenize",
+    "merge_reader_states",
+]

@@ -1,0 +1,121 @@
+"""Collate: exact stacking of packed sequences into tensors, partial batches, exact resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from harness import check_loader_restore, check_restore_at_every_step, item_key, run
+from torchdata.nodes import IterableWrapper
+
+from torchdata_ext import DatasetIndex, ShardReader, World
+from torchdata_ext.nodes.collate import Collate
+from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.testing import write_arrow_batches
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("collate") / "web"
+    root.mkdir()
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(10, 30_000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 40, 24)]
+    write_arrow_batches(str(root / "a.arrow"), docs[:10])
+    write_arrow_batches(str(root / "b.arrow"), docs[10:])
+    return DatasetIndex.build(str(root))
+
+
+def packer(index, epochs=2, **kw) -> Pack:
+    reader = ShardReader(index, 4, world=World(), epochs=epochs, block_docs=3, max_chunksize=11)
+    return Pack(reader, kw.pop("seq_len", 16), eos_token=0, **kw)
+
+
+@pytest.mark.parametrize(
+    "pack_kw,batch_size",
+    [({}, 3), ({"mode": "best_fit", "window": 6, "shift": True}, 4), ({"mode": "pad"}, 1)],
+    ids=["concat", "best_fit_shift", "pad_b1"],
+)
+def test_batches_are_the_stacked_sequences(index, pack_kw, batch_size) -> None:
+    seqs = run(packer(index, **pack_kw))
+    batches = check_restore_at_every_step(lambda: Collate(packer(index, **pack_kw), batch_size))
+    assert len(batches) == -(-len(seqs) // batch_size)  # the last partial batch too
+    shift = pack_kw.get("shift", False)
+    keys = ["input_ids", "position_ids", "document_ids", "loss_mask"] + (
+        ["labels"] if shift else []
+    )
+    for b, batch in enumerate(batches):
+        group = seqs[b * batch_size : (b + 1) * batch_size]
+        assert list(batch) == keys  # provenance dropped, labels only with shift
+        for key in keys:
+            t = batch[key]
+            assert t.shape == (len(group), 16) and t.is_contiguous()
+            assert t.dtype == (torch.bool if key == "loss_mask" else torch.int64)
+            assert np.array_equal(t.numpy(), np.stack([s[key] for s in group]))
+    assert batches[-1]["input_ids"].shape[0] == len(seqs) - (len(batches) - 1) * batch_size
+
+
+def test_restore_through_loader(index) -> None:
+    def make():
+        return Collate(packer(index, mode="best_fit", window=5), 2, dtype=torch.int32)
+
+    n = len(run(make()))
+    check_loader_restore(make, steps=n, at=[0, 1, n // 2, n - 1])
+    assert run(make())[0]["input_ids"].dtype == torch.int32
+
+
+def test_drop_last_and_state(index) -> None:
+    seqs = run(packer(index, epochs=1))
+    assert len(seqs) % 4
+    full = run(Collate(packer(index, epochs=1), 4, drop_last=True))
+    assert len(full) == len(seqs) // 4 and all(b["input_ids"].shape[0] == 4 for b in full)
+    node = Collate(packer(index, epochs=1), 4)
+    next(node)
+    assert list(node.state_dict()) == ["source"]
+    assert node.state_dict()["source"] == node.source.state_dict()
+
+
+def test_provenance_on_request_rebuilds_each_row(index) -> None:
+    pack = packer(index, mode="pad")
+    node = Collate(pack, 3, keys=("input_ids", "provenance", "loss_mask"))
+    for batch in run(node):
+        assert list(batch) == ["input_ids", "provenance", "loss_mask"]
+        prov = batch["provenance"].numpy()
+        assert prov.ndim == 3 and prov.shape[2] == 5 and prov.dtype == np.int64
+        for i in range(prov.shape[0]):
+            again = pack.rebuild(prov[i][prov[i][:, 4] > 0])
+            assert np.array_equal(again["input_ids"], batch["input_ids"][i].numpy())
+            assert np.array_equal(again["loss_mask"], batch["loss_mask"][i].numpy())
+
+
+def test_bad_arguments_and_items() -> None:
+    src = IterableWrapper([{"input_ids": np.arange(4)}])
+    with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
+        Collate(src, 0)
+    with pytest.raises(TypeError, match="batch_size=2.0 must be an integer"):
+        Collate(src, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dtype=torch.float32 must be an integer torch dtype"):
+        Collate(src, 2, dtype=torch.float32)
+    with pytest.raises(TypeError, match="keys='input_ids' must be a non-empty sequence"):
+        Collate(src, 2, keys="input_ids")
+    with pytest.raises(TypeError, match="source must be a torchdata.nodes.BaseNode"):
+        Collate([{"input_ids": np.arange(4)}], 2)  # type: ignore[arg-type]
+    ragged = IterableWrapper([{"input_ids": np.arange(4)}, {"input_ids": np.arange(5)}])
+    with pytest.raises(ValueError, match=r"item 1 has 'input_ids' of shape \(5,\)"):
+        next(Collate(ragged, 2))
+    mixed = IterableWrapper(
+        [{"input_ids": np.arange(4)}, {"input_ids": np.arange(4), "labels": np.arange(4)}]
+    )
+    with pytest.raises(KeyError, match="item 0 of the batch has no 'labels'"):
+        next(Collate(mixed, 2))
+
+
+def test_stream_equals_collate_of_the_pack_stream_after_restore(index) -> None:
+    """A restored Collate continues from a batch boundary of the Pack stream."""
+    node = Collate(packer(index), 3)
+    first = [next(node) for _ in range(2)]
+    state = node.state_dict()
+    rest = run(node)
+    fresh = Collate(packer(index), 3)
+    fresh.reset(state)
+    assert [item_key(b) for b in run(fresh)] == [item_key(b) for b in rest]
+    assert len(first) == 2
