@@ -19,6 +19,7 @@ import posixpath
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from torchdata_ext.handlers.base import (
     get_handler_class,
     registered_formats,
 )
+from torchdata_ext.remote import RemoteError, check_access, with_retries
 from torchdata_ext.urls import expand_urls, filesystem
 
 __all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
@@ -46,8 +48,8 @@ def read_data_sources(url: str, storage_options: dict[str, Any] | None = None) -
     Relative entries are taken relative to the folder holding the list.
     """
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rt") as f:
-        lines = [ln.strip() for ln in f.read().splitlines()]
+    text = with_retries(lambda: fs.cat_file(path), url, what="read").decode()
+    lines = [ln.strip() for ln in text.splitlines()]
     base = url.rsplit("/", 1)[0] if "/" in url else "."
     out = []
     for ln in lines:
@@ -166,7 +168,17 @@ class DatasetIndex:
             suffixes = suffixes or None
         else:
             suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
-        files = expand_urls(expanded, storage_options, suffixes=suffixes)
+        where = ", ".join(expanded)
+        try:
+            files = with_retries(
+                lambda: expand_urls(expanded, storage_options, suffixes=suffixes),
+                where,
+                what="list",
+            )
+        except FileNotFoundError:
+            for u in expanded:  # say so if the bucket is missing or refuses these credentials
+                check_access(u, storage_options)
+            raise
         if file_type is None:
             kinds = {format_for_url(f) for f in files}
             if len(kinds) > 1:
@@ -210,7 +222,8 @@ class DatasetIndex:
             return
         handler = self.handler()
         for i in missing:
-            reader = handler.open(self.files[i])
+            url = self.files[i]
+            reader = with_retries(partial(handler.open, url), url, what="open")
             try:
                 self.doc_counts[i] = handler.length(reader)
                 lengths = handler.doc_lengths(reader)
@@ -259,7 +272,9 @@ def _file_sizes(files: Sequence[str], storage_options: dict[str, Any]) -> list[i
     for f in files:
         try:
             fs, path = filesystem(f, storage_options)
-            out.append(int(fs.size(path)))
+            out.append(int(with_retries(partial(fs.size, path), f, what="stat")))
+        except RemoteError:
+            raise
         except Exception:
             out.append(-1)
     return out
@@ -278,9 +293,15 @@ def _read_counts(
         for base in (root, posixpath.dirname(root.rstrip("/"))):
             if not base:
                 continue
+            meta = posixpath.join(base, "meta")
             try:
-                fs, path = filesystem(posixpath.join(base, "meta"), storage_options)
-                found = sorted(fs.glob(posixpath.join(path, "*counts*.csv")))
+                fs, path = filesystem(meta, storage_options)
+                pattern = posixpath.join(path, "*counts*.csv")
+                found = sorted(with_retries(partial(fs.glob, pattern), meta, what="list"))
+            except RemoteError as exc:
+                if exc.transient:  # an outage: do not open every file to count it instead
+                    raise
+                continue  # e.g. no right to list the parent folder
             except Exception:
                 continue
             # our own file last, so it wins over others on conflicts
@@ -291,8 +312,8 @@ def _read_counts(
     for url, base in candidates:
         try:
             fs, path = filesystem(url, storage_options)
-            with fs.open(path, "rt") as f:
-                rows = list(csv.reader(f))
+            text = with_retries(partial(fs.cat_file, path), url, what="read")
+            rows = list(csv.reader(io.StringIO(text.decode())))
         except FileNotFoundError:
             if counts_url is not None:
                 raise FileNotFoundError(f"counts file {counts_url!r} not found") from None

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,8 +32,9 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.handlers.base import DocData, FileHandler
+from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
 from torchdata_ext.shards import (
     Fragment,
     check_shard_count,
@@ -51,6 +54,9 @@ _FRAGMENT_TAG = 0x46524147  # tags keep the derived seeds of different uses apar
 _WALK_TAG = 0x57414C4B
 _ORDER_TAG = 0x4F524452
 _FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers on restore)
+# side files a format reads next to a data file, fetched into the cache with it
+_COMPANIONS = {"flat": (".offsets.npy",), "npy": (".offsets.npy",)}
+_RANGE_FORMATS = ("arrow", "parquet")
 
 
 @dataclass
@@ -123,6 +129,18 @@ class ShardReader(BaseNode[DocumentBlock]):
             logs it, counts it, records it in the state (a resumed or rescaled run skips the same
             things) and goes on. See :attr:`skipped`.
         dtype: the integer dtype of output tokens (``np.int32`` default; ``np.int64``).
+        cache: how remote files (``s3://``, any non-local fsspec URL) are read. None (default):
+            through a :class:`~torchdata_ext.remote.ShardCache` in the default cache folder
+            (``$TORCHDATA_EXT_CACHE_DIR`` or the temp folder); a folder path: a cache there; a
+            ``ShardCache``: that cache (share one between readers; ``range_reads=True`` for
+            range requests instead of downloads); False: no cache, each file is read into
+            memory when opened (with retries). Local files are always read in place.
+        prefetch_shards: how many of the next shard files this worker will open (the rest of
+            the current logical shard, then the next shards in its order) are downloaded in the
+            background while it reads the current one (default 2); 0 turns prefetching off.
+
+    Remote I/O changes neither the output nor the state. :meth:`io_stats` says how much time the
+    reader spent waiting on I/O.
     """
 
     def __init__(
@@ -139,6 +157,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         max_chunksize: int | None = None,
         on_error: Literal["raise", "skip"] = "raise",
         dtype: np.dtype | type = np.int32,
+        cache: ShardCache | str | os.PathLike[str] | bool | None = None,
+        prefetch_shards: int = 2,
     ) -> None:
         super().__init__()
         if not isinstance(dataset, DatasetIndex):
@@ -157,6 +177,11 @@ class ShardReader(BaseNode[DocumentBlock]):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
         if not np.issubdtype(np.dtype(dtype), np.integer):
             raise TypeError(f"{dtype=} must be an integer dtype such as np.int32 or np.int64")
+        _check_int("prefetch_shards", prefetch_shards, 0)
+        if cache is not None and not isinstance(cache, (ShardCache, str, os.PathLike, bool)):
+            raise TypeError(
+                f"cache={cache!r} must be a ShardCache, a cache folder path, False or None"
+            )
         check_shard_count(n_logical_shards, dataset.total_docs, 1)
         self.dataset = dataset
         self.n_logical_shards = int(n_logical_shards)
@@ -184,11 +209,18 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._order_cache: dict[int, np.ndarray] = {}
         self._empty_run = 0
         self.world: World | None = None
+        self.prefetch_shards = int(prefetch_shards)
+        self.cache = _make_cache(cache, dataset)
+        self._local_handler: FileHandler | None = None
+        self._companions = _COMPANIONS.get(dataset.file_type, ())
+        self._prefetching: list[str] = []  # URLs this reader holds prefetched in the cache
+        self._io = {"files_opened": 0, "open_seconds": 0.0, "reader_seconds": 0.0}
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._close_file()
+        self._set_prefetch([])
         self.world = self._given_world or World.detect()
         check_shard_count(self.n_logical_shards, self.dataset.total_docs, self.world.total_workers)
         owned = worker_shards(
@@ -220,15 +252,20 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._empty_run = 0
 
     def next(self) -> DocumentBlock:
-        while True:
-            sid = self._pick_active()
-            if sid is None:
-                self._close_file()
-                raise StopIteration
-            block = self._read_block(sid)
-            if block is not None:
-                self._empty_run = 0
-                return block
+        t0 = time.perf_counter()
+        try:
+            while True:
+                sid = self._pick_active()
+                if sid is None:
+                    self._close_file()
+                    self._set_prefetch([])
+                    raise StopIteration
+                block = self._read_block(sid)
+                if block is not None:
+                    self._empty_run = 0
+                    return block
+        finally:
+            self._io["reader_seconds"] += time.perf_counter() - t0
 
     def get_state(self) -> dict[str, Any]:
         shards = dict(self._frozen)
@@ -250,6 +287,40 @@ class ShardReader(BaseNode[DocumentBlock]):
         including before a restore)."""
         return sum(c.skips for c in self._cursors.values())
 
+    def io_stats(self) -> dict[str, float]:
+        """Counters that show whether I/O is the bottleneck (this process).
+
+        ``files_opened``; ``open_seconds`` (time spent opening files, waits for downloads
+        included); ``reader_seconds`` (time spent in :meth:`next` in all); and, when remote
+        files go through a cache, its :meth:`~torchdata_ext.remote.ShardCache.stats`:
+        ``wait_seconds`` (time blocked on downloads or range reads), ``bytes_downloaded``,
+        ``downloads``, ``cache_hits``, ``prefetch_waits``, ``misses``, ``retries``... (without a
+        cache, ``wait_seconds`` is ``open_seconds``: files are read when opened). The share of
+        time spent waiting on I/O is ``wait_seconds`` over the wall time (or over
+        ``reader_seconds`` for the reader's own share). A cache shared by several readers
+        reports their sum.
+        """
+        out: dict[str, float] = dict(self._io)
+        if self.cache is not None:
+            out.update(self.cache.stats())
+        else:  # files are read when opened: opening is the wait
+            out["wait_seconds"] = out["open_seconds"]
+        return out
+
+    def close(self) -> None:
+        """Close open files and drop this reader's holds on cached files (so they can be
+        evicted). Iteration can start again with :meth:`reset`."""
+        self._close_file()
+        self._set_prefetch([])
+        for file in list(self._fetch_cache):
+            self._close(file, self._fetch_cache.pop(file))
+
+    def __del__(self) -> None:
+        try:  # noqa: SIM105 - no imports at interpreter shutdown
+            self.close()
+        except Exception:  # interpreter shutdown, half-built reader
+            pass
+
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` as this reader delivers it (after
         ``strip_tokens``, whole, in the output dtype), read again from the source.
@@ -259,19 +330,17 @@ class ShardReader(BaseNode[DocumentBlock]):
         """
         if dataset != self.dataset.name:
             raise KeyError(f"this reader reads dataset {self.dataset.name!r}, not {dataset!r}")
-        if self._handler is None:
-            self._handler = self.dataset.handler()
         if self._open_file is not None and self._open_file[0] == file:
-            data = self._handler.get(self._open_file[1], doc)
+            data = self._get_handler().get(self._open_file[1], doc)
         else:
             reader = self._fetch_cache.pop(file, None)
             if reader is None:
-                reader = self._handler.open(self.dataset.files[file])
+                reader = self._open(file)
             self._fetch_cache[file] = reader  # most recently used last
             while len(self._fetch_cache) > _FETCH_CACHE_FILES:
                 old = next(iter(self._fetch_cache))
-                self._handler.close(self._fetch_cache.pop(old))
-            data = self._handler.get(reader, doc)
+                self._close(old, self._fetch_cache.pop(old))
+            data = self._get_handler().get(reader, doc)
         if isinstance(data, str):
             return data
         if self._strip_arr.size:
@@ -314,6 +383,11 @@ class ShardReader(BaseNode[DocumentBlock]):
     def _plan(self, sid: int, epoch: int) -> _Plan:
         if self._plan_cache is not None and self._plan_cache[:2] == (sid, epoch):
             return self._plan_cache[2]
+        plan = self._make_plan(sid, epoch)
+        self._plan_cache = (sid, epoch, plan)
+        return plan
+
+    def _make_plan(self, sid: int, epoch: int) -> _Plan:
         frags = shard_fragments(self._offsets, self.n_logical_shards, sid)
         rng = np.random.default_rng(mix_seed(self.seed, _FRAGMENT_TAG, sid, epoch))
         order = rng.permutation(len(frags))
@@ -321,9 +395,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         starts = np.zeros(len(ordered) + 1, np.int64)
         np.cumsum([f.size for f in ordered], out=starts[1:])
         seeds = tuple(mix_seed(self.seed, _WALK_TAG, sid, epoch, f.file, f.start) for f in ordered)
-        plan = _Plan(ordered, starts, seeds)
-        self._plan_cache = (sid, epoch, plan)
-        return plan
+        return _Plan(ordered, starts, seeds)
 
     def _finish_epoch(self, sid: int) -> None:
         c = self._cursors[sid]
@@ -406,12 +478,22 @@ class ShardReader(BaseNode[DocumentBlock]):
         if self._open_file is not None and self._open_file[0] == file:
             return self._open_file[1]
         self._close_file()
-        if self._handler is None:
-            self._handler = self.dataset.handler()
+        handler = self._get_handler()
         url = self.dataset.files[file]
+        upcoming = self._upcoming(self._active, c, plan, j) if self._active is not None else []
         try:
-            reader = self._handler.open(url)
-            n = self._handler.length(reader)
+            try:
+                reader = self._open_prefetching(file, upcoming)
+            except DataFileError:
+                self._discard(url)  # a bad cached copy is fetched again next time
+                raise
+            try:
+                n = handler.length(reader)
+            except BaseException:
+                self._close(file, reader)
+                raise
+        except RemoteError:
+            raise  # an outage or an access problem, never a bad file to skip
         except Exception as exc:
             if self.on_error == "raise":
                 raise
@@ -421,6 +503,8 @@ class ShardReader(BaseNode[DocumentBlock]):
             c.pos = int(plan.starts[j + 1])
             return None
         if n != self.dataset.doc_counts[file]:
+            self._close(file, reader)
+            self._discard(url)
             raise ValueError(
                 f"{url}: has {n} documents but the dataset index counted "
                 f"{int(self.dataset.doc_counts[file])}; the file changed since it was counted: "
@@ -429,14 +513,159 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._open_file = (file, reader)
         return reader
 
+    # -- opening files: local, remote through the cache, or remote by range requests ----------
+    def _get_handler(self) -> FileHandler:
+        if self._handler is None:
+            self._handler = self.dataset.handler()
+        return self._handler
+
+    def _range_reads(self) -> bool:
+        """Whether remote files are read with range requests (nothing to prefetch)."""
+        return (
+            self.cache is not None
+            and self.cache.range_reads
+            and self.dataset.file_type in _RANGE_FORMATS
+        )
+
+    def _open(self, file: int) -> Any:
+        """Open file number ``file``: in place, from the cache, or by range requests."""
+        url = self.dataset.files[file]
+        handler = self._get_handler()
+        so = self.dataset.storage_options
+        t0 = time.perf_counter()
+        try:
+            if self.cache is None or not self.cache.is_cached(url):
+                if not is_remote(url):
+                    return handler.open(url)
+                return with_retries(lambda: handler.open(url), url, what="open")
+            if self._range_reads():
+                reader = _open_range(handler, self.cache, url, so)
+                if reader is not None:
+                    return reader
+            local = self.cache.acquire(url, so, self._companions)
+            if self._local_handler is None:  # the remote storage_options mean nothing locally
+                self._local_handler = get_handler(
+                    self.dataset.file_type, **self.dataset.handler_options
+                )
+            try:
+                return self._local_handler.open(local)
+            except DataFileError as exc:
+                self.cache.release(url, so)
+                message = str(exc).removeprefix(f"{local}: ")
+                raise DataFileError(url, f"{message} (read from the cached copy {local})") from exc
+            except BaseException:
+                self.cache.release(url, so)
+                raise
+        except FileNotFoundError as exc:
+            raise DataFileError(
+                url,
+                f"not found ({exc}); it was listed when the dataset index was built: check that "
+                "nothing deleted it, or rebuild the index",
+            ) from exc
+        finally:
+            self._io["files_opened"] += 1
+            self._io["open_seconds"] += time.perf_counter() - t0
+
+    def _open_prefetching(self, file: int, upcoming: list[str]) -> Any:
+        """Open ``file`` and hold ``upcoming`` as prefetched. When nothing is fetching the file
+        yet, it is fetched first and the prefetches start once it is open (so they do not
+        slow it down); else the prefetches start first."""
+        url = self.dataset.files[file]
+        cache = self.cache
+        so = self.dataset.storage_options
+        if cache is not None and cache.is_cached(url) and not cache.is_ready(url, so):
+            try:
+                return self._open(file)
+            finally:
+                self._release(self._set_prefetch(upcoming, current=url))
+        later = self._set_prefetch(upcoming, current=url)
+        try:
+            return self._open(file)
+        finally:  # the current file's prefetch hold, kept until it is open
+            self._release(later)
+
+    def _discard(self, url: str) -> None:
+        if self.cache is not None and self.cache.is_cached(url):
+            self.cache.discard(url, self.dataset.storage_options)
+
+    def _close(self, file: int, reader: Any) -> None:
+        self._get_handler().close(reader)
+        url = self.dataset.files[file]
+        cache = self.cache
+        if cache is not None and cache.is_cached(url) and not getattr(reader, "_range_read", 0):
+            cache.release(url, self.dataset.storage_options)
+
+    def _set_prefetch(self, urls: list[str], current: str | None = None) -> list[str]:
+        """Hold exactly ``urls`` as prefetched in the cache (starting downloads of new ones).
+
+        Returns the prefetch holds on ``current`` (the file about to be opened) that the caller
+        releases once it is open, so the file cannot be evicted in between.
+        """
+        if self.cache is None or (not urls and not self._prefetching):
+            return []
+        so = self.dataset.storage_options
+        held = set(self._prefetching)
+        for url in urls:
+            if url not in held:
+                self.cache.prefetch(url, so, self._companions)
+        keep = set(urls)
+        later = []
+        for url in self._prefetching:
+            if url not in keep:
+                if url == current:
+                    later.append(url)
+                else:
+                    self.cache.release(url, so)
+        self._prefetching = list(urls)
+        return later
+
+    def _release(self, urls: list[str]) -> None:
+        if self.cache is not None:
+            for url in urls:
+                self.cache.release(url, self.dataset.storage_options)
+
+    def _upcoming(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> list[str]:
+        """URLs of the next ``prefetch_shards`` distinct remote files this worker will open
+        after fragment ``j`` of shard ``sid``: the rest of its plan, then the next shards."""
+        n = self.prefetch_shards
+        cache = self.cache
+        if n == 0 or cache is None or self._range_reads():
+            return []
+        out: list[str] = []
+        seen = {plan.fragments[j].file}
+
+        def add(file: int, skipped: list[int]) -> bool:
+            if file not in seen and file not in skipped:
+                seen.add(file)
+                url = self.dataset.files[file]
+                if cache.is_cached(url):
+                    out.append(url)
+            return len(out) >= n
+
+        for frag in plan.fragments[j + 1 :]:
+            if add(frag.file, c.skipped_files):
+                return out
+        for epoch, _, other in heapq.nsmallest(4 * n + 2, self._queue):
+            if other == sid:
+                continue
+            if self.epochs is not None and epoch >= self.epochs:
+                break
+            oc = self._cursors[other]
+            oplan = self._make_plan(other, oc.epoch)
+            k = max(int(np.searchsorted(oplan.starts, oc.pos, side="right")) - 1, 0)
+            for frag in oplan.fragments[k:]:
+                if add(frag.file, oc.skipped_files):
+                    return out
+        return out
+
     def _fetch(
         self, reader: Any, file: int, doc_ids: np.ndarray, c: _Cursor
     ) -> list[DocData | None]:
-        assert self._handler is not None
+        handler = self._get_handler()
         skipped = {d for f, d in c.skipped_docs if f == file} if c.skipped_docs else set()
         if not skipped:
             try:
-                return list(self._handler.get_many(reader, doc_ids))
+                return list(handler.get_many(reader, doc_ids))
             except Exception:
                 if self.on_error == "raise":
                     raise
@@ -446,7 +675,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 out.append(None)
                 continue
             try:
-                out.append(self._handler.get(reader, d))
+                out.append(handler.get(reader, d))
             except Exception as exc:
                 if self.on_error == "raise":
                     raise
@@ -460,8 +689,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         return out
 
     def _close_file(self) -> None:
-        if self._open_file is not None and self._handler is not None:
-            self._handler.close(self._open_file[1])
+        if self._open_file is not None:
+            self._close(*self._open_file)
         self._open_file = None
 
     # -- state checks --------------------------------------------------------------------------
@@ -523,6 +752,61 @@ def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             f"(missing e.g. {sorted(missing, key=int)[:5]}); pass the states of all ranks and workers"
         )
     return {**first, "shards": shards}
+
+
+def _make_cache(
+    cache: ShardCache | str | os.PathLike[str] | bool | None, dataset: DatasetIndex
+) -> ShardCache | None:
+    if isinstance(cache, ShardCache):
+        return cache
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        if not any(is_remote(f) for f in dataset.files):
+            return None
+        return ShardCache(storage_options=dataset.storage_options)
+    return ShardCache(cache, storage_options=dataset.storage_options)
+
+
+def _open_range(handler: FileHandler, cache: ShardCache, url: str, so: dict[str, Any]) -> Any:
+    """Open an Arrow IPC file (one document per record batch) or a Parquet file with range
+    requests; None when the file is not of that kind (it is then downloaded instead)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchdata_ext.handlers.arrow import ArrowReader, column_kind
+    from torchdata_ext.handlers.parquet import ParquetReader
+
+    col = handler.col_name
+    source = pa.PythonFile(cache.open_range(url, so), mode="r")
+    reader: Any = None
+    try:
+        if handler.name == "arrow":
+            fr = pa.ipc.open_file(source)
+            index, kind = column_kind(url, fr.schema, col, "Arrow")
+            if kind == "int":  # other layouts read every batch on open: download instead
+                reader = ArrowReader(
+                    url, col, index, fr.schema, "file", "batch", "tokens", file_reader=fr
+                )
+        elif handler.name == "parquet":
+            pf = pq.ParquetFile(source)
+            _, kind = column_kind(url, pf.schema_arrow, col, "Parquet")
+            if kind != "int":
+                reader = ParquetReader(
+                    url,
+                    col,
+                    pf,
+                    "text" if kind == "text" else "tokens",
+                    getattr(handler, "max_cached_row_groups", None),
+                )
+    except (pa.ArrowException, OSError, DataFileError) as exc:
+        if isinstance(exc, RemoteError):
+            raise
+        logger.debug("range reads do not fit %s (%s); downloading it", url, exc)
+        reader = None
+    if reader is not None:
+        reader._range_read = True
+    return reader
 
 
 def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:

@@ -1,0 +1,271 @@
+"""Shared fixtures: a real S3 endpoint on 127.0.0.1 (moto's server) and a fault-injecting proxy.
+
+``s3`` gives each test its own bucket on one moto server per session (started on a free port of
+127.0.0.1, stopped at the end), with AWS credentials set in the environment for that test only.
+``s3_proxy`` puts a :class:`FaultProxy` in front of it: an HTTP proxy that can answer a share of
+requests with ``503 SlowDown``, reset the connection, or cut a response body short, and counts
+every request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import logging
+import socket
+import struct
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class S3Endpoint:
+    """A bucket on the test S3 endpoint.
+
+    Attributes:
+        endpoint_url: ``http://127.0.0.1:<port>``.
+        bucket: a fresh bucket for this test.
+        storage_options: fsspec options reaching the endpoint (``key``/``secret``/``client_kwargs``).
+    """
+
+    endpoint_url: str
+    bucket: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def url(self, *parts: str) -> str:
+        """``s3://<bucket>/<parts...>``."""
+        return "/".join([f"s3://{self.bucket}", *(p.strip("/") for p in parts)])
+
+    def options_via(self, endpoint_url: str, **extra: Any) -> dict[str, Any]:
+        """The storage options pointed at another endpoint (e.g. a proxy)."""
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"},
+            **extra,
+        }
+
+
+def _storage_options(endpoint_url: str) -> dict[str, Any]:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": "us-east-1"},
+    }
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """One moto S3 server on 127.0.0.1 for the session; yields its endpoint URL."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3Endpoint]:
+    """A fresh bucket on the session's S3 endpoint; AWS variables set for this test only, and
+    the default shard cache folder (``TORCHDATA_EXT_CACHE_DIR``) in a temporary folder."""
+    import s3fs
+
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path_factory.mktemp("shard_cache")))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_MAX_ATTEMPTS", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    options = _storage_options(s3_server)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    fs.call_s3("create_bucket", Bucket=bucket)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield S3Endpoint(s3_server, bucket, options)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+# ------------------------------------------------------------------------------ fault proxy
+_HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+}
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    """An HTTP proxy to the S3 endpoint that injects faults, deterministically.
+
+    Attempt ``n`` of a request (method + path + query) fails when ``n < max_faults`` and a hash of
+    ``(seed, request without the bucket, n)`` falls below ``share``; the fault kind (``"503"``, ``"reset"``: the
+    connection is reset without an answer, ``"truncate"``: half the body then a reset) comes from
+    the same hash. Requests for keys ending in one of ``always_fail`` get ``503`` every time.
+    The outcome depends only on each request's own history, not on thread timing.
+
+    Attributes:
+        requests: ``Counter`` of ``(method, path)`` seen.
+        faults: ``Counter`` of fault kinds injected.
+    """
+
+    def __init__(
+        self,
+        upstream_url: str,
+        share: float = 0.0,
+        *,
+        seed: int = 0,
+        max_faults: int = 3,
+        kinds: tuple[str, ...] = ("503", "reset", "truncate"),
+    ) -> None:
+        host, port = upstream_url.split("//", 1)[1].split(":")
+        self.upstream = (host, int(port))
+        self.share = share
+        self.seed = seed
+        self.max_faults = max_faults
+        self.kinds = kinds
+        self.always_fail: set[str] = set()
+        self.methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE")  # faulted
+        self.requests: Counter[tuple[str, str]] = Counter()
+        self.faults: Counter[str] = Counter()
+        self._attempts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                proxy._handle(self)
+
+            do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def restart_faults(self) -> None:
+        """Forget the attempts seen so far: the next requests get a fresh fault pattern."""
+        with self._lock:
+            self._attempts.clear()
+
+    def gets(self, suffix: str = "") -> int:
+        """GET and HEAD requests for keys ending in ``suffix``."""
+        return sum(
+            n
+            for (method, path), n in self.requests.items()
+            if method in ("GET", "HEAD") and path.endswith(suffix) and "?" not in path
+        )
+
+    def _fault(self, method: str, path: str) -> str | None:
+        key = f"{method} {path}"
+        bare = path.split("?", 1)[0]
+        with self._lock:
+            n = self._attempts[key]
+            self._attempts[key] += 1
+            self.requests[(method, path if "list-type" in path else bare)] += 1
+        if any(bare.endswith(s) for s in self.always_fail):
+            return "503"
+        if n >= self.max_faults or self.share <= 0 or method not in self.methods:
+            return None
+        # the bucket (random per test) is left out, so a seed gives the same faults every run
+        unbucketed = f"{method} {path.lstrip('/').partition('/')[2]}"
+        h = hashlib.sha256(f"{self.seed}|{unbucketed}|{n}".encode()).digest()
+        if int.from_bytes(h[:8], "little") / 2**64 >= self.share:
+            return None
+        return self.kinds[h[8] % len(self.kinds)]
+
+    def _handle(self, req: BaseHTTPRequestHandler) -> None:
+        length = int(req.headers.get("Content-Length") or 0)
+        body = req.rfile.read(length) if length else b""
+        kind = self._fault(req.command, req.path)
+        if kind == "truncate" and req.command != "GET":
+            kind = "reset"
+        if kind is not None:
+            with self._lock:
+                self.faults[kind] += 1
+        if kind == "503":
+            req.send_response(503)
+            req.send_header("Content-Type", "application/xml")
+            req.send_header("Content-Length", str(len(_SLOWDOWN)))
+            req.end_headers()
+            if req.command != "HEAD":
+                req.wfile.write(_SLOWDOWN)
+            return
+        if kind == "reset":
+            self._reset(req)
+            return
+        conn = http.client.HTTPConnection(*self.upstream, timeout=30)
+        try:
+            headers = {k: v for k, v in req.headers.items() if k.lower() not in _HOP_HEADERS}
+            conn.request(req.command, req.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        req.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP_HEADERS and k.lower() != "content-length":
+                req.send_header(k, v)
+        if req.command == "HEAD":
+            req.send_header("Content-Length", resp.getheader("Content-Length") or "0")
+            req.end_headers()
+            return
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        if kind == "truncate" and len(data) > 1:
+            req.wfile.write(data[: len(data) // 2])
+            req.wfile.flush()
+            self._reset(req)
+            return
+        req.wfile.write(data)
+
+    @staticmethod
+    def _reset(req: BaseHTTPRequestHandler) -> None:
+        req.close_connection = True
+        with contextlib.suppress(OSError):
+            req.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        req.connection.close()
+
+
+@pytest.fixture
+def s3_proxy(s3: S3Endpoint) -> Iterator[FaultProxy]:
+    """A :class:`FaultProxy` in front of the test endpoint (no faults until configured)."""
+    proxy = FaultProxy(s3.endpoint_url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
