@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 from harness import check_loader_restore, check_restore_at_every_step, item_key, run
-from torchdata.nodes import IterableWrapper
+from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.shuffle import ShuffleBuffer
 from torchdata_ext.testing import write_arrow_batches
 
 
@@ -119,3 +120,47 @@ def test_stream_equals_collate_of_the_pack_stream_after_restore(index) -> None:
     fresh.reset(state)
     assert [item_key(b) for b in run(fresh)] == [item_key(b) for b in rest]
     assert len(first) == 2
+
+
+class _Plain(BaseNode[dict]):
+    """Passes a node's items through, hiding its packed-item protocol (the generic path)."""
+
+    def __init__(self, node: BaseNode) -> None:
+        super().__init__()
+        self.node = node
+
+    def reset(self, initial_state=None) -> None:
+        super().reset(initial_state)
+        self.node.reset(initial_state)
+
+    def next(self) -> dict:
+        return next(self.node)
+
+    def get_state(self) -> dict:
+        return self.node.state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(
+    "pack_kw",
+    [{}, {"shift": True, "mode": "pad"}, {"mode": "best_fit", "window": 5, "shift": True}],
+    ids=["concat", "pad_shift", "best_fit_shift"],
+)
+def test_packed_sequences_written_straight_into_the_batch(index, pack_kw, dtype) -> None:
+    """Over a Pack (or a shuffle buffer over one) each sequence is written into the batch
+    arrays without its dict: the batches equal those of the generic path."""
+    keys = ("input_ids", "labels", "provenance", "position_ids", "document_ids", "loss_mask")
+    for wrap in (lambda p: p, lambda p: ShuffleBuffer(p, 7, seed=2)):
+        fused = Collate(wrap(packer(index, **pack_kw)), 3, dtype=dtype, keys=keys)
+        assert fused._fused
+        generic = Collate(_Plain(wrap(packer(index, **pack_kw))), 3, dtype=dtype, keys=keys)
+        assert not generic._fused
+        a, b = run(fused), run(generic)
+        assert [list(x) for x in a] == [list(x) for x in b]
+        assert [item_key(x) for x in a] == [item_key(x) for x in b]
+        assert all(t.dtype == (torch.bool if k == "loss_mask" else dtype if k != "provenance"
+                               else torch.int64) for x in a for k, t in x.items())  # fmt: skip
+    check_restore_at_every_step(
+        lambda: Collate(ShuffleBuffer(packer(index, **pack_kw), 5, seed=1), 2, dtype=dtype),
+        steps=range(0, 12, 3),
+    )

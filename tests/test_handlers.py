@@ -662,3 +662,226 @@ def test_parquet_row_group_cache(base_url: str) -> None:
     for i, doc in zip(order, h.get_many(r, order), strict=True):
         assert np.array_equal(doc, expected[i])
     assert len(r._cache) <= 2
+
+
+# --------------------------------------------------------------------------- arrow batch index
+def _ipc_file(url: str, batches: list[pa.RecordBatch], schema: pa.Schema, **options: Any) -> None:
+    sink = pa.BufferOutputStream()
+    write_options = pa.ipc.IpcWriteOptions(**options)
+    with pa.ipc.new_file(sink, schema, options=write_options) as w:
+        for b in batches:
+            w.write_batch(b)
+    with fsspec.open(url, "wb") as f:
+        f.write(sink.getvalue().to_pybytes())
+
+
+def _pyarrow_docs(url: str, col: str = "tokens") -> list[np.ndarray]:
+    with fsspec.open(url, "rb") as f:
+        fr = pa.ipc.open_file(pa.py_buffer(f.read()))
+        return [
+            fr.get_batch(i).column(col).to_numpy(zero_copy_only=False)
+            for i in range(fr.num_record_batches)
+        ]
+
+
+INT_TYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES, ids=[np.dtype(t).name for t in INT_TYPES])
+def test_arrow_index_every_integer_type(base_url: str, dtype: Any) -> None:
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype)
+    docs = [
+        rng.integers(info.min, info.max, size=int(k), dtype=dtype, endpoint=True)
+        for k in [0, 1, 7, 33, 0, 120, 5]
+    ]
+    url = f"{base_url}/t.arrow"
+    T.write_arrow_batches(url, docs, dtype=dtype)
+    h = ArrowHandler()
+    r = h.open(url)
+    assert r.index is not None  # the fast path serves this file
+    got = h.get_many(r, range(len(docs)))
+    assert r.index.fast.all()
+    for i, doc in enumerate(docs):
+        for d in (got[i], h.get(r, i)):
+            assert d.dtype == np.dtype(dtype) and np.array_equal(d, doc)
+    assert h.doc_lengths(r).tolist() == [len(d) for d in docs]
+
+
+def test_arrow_index_is_zero_copy(tmp_path: Any) -> None:
+    docs = [np.arange(k, dtype=np.int32) + 10 * k for k in (3, 0, 50, 8)]
+    url = str(tmp_path / "z.arrow")
+    T.write_arrow_batches(url, docs)
+    h = ArrowHandler()
+    r = h.open(url)
+    base = np.frombuffer(r.source, np.uint8)
+    fr = pa.ipc.open_file(pa.py_buffer(r.source))
+    for i, doc in enumerate(h.get_many(r, [0, 2, 3])):
+        k = [0, 2, 3][i]
+        assert np.shares_memory(doc, base) and not doc.flags.writeable
+        col = fr.get_batch(k).column(0)
+        # the very bytes pyarrow would hand out, not a copy of them
+        offset = doc.ctypes.data - base.ctypes.data
+        assert offset == col.buffers()[1].address - pa.py_buffer(r.source).address
+        assert np.array_equal(doc, docs[k])
+
+
+def test_arrow_index_nulls_fall_back_to_pyarrow(base_url: str) -> None:
+    schema = pa.schema([("tokens", pa.int32())])
+    batches = [
+        pa.record_batch([pa.array([1, 2, 3], pa.int32())], schema=schema),
+        pa.record_batch([pa.array([4, None, 6], pa.int32())], schema=schema),
+        # a validity bitmap without nulls: still the fast path
+        pa.record_batch([pa.array([7, None, 9], pa.int32()).fill_null(8)], schema=schema),
+        pa.record_batch([pa.array([10], pa.int32())], schema=schema),
+    ]
+    url = f"{base_url}/n.arrow"
+    _ipc_file(url, batches, schema)
+    h = ArrowHandler()
+    r = h.open(url)
+    assert r.index is not None
+    assert [h.get(r, i).tolist() for i in (0, 2, 3)] == [[1, 2, 3], [7, 8, 9], [10]]
+    assert r.index.fast.tolist() == [True, False, True, True]
+    with pytest.raises(DataFileError, match=r"n\.arrow.*null tokens in record batch 1"):
+        h.get(r, 1)
+    with pytest.raises(DataFileError, match=r"n\.arrow.*null tokens"):
+        h.get_many(r, [0, 1, 2])
+    assert [d.tolist() for d in h.get_many(r, [3, 0])] == [[10], [1, 2, 3]]
+    assert h.doc_lengths(r).tolist() == [3, 3, 3, 1]
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_arrow_index_compressed_batches_go_through_pyarrow(base_url: str, compression) -> None:
+    schema = pa.schema([("tokens", pa.int64())])
+    docs = [np.arange(k, dtype=np.int64) for k in (5, 0, 300)]
+    batches = [pa.record_batch([pa.array(d)], schema=schema) for d in docs]
+    url = f"{base_url}/c.arrow"
+    _ipc_file(url, batches, schema, compression=compression)
+    h = ArrowHandler()
+    r = h.open(url)
+    got = h.get_many(r, [2, 0, 1])
+    assert r.index is None or not r.index.fast[[0, 2]].any()
+    assert [d.tolist() for d in got] == [docs[2].tolist(), docs[0].tolist(), []]
+
+
+def test_arrow_index_other_columns_and_nested_ones(base_url: str) -> None:
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 1000, size=int(k)) for k in (4, 0, 9)]
+
+    def batch(columns: dict[str, Any]) -> pa.RecordBatch:
+        return pa.record_batch(columns)
+
+    flat = [
+        batch({"id": pa.array([i] * len(d), pa.int16()), "s": pa.array(["x"] * len(d), pa.string()),
+               "tokens": pa.array(d, pa.uint32())})
+        for i, d in enumerate(docs)
+    ]  # fmt: skip
+    nested = [
+        batch({"l": pa.array([[1, 2]] * len(d), pa.list_(pa.int8())),
+               "tokens": pa.array(d, pa.uint32())})
+        for d in docs
+    ]  # fmt: skip
+    for name, batches, indexed in (("flat", flat, True), ("nested", nested, False)):
+        url = f"{base_url}/{name}.arrow"
+        _ipc_file(url, batches, batches[0].schema)
+        h = ArrowHandler()
+        r = h.open(url)
+        assert (r.index is not None) == indexed
+        got = h.get_many(r, range(len(docs)))
+        for d, want, ref in zip(got, docs, _pyarrow_docs(url), strict=True):
+            assert d.dtype == np.uint32 and np.array_equal(d, want) and np.array_equal(d, ref)
+
+
+def test_arrow_many_opens_of_one_file_share_an_index(tmp_path: Any, monkeypatch) -> None:
+    docs = [np.arange(k, dtype=np.int32) for k in (3, 5, 0, 2)]
+    url = str(tmp_path / "m.arrow")
+    T.write_arrow_batches(url, docs)
+    h = ArrowHandler()
+    first = h.open(url)
+    assert first.index is not None and first.file_reader is not None
+    opened: list[Any] = []
+    real_open_file = pa.ipc.open_file
+    monkeypatch.setattr(
+        pa.ipc, "open_file", lambda *a, **k: opened.append(a) or real_open_file(*a, **k)
+    )
+    readers = [h.open(url) for _ in range(50)]
+    assert not opened  # later opens neither parse the file nor ask pyarrow
+    for r in readers:
+        assert r.index is first.index and r.file_reader is None
+        assert [d.tolist() for d in h.get_many(r, [1, 0, 3, 2])] == [
+            docs[1].tolist(), docs[0].tolist(), docs[3].tolist(), [],
+        ]  # fmt: skip
+        h.close(r)
+    assert first.index.parsed.all()
+    # the file changes: its index is built again
+    docs2 = [np.arange(k, dtype=np.int32) + 100 for k in (1, 2, 3, 4, 5)]
+    T.write_arrow_batches(url, docs2)
+    r = h.open(url)
+    assert r.index is not first.index and h.length(r) == 5
+    assert [d.tolist() for d in h.get_many(r, range(5))] == [d.tolist() for d in docs2]
+    # handlers pickle without their cache
+    h2 = pickle.loads(pickle.dumps(h))
+    assert len(h._index_cache) == 1 and len(h2._index_cache) == 0
+    assert [d.tolist() for d in h2.get_many(h2.open(url), [4])] == [docs2[4].tolist()]
+
+
+def test_arrow_index_not_used_for_streams_and_range_reads(base_url: str) -> None:
+    docs = [np.arange(k, dtype=np.int64) for k in (2, 0, 4)]
+    url = f"{base_url}/s.arrow"
+    T.write_arrow_batches(url, docs, stream=True)
+    h = ArrowHandler()
+    r = h.open(url)
+    assert r.ipc_format == "stream" and r.index is None
+    assert [d.tolist() for d in h.get_many(r, [2, 1, 0])] == [[0, 1, 2, 3], [], [0, 1]]
+    url = f"{base_url}/f.arrow"
+    T.write_arrow_batches(url, docs)
+    r = h.open(url)
+    assert r.ipc_format == "file" and r.index is not None  # local or memory://
+
+
+def test_arrow_index_template_parse_equals_the_flatbuffer_parse(tmp_path: Any) -> None:
+    """Batches parsed by comparison with a template batch get exactly the fields a full read
+    of their flatbuffers gives, on files mixing layouts (empty batches, whose zero fields are
+    left out of the metadata, nulls, other columns, compression)."""
+    from torchdata_ext.handlers.arrow import batch_index
+
+    rng = np.random.default_rng(9)
+    lengths = [0, 5, 0, 17, 1, 300, 0, 2, 64, 9]
+    docs = [rng.integers(0, 50_000, size=k) for k in lengths]
+    schema = pa.schema([("id", pa.int32()), ("tokens", pa.int64()), ("s", pa.string())])
+
+    def batch(i: int, d: np.ndarray, null: bool) -> pa.RecordBatch:
+        toks = pa.array(d, pa.int64(), mask=(np.arange(len(d)) == 1) if null else None)
+        return pa.record_batch(
+            [pa.array([i] * len(d), pa.int32()), toks, pa.array(["ab"] * len(d), pa.string())],
+            schema=schema,
+        )
+
+    variants = {
+        "plain": ([batch(i, d, False) for i, d in enumerate(docs)], {}),
+        "nulls": ([batch(i, d, i % 3 == 0) for i, d in enumerate(docs)], {}),
+        "zstd": ([batch(i, d, False) for i, d in enumerate(docs)], {"compression": "zstd"}),
+    }
+    for name, (batches, options) in variants.items():
+        url = str(tmp_path / f"{name}.arrow")
+        _ipc_file(url, batches, schema, **options)
+        with open(url, "rb") as f:
+            buf = f.read()
+        fr = pa.ipc.open_file(pa.py_buffer(buf))
+        by_template = batch_index(buf, schema, 1)
+        by_flatbuffers = batch_index(buf, schema, 1)
+        assert by_template is not None and by_flatbuffers is not None
+        by_flatbuffers._template = False
+        order = rng.permutation(len(docs))
+        for part in np.array_split(order, 3):  # several calls, as get_many makes them
+            by_template.ensure(buf, part)
+        by_flatbuffers.ensure_all(buf)
+        if name == "plain":
+            assert by_template._template  # a template was made and used
+        for key in ("lengths", "starts", "fast", "parsed"):
+            assert np.array_equal(getattr(by_template, key), getattr(by_flatbuffers, key)), key
+        view = by_template.view(buf)
+        for i in np.flatnonzero(by_template.fast):
+            want = fr.get_batch(int(i)).column(1).to_numpy()
+            got = view[by_template.starts[i] : by_template.starts[i] + by_template.lengths[i]]
+            assert np.array_equal(got, want)

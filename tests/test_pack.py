@@ -272,6 +272,59 @@ def test_every_token_delivered_with_exact_boundaries(scenario) -> None:
     assert pack.dataset_names == list(names[: len(src.blocks)])
 
 
+@settings(max_examples=200, deadline=None)
+@given(scenarios())
+def test_packed_form_materializes_to_the_output(scenario) -> None:
+    """``next_packed`` + ``materialize`` (what the shuffle buffer uses) and ``materialize_into``
+    (what collate uses) give exactly what ``next`` gives."""
+    kw, mode, shift, seq_len, lengths, marks, chunk, block_docs, window = scenario
+    docs = make_corpus(lengths, marks, kw)
+    names = ("web", "books") if chunk is None else ("web",)
+
+    def make() -> Pack:
+        src = ListSource(docs, block_docs=block_docs, max_chunksize=chunk, names=names)
+        return Pack(src, seq_len, mode=mode, shift=shift, window=window, **kw)
+
+    seqs = run(make())
+    pack = make()
+    pack.reset()
+    packed = []
+    while True:
+        try:
+            packed.append(pack.next_packed())
+        except StopIteration:
+            break
+    assert [item_key(pack.materialize(p)) for p in packed] == [item_key(x) for x in seqs]
+    for p, seq in zip(packed, seqs):
+        assert set(pack.output_keys) == set(seq)
+        assert len(p.tokens) == seq_len + shift
+        assert np.array_equal(p.provenance, seq["provenance"])
+        for dt in (np.int64, np.int32):
+            out = {
+                k: np.full((2, seq_len), -7, bool if k == "loss_mask" else dt)
+                for k in pack.output_keys
+                if k != "provenance"
+            }
+            pack.materialize_into(p, out, 1)
+            for k, a in out.items():
+                assert np.array_equal(a[1], seq[k]), k
+                assert k == "loss_mask" or (a[0] == -7).all()
+
+
+def test_a_document_cut_across_blocks_is_one_run() -> None:
+    """Pieces of one document in consecutive blocks continue each other's run: one document
+    id, positions counting on across the block boundary (and from 0 again in a new sequence)."""
+    docs = [np.arange(UNIQUE, UNIQUE + 10), np.arange(UNIQUE + 10, UNIQUE + 14)]
+    pack = Pack(ListSource(docs, block_docs=1, max_chunksize=3), 8, eos_token=EOS)
+    seqs = run(pack)
+    assert seqs[0]["position_ids"].tolist() == list(range(8))
+    assert seqs[0]["document_ids"].tolist() == [0] * 8
+    # the rest of document 0 (2 tokens and the EOS), then document 1 (4 tokens and the EOS)
+    assert seqs[1]["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert seqs[1]["document_ids"].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    check_rebuild(pack, seqs)
+
+
 # -- a real reader upstream ------------------------------------------------------------------------
 def unique_docs(n: int, seed: int, lo: int = 1, hi: int = 30, sep: int | None = None):
     rng = np.random.default_rng(seed)

@@ -12,7 +12,8 @@ from harness import check_loader_restore, check_restore_at_every_step, item_key,
 from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.nodes.shuffle import ShuffleBuffer
+from torchdata_ext.nodes.pack import Pack, PackedSequence
+from torchdata_ext.nodes.shuffle import ShuffleBuffer, _narrow
 from torchdata_ext.provenance import resolve
 from torchdata_ext.testing import write_arrow_batches
 
@@ -140,3 +141,65 @@ def test_seed_and_bad_arguments(index) -> None:
         ShuffleBuffer(IterableWrapper([]), 0)
     with pytest.raises(TypeError, match="buffer_size=2.0 must be an integer"):
         ShuffleBuffer(IterableWrapper([]), 2.0)  # type: ignore[arg-type]
+
+
+# -- a Pack source: the buffer holds packed sequences --------------------------------------------
+def _packed(index, size: int, epochs: int | None = 1, seq_len: int = 24) -> ShuffleBuffer:
+    reader = ShardReader(index, 8, world=World(), epochs=epochs, block_docs=7, seed=1)
+    return ShuffleBuffer(Pack(reader, seq_len, eos_token=0, shift=True), size, seed=5)
+
+
+def _reference_state(node: ShuffleBuffer) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The provenance part of the state as one concatenation of all buffered tables."""
+    tables = [np.asarray(node.materialize(x)["provenance"]) for x in node._buf]
+    rows = np.concatenate(tables).reshape(-1, 5)
+    counts = np.array([len(t) for t in tables], np.int64)
+    return _narrow(counts), [_narrow(rows[:, c]) for c in range(5)]
+
+
+def test_packed_items_same_stream_and_state(index) -> None:
+    idx, _ = index
+    node = _packed(idx, 30)
+    # the buffer holds the small form, and hands out what Pack.next would have
+    plain = ShuffleBuffer(_HideProtocol(_packed(idx, 30).source), 30, seed=5)
+    assert [item_key(x) for x in run(plain)] == [item_key(x) for x in run(_packed(idx, 30))]
+    node.reset()
+    steps = 0
+    while True:
+        state = node.state_dict()
+        if node._buf:
+            assert isinstance(node._buf[0], PackedSequence)
+            counts, cols = _reference_state(node)
+            assert state["prov_counts"].dtype == counts.dtype
+            assert np.array_equal(state["prov_counts"], counts)
+            for got, want in zip(state["prov_rows"], cols, strict=True):
+                assert got.dtype == want.dtype and np.array_equal(got, want)
+        try:
+            next(node)
+        except StopIteration:
+            break
+        steps += 1
+    assert steps > 60  # filled, drew and drained
+    n = len(run(_packed(idx, 12, epochs=2)))
+    assert n > 100
+    items = check_restore_at_every_step(lambda: _packed(idx, 12, epochs=2), steps=range(0, n, 7))
+    assert len(items) == n
+
+
+class _HideProtocol(BaseNode[dict]):
+    """Passes a node's items through, hiding its next_packed/materialize."""
+
+    def __init__(self, node: BaseNode) -> None:
+        super().__init__()
+        self.node = node
+        self.rebuild = node.rebuild
+
+    def reset(self, initial_state=None) -> None:
+        super().reset(initial_state)
+        self.node.reset(initial_state)
+
+    def next(self) -> dict:
+        return next(self.node)
+
+    def get_state(self) -> dict:
+        return self.node.state_dict()

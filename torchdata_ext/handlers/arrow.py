@@ -14,12 +14,28 @@ record batches). The layout follows the type of the ``col_name`` column:
 Null rows of a list or string column read as empty documents; null tokens inside a document
 are an error. Local files are memory-mapped and token documents are zero-copy, read-only
 NumPy views of the Arrow buffers.
+
+Fast path for the Bamba layout in an IPC *file*: the file's footer gives where every record
+batch's metadata is; a batch's metadata is parsed with NumPy when a call first asks for the
+batch (many batches at a time: by comparison with a template batch written the same way, else
+by reading the flatbuffers), into the offset and length of its token buffer
+(:class:`BatchIndex`), so ``get`` / ``get_many`` are slices of one NumPy view of the file, with
+no per-document pyarrow call. Batches the index cannot serve (a null token, compression, an
+unexpected layout) go through pyarrow as before, and so does everything else (streams,
+range-read files). The handler keeps the indexes of the last 16 local files it opened, keyed
+by ``(path, size, mtime, ctime, inode, device)`` and checked against the file's tail, so
+opening the same file again (one logical shard after another) neither parses anything nor
+calls pyarrow; that cache is never pickled.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import sys
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -27,8 +43,12 @@ import pyarrow.compute as pc
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
 from torchdata_ext.handlers.numpy_tokens import check_index, check_indices, read_source
+from torchdata_ext.urls import filesystem, is_local
 
-__all__ = ["ArrowHandler", "ArrowReader"]
+__all__ = ["ArrowHandler", "ArrowReader", "BatchIndex", "batch_index"]
+
+_INDEX_CACHE_FILES = 16  # per handler: indexes of the local files opened last
+_INDEX_CACHE_BATCHES = 1 << 22  # ... and of at most this many record batches in all
 
 _SUPPORTED = (
     "an integer column (one document per record batch), a list<integer> column (one "
@@ -173,6 +193,397 @@ class RowColumn:
         return np.concatenate(parts).astype(np.int64, copy=False)
 
 
+# --------------------------------------------------------------------------- batch index
+_MAGIC = b"ARROW1"
+_RECORD_BATCH = 3  # MessageHeader.RecordBatch
+_BLOCK = np.dtype([("offset", "<i8"), ("meta", "<i4"), ("pad", "<i4"), ("body", "<i8")])
+# buffers per node of the types a column may follow for the index to know its buffers
+_FIXED_BUFFERS = 2  # validity + values (also bool bits)
+_BINARY_BUFFERS = 3  # validity + offsets + data
+
+
+def _flat_buffers(t: pa.DataType) -> int | None:
+    """IPC buffers of a top-level column of type ``t`` (one field node), or None when ``t``
+    has children or a layout this index does not model."""
+    if pa.types.is_dictionary(t) or pa.types.is_nested(t):
+        return None
+    if (
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_temporal(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_fixed_size_binary(t)
+    ):
+        return _FIXED_BUFFERS
+    if (
+        pa.types.is_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_large_binary(t)
+    ):
+        return _BINARY_BUFFERS
+    return None
+
+
+class _Template(NamedTuple):
+    """The metadata of one record batch, to parse the batches written like it by comparison.
+
+    A writer lays out the metadata of every batch of one schema the same way; only values
+    (``Message.bodyLength``, ``RecordBatch.length``, the ``FieldNode`` and ``Buffer`` structs)
+    differ. A batch whose metadata has the template's length and equals it in every other
+    8-byte word has its fields at the template's places.
+    """
+
+    meta: int  # metadata bytes (Block.metaDataLength)
+    words: np.ndarray  # the metadata as little-endian 8-byte words
+    compare: np.ndarray  # which words hold layout (True) rather than values
+    node_at: int  # word of the column's FieldNode.length (null_count follows)
+    data_at: int  # word of the column's values Buffer.offset (length follows)
+
+
+class BatchIndex:
+    """Where the record batches' tokens are in an Arrow IPC file (Bamba layout).
+
+    Built from the file's footer (:func:`batch_index`); a batch's own metadata is parsed when
+    a call first asks for the batch (:meth:`ensure`, vectorised over the batches asked for),
+    next to its tokens, so no page of the file is touched for nothing.
+
+    Attributes:
+        dtype: the token dtype (little-endian).
+        lengths: ``int64`` tokens of each batch (its row count), -1 where unknown or not parsed.
+        starts: ``int64`` element offset of each batch's tokens in a ``dtype`` view of the file.
+        fast: ``bool`` whether a batch's tokens can be taken as ``view[start:start + length]``
+            (parsed, no nulls, no compression, in bounds, aligned); the others go through pyarrow.
+        parsed: ``bool`` whether a batch's metadata was parsed.
+        size: the file size in bytes the index was built for.
+        tail: the file's last 10 bytes (footer length and magic), to detect a changed file.
+    """
+
+    def __init__(
+        self,
+        dtype: np.dtype,
+        blocks: np.ndarray,
+        node: int,
+        buffer: int,
+        size: int,
+        tail: bytes,
+    ) -> None:
+        self.dtype = dtype
+        self.size = size
+        self.tail = tail
+        self._node, self._buffer = node, buffer
+        self._offset = blocks["offset"].astype(np.int64)
+        self._body = self._offset + blocks["meta"].astype(np.int64)
+        self._body_len = blocks["body"].astype(np.int64)
+        n = len(blocks)
+        self.lengths = np.full(n, -1, np.int64)
+        self.starts = np.zeros(n, np.int64)
+        self.fast = np.zeros(n, bool)
+        self.parsed = np.zeros(n, bool)
+        self._template: _Template | Literal[False] | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def view(self, buf: Any) -> np.ndarray:
+        """The whole file as one read-only ``dtype`` array (zero-copy)."""
+        return np.frombuffer(buf, self.dtype, count=self.size // self.dtype.itemsize)
+
+    def ensure(self, buf: Any, idx: np.ndarray) -> None:
+        """Parse the metadata of batches ``idx`` (an ``int64`` array) if not parsed yet."""
+        todo = idx[~self.parsed[idx]]
+        if len(todo):
+            self._parse(_Bytes(buf), np.unique(todo))
+
+    def ensure_all(self, buf: Any) -> None:
+        if not self.parsed.all():
+            self._parse(_Bytes(buf), np.flatnonzero(~self.parsed))
+
+    def _parse(self, u8: _Bytes, idx: np.ndarray) -> None:
+        """Parse batches ``idx``: by the template where their metadata match it, else by
+        reading their flatbuffers (:meth:`_parse_flatbuffers`)."""
+        if self._template is None:
+            self._template = self._make_template(u8, idx)
+            idx = idx[~self.parsed[idx]]
+        if self._template:
+            idx = self._parse_template(u8, idx, self._template)
+        if len(idx):
+            self._parse_flatbuffers(u8, idx)
+
+    def _make_template(self, u8: _Bytes, idx: np.ndarray) -> _Template | Literal[False]:
+        """The template of the first of batches ``idx`` (False when it cannot be one: an
+        unexpected layout, compression, or unaligned metadata)."""
+        i = idx[:1]
+        pos = self._parse_flatbuffers(u8, i)
+        m, meta = int(self._offset[i[0]]), int(self._body[i[0]] - self._offset[i[0]])
+        if not (pos["ok"][0] and not pos["compressed"][0] and m % 8 == 0 and meta % 8 == 0):
+            return False
+        words = u8.view("<u8")[m // 8 : (m + meta) // 8].copy()
+        compare = np.ones(len(words), bool)
+        values: list[tuple[int, int]] = [  # (byte position, bytes) of values, not layout
+            (int(pos["nodes"][0]) + 4, 16 * int(pos["n_nodes"][0])),
+            (int(pos["bufs"][0]) + 4, 16 * int(pos["n_bufs"][0])),
+            (int(pos["length_at"][0]), 8),
+            (int(pos["body_length_at"][0]), 8),
+        ]
+        for at, nbytes in values:
+            if at < 0 or nbytes == 0:
+                continue  # absent (the default)
+            if (at - m) % 8 or nbytes % 8 or at + nbytes > m + meta:
+                return False
+            compare[(at - m) // 8 : (at - m + nbytes) // 8] = False
+        node_at = (int(pos["nodes"][0]) + 4 + 16 * self._node - m) // 8
+        data_at = (int(pos["bufs"][0]) + 4 + 16 * (self._buffer + 1) - m) // 8
+        return _Template(meta, words, compare, node_at, data_at)
+
+    def _parse_template(self, u8: _Bytes, idx: np.ndarray, t: _Template) -> np.ndarray:
+        """Parse the batches of ``idx`` whose metadata equal the template's but for values:
+        their fields are where the template's are. Returns the other batches."""
+        m = self._offset[idx]
+        cand = (self._body[idx] - m == t.meta) & (m % 8 == 0) & (m >= 8)
+        cand &= m <= u8.size - t.meta
+        hit = idx[cand]
+        if not len(hit):
+            return idx
+        w = u8.view("<u8")[(m[cand] // 8)[:, None] + np.arange(len(t.words))]
+        same = (w[:, t.compare] == t.words[t.compare]).all(axis=1)
+        hit, w = hit[same], w[same].view(np.int64)
+        length, nulls = w[:, t.node_at], w[:, t.node_at + 1]
+        off, blen = w[:, t.data_at], w[:, t.data_at + 1]
+        self._store(u8.size, hit, length >= 0, length, nulls, off, blen, np.zeros(len(hit), bool))
+        rest = np.ones(len(idx), bool)
+        rest[np.flatnonzero(cand)[same]] = False
+        return idx[rest]
+
+    def _store(
+        self,
+        size: int,
+        idx: np.ndarray,
+        ok: np.ndarray,
+        length: np.ndarray,
+        nulls: np.ndarray,
+        off: np.ndarray,
+        blen: np.ndarray,
+        compressed: np.ndarray,
+    ) -> None:
+        """Check the parsed fields of batches ``idx`` against the file and record them."""
+        isz = self.dtype.itemsize
+        body, body_len = self._body[idx], self._body_len[idx]
+        nbytes = length * isz
+        start = body + off
+        ok = ok & (body_len >= 0) & (body <= size - body_len)
+        ok &= (off >= 0) & (blen >= nbytes) & (off <= body_len - nbytes) & (start <= size - nbytes)
+        fast = ok & ~compressed & (nulls == 0) & (start % isz == 0)
+        self.lengths[idx] = np.where(ok, length, -1)
+        self.starts[idx] = np.where(fast, start // isz, 0)
+        self.fast[idx] = fast
+        self.parsed[idx] = True
+
+    def _parse_flatbuffers(self, u8: _Bytes, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Read each batch's ``Message`` -> ``RecordBatch`` flatbuffer, vectorised over ``idx``;
+        returns the positions found (for :meth:`_make_template`)."""
+        size = u8.size
+        node, buffer = self._node, self._buffer
+        m = self._offset[idx]
+        ok = (m >= 8) & (m < size)
+        marker, ok1 = _gather(u8, m, "<u4")
+        ok &= ok1
+        fb = m + np.where(marker == 0xFFFFFFFF, 8, 4)  # after the continuation marker, length
+        msg, ok = _deref(u8, fb, ok)
+        pos, present, ok = _field(u8, msg, 1, ok)  # Message.header_type
+        htype, ok1 = _gather(u8, pos, "<u1")
+        ok &= present & ok1 & (htype == _RECORD_BATCH)
+        body_length_at, _, ok = _field(u8, msg, 3, ok)  # Message.bodyLength
+        pos, present, ok = _field(u8, msg, 2, ok)  # Message.header
+        ok &= present
+        rb, ok = _deref(u8, pos, ok)
+        length_at, _, ok = _field(u8, rb, 0, ok)  # RecordBatch.length
+        _, compressed, ok = _field(u8, rb, 3, ok)  # RecordBatch.compression
+        pos, present, ok = _field(u8, rb, 1, ok)  # RecordBatch.nodes
+        ok &= present
+        nodes, ok = _deref(u8, pos, ok)
+        n_nodes, ok1 = _gather(u8, nodes, "<u4")
+        ok &= ok1 & (n_nodes > node)
+        length, ok1 = _gather(u8, nodes + 4 + 16 * node, "<i8")  # FieldNode.length
+        nulls, ok2 = _gather(u8, nodes + 12 + 16 * node, "<i8")  # FieldNode.null_count
+        ok &= ok1 & ok2 & (length >= 0)
+        pos, present, ok = _field(u8, rb, 2, ok)  # RecordBatch.buffers
+        ok &= present
+        bufs, ok = _deref(u8, pos, ok)
+        n_bufs, ok1 = _gather(u8, bufs, "<u4")
+        ok &= ok1 & (n_bufs > buffer + 1)
+        data = bufs + 4 + 16 * (buffer + 1)  # the values Buffer, after the validity bitmap
+        off, ok1 = _gather(u8, data, "<i8")
+        blen, ok2 = _gather(u8, data + 8, "<i8")
+        ok &= ok1 & ok2
+        self._store(size, idx, ok, length, nulls, off, blen, compressed)
+        return {
+            "ok": ok,
+            "compressed": compressed,
+            "nodes": nodes,
+            "n_nodes": n_nodes,
+            "bufs": bufs,
+            "n_bufs": n_bufs,
+            "length_at": length_at,
+            "body_length_at": body_length_at,
+        }
+
+
+class _Bytes:
+    """A file's bytes with one little-endian view per scalar type, for aligned gathers."""
+
+    def __init__(self, buf: Any) -> None:
+        self.u8 = np.frombuffer(buf, np.uint8)
+        self.size = int(self.u8.size)
+        self._views: dict[str, np.ndarray] = {}
+
+    def view(self, dt: str) -> np.ndarray:
+        v = self._views.get(dt)
+        if v is None:
+            width = np.dtype(dt).itemsize
+            v = self._views[dt] = self.u8[: self.size - self.size % width].view(dt)
+        return v
+
+
+def _gather(data: _Bytes, pos: np.ndarray, dt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Values of type ``dt`` at byte positions ``pos``, and which could be read (in bounds and
+    aligned to their size, as flatbuffers lays scalars out in Arrow's 8-aligned messages)."""
+    width = np.dtype(dt).itemsize
+    ok = (pos >= 0) & (pos <= data.size - width) & (pos % width == 0)
+    at = np.where(ok, pos // width, 0)
+    view = data.view(dt)
+    if not len(view):
+        return np.zeros(len(pos), np.int64), np.zeros(len(pos), bool)
+    return view[at].astype(np.int64), ok
+
+
+def _field(
+    u8: _Bytes, table: np.ndarray, k: int, ok: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Field ``k`` of the flatbuffer tables at ``table``: its byte position, whether it is
+    present (absent fields take their default), and whether the lookup was in bounds."""
+    soff, ok1 = _gather(u8, table, "<i4")
+    vtable = table - soff
+    vt_size, ok2 = _gather(u8, vtable, "<u2")
+    entry = 4 + 2 * k
+    inside = vt_size > entry
+    fo, ok3 = _gather(u8, vtable + entry, "<u2")
+    valid = ok & ok1 & ok2 & (ok3 | ~inside)
+    present = valid & inside & ok3 & (fo > 0)
+    return np.where(present, table + fo, -1), present, valid
+
+
+def _deref(u8: _Bytes, pos: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Follow the flatbuffer ``uoffset`` stored at ``pos``."""
+    rel, ok1 = _gather(u8, pos, "<u4")
+    return pos + rel, ok & ok1
+
+
+def batch_index(buf: Any, schema: pa.Schema, col_index: int) -> BatchIndex | None:
+    """The :class:`BatchIndex` of column ``col_index`` (an integer column) of the Arrow IPC
+    file in ``buf``, from its footer (batches are parsed on demand, see
+    :meth:`BatchIndex.ensure`).
+
+    Returns None when the file is not one this index models (not the IPC file format, a big-
+    endian file or host, an unreadable footer, or a column preceded by nested columns); the
+    caller then reads through pyarrow. Batches with a null, compression or an unexpected
+    layout are marked not ``fast``.
+    """
+    if sys.byteorder != "little":
+        return None
+    t = schema.field(col_index).type
+    if not pa.types.is_integer(t):
+        return None
+    node, buffer = col_index, 0
+    for k in range(col_index):
+        nb = _flat_buffers(schema.field(k).type)
+        if nb is None:
+            return None
+        buffer += nb
+    dtype = np.dtype(t.to_pandas_dtype()).newbyteorder("<")
+    u8 = _Bytes(buf)
+    size = u8.size
+    if size < 18 or bytes(u8.u8[:6]) != _MAGIC or bytes(u8.u8[-6:]) != _MAGIC:
+        return None
+    one = np.ones(1, bool)
+    footer = np.array([size - 10 - int(u8.u8[size - 10 : size - 6].view("<i4")[0])])
+    if footer[0] < 8:
+        return None
+    root, ok = _deref(u8, footer, one)
+    # Footer.schema (field 1) -> Schema.endianness (field 0; 0 = little, the default)
+    pos, present, ok = _field(u8, root, 1, ok)
+    if present[0]:
+        sch, ok = _deref(u8, pos, ok)
+        pos, present, ok = _field(u8, sch, 0, ok)
+        if present[0]:
+            endian, ok1 = _gather(u8, pos, "<i2")
+            if not ok1[0] or endian[0] != 0:
+                return None
+    if not ok[0]:
+        return None
+    # Footer.recordBatches (field 3): a vector of Block structs
+    pos, present, ok = _field(u8, root, 3, ok)
+    if not ok[0]:
+        return None
+    if not present[0]:
+        blocks = np.zeros(0, _BLOCK)
+    else:
+        vec, ok = _deref(u8, pos, ok)
+        count, ok1 = _gather(u8, vec, "<u4")
+        n = int(count[0])
+        if not (ok[0] and ok1[0]) or int(vec[0]) + 4 + n * _BLOCK.itemsize > size:
+            return None
+        blocks = np.frombuffer(buf, _BLOCK, count=n, offset=int(vec[0]) + 4)
+    return BatchIndex(dtype, blocks, node, buffer, size, bytes(u8.u8[-10:]))
+
+
+def _index_agrees(index: BatchIndex, buf: Any, file_reader: Any, col_index: int) -> bool:
+    """Whether pyarrow finds the first and the last non-empty fast batch among the first and
+    the last few batches where ``index`` says."""
+    n = len(index)
+    ends = np.unique(np.concatenate([np.arange(min(n, 8)), np.arange(max(n - 8, 0), n)]))
+    index.ensure(buf, ends)
+    fast = ends[index.fast[ends] & (index.lengths[ends] > 0)]
+    if not len(fast):
+        return True
+    base = pa.py_buffer(buf).address
+    for i in {int(fast[0]), int(fast[-1])}:
+        column = file_reader.get_batch(i).column(col_index)
+        address = column.buffers()[1].address + column.offset * index.dtype.itemsize
+        if (
+            len(column) != index.lengths[i]
+            or address != base + index.starts[i] * index.dtype.itemsize
+        ):
+            return False
+    return True
+
+
+def _local_path(url: str, storage_options: dict[str, Any]) -> str | None:
+    """The local path of ``url`` (None for other filesystems)."""
+    if "://" not in url and "::" not in url:
+        return url  # a plain path: fsspec's local filesystem
+    try:
+        fs, path = filesystem(url, storage_options)
+    except ValueError:
+        return None
+    return str(path) if is_local(fs) else None
+
+
+def _stat_key(path: str, st: os.stat_result) -> tuple[Any, ...]:
+    return (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def _file_key(path: str | None) -> tuple[Any, ...] | None:
+    """``(path, size, mtime, ctime, inode, device)`` of a local file; None if not local or gone."""
+    if path is None:
+        return None
+    try:
+        return _stat_key(path, os.stat(path))
+    except OSError:
+        return None
+
+
 class ArrowReader:
     """An opened Arrow IPC file or stream.
 
@@ -196,6 +607,8 @@ class ArrowReader:
         file_reader: Any = None,
         batches: list[pa.RecordBatch] | None = None,
         rows: RowColumn | None = None,
+        index: BatchIndex | None = None,
+        source: Any = None,
     ) -> None:
         self.url = url
         self.col_name = col_name
@@ -207,15 +620,30 @@ class ArrowReader:
         self.file_reader = file_reader
         self.batches = batches
         self.rows = rows
+        self.index = index
+        self.source = source  # the file's bytes (for the index, and to open lazily)
         self._lengths: np.ndarray | None = None
+        self._view: np.ndarray | None = None
         if rows is not None:
             self.num_docs = len(rows)
+        elif index is not None:
+            self.num_docs = len(index.lengths)
         elif file_reader is not None:
             self.num_docs = int(file_reader.num_record_batches)
         else:
             self.num_docs = len(batches or [])
 
+    @property
+    def view(self) -> np.ndarray:
+        """The whole file as one token array (only with an ``index``)."""
+        if self._view is None:
+            assert self.index is not None
+            self._view = self.index.view(self.source)
+        return self._view
+
     def batch(self, i: int) -> pa.RecordBatch:
+        if self.file_reader is None and self.index is not None and self.source is not None:
+            self.file_reader = pa.ipc.open_file(pa.py_buffer(self.source))
         if self.file_reader is not None:
             return self.file_reader.get_batch(i)
         return (self.batches or [])[i]
@@ -228,6 +656,9 @@ class ArrowReader:
         self.file_reader = None
         self.batches = []
         self.rows = None
+        self.index = None
+        self.source = None
+        self._view = None
         self.num_docs = 0
 
     def __enter__(self) -> ArrowReader:
@@ -262,9 +693,29 @@ class ArrowHandler(FileHandler):
         self, col_name: str = "tokens", storage_options: dict[str, Any] | None = None
     ) -> None:
         super().__init__(col_name, storage_options)
+        self._index_cache: OrderedDict[tuple[Any, ...], tuple[pa.Schema, int, BatchIndex]] = (
+            OrderedDict()
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_index_cache"] = OrderedDict()  # per process, never pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index_cache = OrderedDict()
 
     def open(self, url: str) -> ArrowReader:
+        path = _local_path(url, self.storage_options)
+        if path is not None and self._index_cache:
+            reader = self._open_indexed(url, path)
+            if reader is not None:
+                return reader
+        key = _file_key(path)
         buf = read_source(url, self.storage_options)
+        if key is not None and key != _file_key(path):
+            key = None  # changed while it was mapped: do not cache its index
         source = pa.py_buffer(buf)
         file_reader = None
         batches: list[pa.RecordBatch] | None = None
@@ -288,9 +739,12 @@ class ArrowHandler(FileHandler):
                 ) from stream_exc
         col_index, kind = column_kind(url, schema, self.col_name, "Arrow")
         if kind == "int":
+            fast: BatchIndex | None = None
+            if file_reader is not None:
+                fast = self._index(key, buf, schema, col_index, file_reader)
             return ArrowReader(
                 url, self.col_name, col_index, schema, ipc_format, "batch", "tokens",
-                file_reader=file_reader, batches=batches,
+                file_reader=file_reader, batches=batches, index=fast, source=buf,
             )  # fmt: skip
         try:
             if file_reader is not None:
@@ -305,6 +759,54 @@ class ArrowHandler(FileHandler):
             url, self.col_name, col_index, schema, ipc_format, "rows",
             "text" if kind == "text" else "tokens", rows=rows,
         )  # fmt: skip
+
+    def _open_indexed(self, url: str, path: str) -> ArrowReader | None:
+        """Open a local file whose batch index is cached (None: not cached, or changed)."""
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                hit = self._index_cache.get(_stat_key(path, st))
+                if hit is None or st.st_size == 0:
+                    return None
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None  # read_source reports it
+        schema, col_index, index = hit
+        if len(buf) != index.size or buf[-10:] != index.tail:
+            return None
+        self._index_cache.move_to_end(_stat_key(path, st))
+        return ArrowReader(
+            url, self.col_name, col_index, schema, "file", "batch", "tokens",
+            index=index, source=buf,
+        )  # fmt: skip
+
+    def _index(
+        self,
+        key: tuple[Any, ...] | None,
+        buf: Any,
+        schema: pa.Schema,
+        col_index: int,
+        file_reader: Any,
+    ) -> BatchIndex | None:
+        """The batch index of an IPC file opened by pyarrow (None if it does not model it)."""
+        try:
+            index = batch_index(buf, schema, col_index)
+            if index is None or len(index.lengths) != file_reader.num_record_batches:
+                return None
+            if not _index_agrees(index, buf, file_reader, col_index):
+                return None
+        except (pa.ArrowException, OSError, ValueError, IndexError):
+            return None  # pyarrow reports the problem when the batch is read
+        if key is not None:
+            for old in [k for k in self._index_cache if k[0] == key[0]]:
+                del self._index_cache[old]  # an earlier version of the file
+            self._index_cache[key] = (schema, col_index, index)
+            while len(self._index_cache) > 1 and (
+                len(self._index_cache) > _INDEX_CACHE_FILES
+                or sum(len(ix) for _, _, ix in self._index_cache.values()) > _INDEX_CACHE_BATCHES
+            ):
+                self._index_cache.popitem(last=False)
+        return index
 
     def produces_for(self, reader: ArrowReader) -> str:
         """``"tokens"`` or ``"text"``: what :meth:`get` returns for this reader."""
@@ -326,19 +828,43 @@ class ArrowHandler(FileHandler):
     def get(self, reader: ArrowReader, index: int) -> Any:
         if reader.rows is not None:
             return reader.rows.get(index)
-        return self._batch_doc(reader, check_index(reader.url, index, reader.num_docs))
+        i = check_index(reader.url, index, reader.num_docs)
+        ix = reader.index
+        if ix is not None:
+            ix.ensure(reader.source, np.array([i]))
+            if ix.fast[i]:
+                start = int(ix.starts[i])
+                return reader.view[start : start + int(ix.lengths[i])]
+        return self._batch_doc(reader, i)
 
     def get_many(self, reader: ArrowReader, indices: Sequence[int] | np.ndarray) -> list[Any]:
         if reader.rows is not None:
             return reader.rows.get_many(indices)
         idx = check_indices(reader.url, indices, reader.num_docs)
-        return [self._batch_doc(reader, i) for i in idx.tolist()]
+        ix = reader.index
+        if ix is None:
+            return [self._batch_doc(reader, i) for i in idx.tolist()]
+        ix.ensure(reader.source, idx)
+        view = reader.view
+        starts = ix.starts[idx]
+        ends = starts + ix.lengths[idx]
+        if ix.fast[idx].all():
+            return [view[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+        return [
+            view[a:b] if fast else self._batch_doc(reader, i)
+            for i, a, b, fast in zip(idx.tolist(), starts.tolist(), ends.tolist(), ix.fast[idx])
+        ]
 
     def doc_lengths(self, reader: ArrowReader) -> np.ndarray:
         if reader._lengths is None:
             if reader.rows is not None:
                 reader._lengths = reader.rows.lengths()
-            else:
+            elif reader.index is not None and reader.source is not None:
+                reader.index.ensure_all(reader.source)
+                lengths = reader.index.lengths
+                if (lengths >= 0).all():
+                    reader._lengths = lengths.copy()
+            if reader._lengths is None:
                 reader._lengths = np.array(
                     [reader.batch(i).num_rows for i in range(reader.num_docs)], dtype=np.int64
                 )

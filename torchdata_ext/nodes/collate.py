@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.nodes.pack import PackedSequence
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
 
 __all__ = ["Collate"]
 
 DEFAULT_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
+_PACKED_PROTOCOL = ("next_packed", "materialize", "materialize_into")
 _BOOL_KEYS = frozenset({"loss_mask"})
 
 
@@ -40,6 +42,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
     State: ``{"source": <upstream state>}``. A batch is built within one call, so between calls
     the upstream sits at a batch boundary. Resume guarantee: restoring continues with exactly
     the batches the uninterrupted run would have produced.
+
+    A source with ``next_packed`` / ``materialize`` / ``materialize_into`` (a
+    :class:`~.pack.Pack`, or a :class:`~.shuffle.ShuffleBuffer` over one) is read in its
+    packed form and each sequence is written straight into the batch arrays (the same batch,
+    without making each sequence's dict first).
     """
 
     SOURCE_KEY = "source"
@@ -77,6 +84,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         self.drop_last = bool(drop_last)
         self.keys = tuple(keys)
         self._np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        protocol = [getattr(source, m, None) for m in _PACKED_PROTOCOL]
+        self._fused = all(callable(m) for m in protocol)
+        self._pull: Callable[[], Any] = (
+            protocol[0] if self._fused else self._next_source  # type: ignore[assignment]
+        )
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -86,14 +98,18 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             self.source.reset()
 
     def next(self) -> dict[str, torch.Tensor]:
-        items: list[dict[str, Any]] = []
+        items: list[Any] = []
         for _ in range(self.batch_size):
             try:
-                items.append(next(self.source))
+                items.append(self._pull())
             except StopIteration:
                 break
         if not items or (self.drop_last and len(items) < self.batch_size):
             raise StopIteration
+        if self._fused:
+            if all(isinstance(it, PackedSequence) for it in items):
+                return self._fill(items)
+            items = [self.source.materialize(it) for it in items]
         out: dict[str, Any] = {}
         for key in self.keys:
             present = [key in item for item in items]
@@ -113,17 +129,54 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}
 
+    def _next_source(self) -> Any:
+        return next(self.source)
+
+    def _fill(self, items: list[PackedSequence]) -> dict[str, torch.Tensor]:
+        """The batch of packed sequences, each written straight into the batch arrays."""
+        produced = tuple(self.source.output_keys)
+        width = len(items[0].tokens) - ("labels" in produced)
+        arrays: dict[str, np.ndarray] = {}
+        for key in self.keys:
+            if key in produced and key != "provenance":
+                dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
+                arrays[key] = np.empty((len(items), width), dt)
+        for i, item in enumerate(items):
+            if len(item.tokens) - ("labels" in produced) != width:
+                raise ValueError(
+                    f"item {i} packs {len(item.tokens)} tokens but item 0 packs "
+                    f"{len(items[0].tokens)}; Collate stacks sequences of one length"
+                )
+            self.source.materialize_into(item, arrays, i)
+        out: dict[str, torch.Tensor] = {}
+        for key in self.keys:
+            if key == "provenance" and key in produced:
+                out[key] = torch.from_numpy(_stack_provenance([it.provenance for it in items]))
+            elif key in arrays:
+                out[key] = torch.from_numpy(arrays[key])
+        return out
+
     def _stack(self, key: str, arrays: list[np.ndarray]) -> np.ndarray:
         width = len(arrays[0])
+        dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
+        buf = np.empty((len(arrays), width), dt)
+        checked = dt  # a source dtype already found castable
         for i, a in enumerate(arrays):
-            if np.ndim(a) != 1 or len(a) != width:
+            if type(a) is not np.ndarray:
+                a = np.asarray(a)
+            if a.ndim != 1 or len(a) != width:
                 raise ValueError(
                     f"item {i} has {key!r} of shape {np.shape(a)} but item 0 has ({width},); "
                     "Collate stacks 1-D arrays of one length (the Pack's seq_len)"
                 )
-        dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
-        buf = np.empty((len(arrays), width), dt)
-        np.stack(arrays, out=buf, casting="same_kind")
+            if a.dtype != checked:
+                if not np.can_cast(a.dtype, dt, "same_kind"):
+                    raise TypeError(
+                        f"item {i} has {key!r} of dtype {a.dtype}, which cannot be cast to "
+                        f"{dt} with casting='same_kind'"
+                    )
+                checked = a.dtype
+            buf[i] = a  # a row copy each: cheaper than np.stack for a few long rows
         return buf
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -27,10 +27,11 @@ from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.provenance import LITERAL, PAD, PROV_COLUMNS, resolve
 
-__all__ = ["Pack"]
+__all__ = ["Pack", "PackedSequence"]
 
 STATE_FORMAT = 1
 _MODES = ("concat", "pad", "best_fit")
+_SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
 
 
 @dataclass
@@ -48,6 +49,10 @@ class _Stream:
     rows: np.ndarray
     row_off: np.ndarray
     unit_off: np.ndarray
+    # where document runs start (stream token offsets), as Pack._layout would cut the stream
+    # read in one piece; built on first use by Pack._runs
+    run_at: list[int] | None = None
+    _row_off: list[int] | None = None  # row_off as a list, for bisect
 
     @property
     def n_units(self) -> int:
@@ -59,18 +64,43 @@ class _Stream:
 
     def rows_between(self, a: int, b: int) -> np.ndarray:
         """Provenance rows of stream tokens ``a .. b`` (``a < b``)."""
-        r0 = int(self.row_off.searchsorted(a, "right")) - 1
-        r1 = int(self.row_off.searchsorted(b, "left"))
+        row_off = self._row_off
+        if row_off is None:
+            row_off = self._row_off = self.row_off.tolist()
+        r0 = bisect.bisect_right(row_off, a) - 1
+        r1 = bisect.bisect_left(row_off, b)
         out = self.rows[r0:r1].copy()
-        cut = a - int(self.row_off[r0])
+        cut = a - row_off[r0]
         if cut:  # only document rows are longer than 1, so only they are ever cut
             out[0, 3] += cut
             out[0, 4] -= cut
-        out[-1, 4] -= int(self.row_off[r1]) - b
+        over = row_off[r1] - b
+        if over:
+            out[-1, 4] -= over
         return out
 
 
 _Part = tuple[_Stream, int, int]  # stream tokens a .. b
+
+
+class PackedSequence(NamedTuple):
+    """A packed sequence before its layout is spread over its tokens (see :meth:`Pack.next_packed`).
+
+    About a quarter of the memory of the output dict, which :meth:`Pack.materialize` makes.
+
+    Attributes:
+        tokens: the packed tokens (``seq_len``, or ``seq_len + 1`` with ``shift``).
+        provenance: the ``(k, 5)`` provenance table (the output dict's ``provenance``).
+        cuts: where each run of the layout starts (positions count from 0 there).
+        ids: the document id of each run (-1 for line specials and padding).
+        pad: the padding's token range ``(lo, hi)`` (``lo == hi``: none).
+    """
+
+    tokens: np.ndarray
+    provenance: np.ndarray
+    cuts: list[int]
+    ids: list[int]
+    pad: tuple[int, int]
 
 
 class Pack(BaseNode[dict[str, np.ndarray]]):
@@ -125,6 +155,11 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
       tokens (``seq_len + 1`` with ``shift``): document rows, :data:`~.provenance.LITERAL` rows
       for bos/eos/bol/eol (one token each), one :data:`~.provenance.PAD` row for the padding.
       Dataset ids index :attr:`dataset_names`. :meth:`rebuild` turns it back into the dict.
+
+    ``next()`` is ``materialize(next_packed())``: :meth:`next_packed` gives the sequence as a
+    small :class:`PackedSequence` (tokens, provenance and the document runs, a quarter of the
+    dict's memory), which the shuffle buffer holds instead of the dict, and
+    :meth:`materialize_into` writes it straight into batch arrays, which Collate does.
 
     Pieces of one document that end up next to each other, in order, form one run (one
     document id). Empty whole documents are dropped (they get no BOS/EOS). Sources should emit
@@ -252,12 +287,94 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         self._skip = self._anchor_off
 
     def next(self) -> dict[str, np.ndarray]:
+        return self.materialize(self.next_packed())
+
+    def next_packed(self) -> PackedSequence:
+        """The next sequence as a :class:`PackedSequence` (``next()`` is
+        ``materialize(next_packed())``). For buffering nodes such as the shuffle buffer, which
+        hold the small form and materialize an item when it leaves. Call after :meth:`reset`.
+        """
         if self.mode == "best_fit":
             return self._next_best_fit()
         parts, filled, ran_out = self._fill(self._capacity, whole_units=self.mode == "pad")
         if filled == 0 or (ran_out and not self.flush):
             raise StopIteration
         return self._emit(parts)
+
+    def materialize(self, item: PackedSequence | dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The output dict of a :class:`PackedSequence` (a dict is returned as it is)."""
+        if not isinstance(item, PackedSequence):
+            return item
+        x, rows, cuts, ids, (lo, hi) = item
+        size = len(x)
+        lens = [b - a for a, b in zip(cuts, cuts[1:])]
+        lens.append(size - cuts[-1])
+        pos = np.array(cuts, np.int32).repeat(lens)
+        np.subtract(self._arange, pos, out=pos)
+        doc = np.array(ids, np.int32).repeat(lens)
+        if not self.shift:
+            real = np.empty(size, bool)
+            real.fill(True)
+            real[lo:hi] = False
+            return {
+                "input_ids": x,
+                "position_ids": pos,
+                "document_ids": doc,
+                "loss_mask": real,
+                "provenance": rows,
+            }
+        mask = np.empty(size - 1, bool)
+        mask.fill(True)
+        if hi > lo:  # the input or the label is padding
+            mask[max(lo - 1, 0) : hi] = False
+        return {
+            "input_ids": x[:-1],
+            "labels": x[1:].copy(),
+            "position_ids": pos[:-1],
+            "document_ids": doc[:-1],
+            "loss_mask": mask,
+            "provenance": rows,
+        }
+
+    @property
+    def output_keys(self) -> tuple[str, ...]:
+        """The keys of the output dict."""
+        if self.shift:
+            return (
+                "input_ids",
+                "labels",
+                "position_ids",
+                "document_ids",
+                "loss_mask",
+                "provenance",
+            )
+        return ("input_ids", "position_ids", "document_ids", "loss_mask", "provenance")
+
+    def materialize_into(self, item: PackedSequence, out: dict[str, np.ndarray], row: int) -> None:
+        """Write ``materialize(item)`` into row ``row`` of the ``[B, seq_len]`` arrays in ``out``
+        (any of the keys but ``provenance``; values are cast to each array's dtype), without
+        making the output dict: what a collating node does with it, in one step."""
+        x, _, cuts, ids, (lo, hi) = item
+        n = self.seq_len
+        lens = [b - a for a, b in zip(cuts, cuts[1:])]
+        lens.append(len(x) - cuts[-1])
+        for key, target in out.items():
+            dest = target[row]
+            if key == "input_ids":
+                dest[:] = x[:n]
+            elif key == "labels" and self.shift:
+                dest[:] = x[1:]
+            elif key == "position_ids":
+                pos = np.array(cuts, np.int32).repeat(lens)[:n]
+                np.subtract(self._arange[:n], pos, out=dest, casting="unsafe")
+            elif key == "document_ids":
+                dest[:] = np.array(ids, np.int32).repeat(lens)[:n]
+            elif key == "loss_mask":
+                dest[:] = True
+                if hi > lo:  # with shift: where the input or the label is padding
+                    dest[max(lo - 1, 0) if self.shift else lo : hi] = False
+            else:
+                raise KeyError(f"a Pack sequence has no {key!r}; its keys: {self.output_keys}")
 
     def get_state(self) -> dict[str, Any]:
         if self.mode != "best_fit" and self._cur is not None:
@@ -374,34 +491,42 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         addbos, addeos = addbos & keep, addeos & keep
         unit_off = np.zeros(n + 1, np.int64)
         np.cumsum(lengths + addbos + addeos, out=unit_off[1:])
-        if addbos.any() or addeos.any():
+        n_bos, n_eos = int(np.count_nonzero(addbos)), int(np.count_nonzero(addeos))
+        if n_bos or n_eos:
             out = np.empty(int(unit_off[-1]), self.dtype)
             at_bos = unit_off[:-1][addbos]
             at_eos = unit_off[1:][addeos] - 1
-            mask = np.ones(len(out), bool)
-            mask[at_bos] = False
-            mask[at_eos] = False
-            out[mask] = tokens[: off[-1]]
-            if self.bos_token is not None:
+            if n <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
+                dest = (unit_off[:-1] + addbos).tolist()
+                for d, a, b in zip(dest, off[:-1].tolist(), off[1:].tolist()):
+                    out[d : d + b - a] = tokens[a:b]
+            else:
+                mask = np.ones(len(out), bool)
+                mask[at_bos] = False
+                mask[at_eos] = False
+                out[mask] = tokens[: off[-1]]
+            if n_bos:
                 out[at_bos] = self.bos_token
-            if self.eos_token is not None:
+            if n_eos:
                 out[at_eos] = self.eos_token
         else:
             out = tokens[: off[-1]]
-        rows3 = np.zeros((n, 3, PROV_COLUMNS), np.int64)
-        rows3[:, 0, 0] = LITERAL
-        rows3[:, 0, 1] = self.bos_token or 0
-        rows3[:, 0, 4] = 1
-        rows3[:, 1, 0] = ds_id
-        rows3[:, 1, 1] = block.file
-        rows3[:, 1, 2] = block.doc
-        rows3[:, 1, 3] = block.start
-        rows3[:, 1, 4] = lengths
-        rows3[:, 2, 0] = LITERAL
-        rows3[:, 2, 1] = self.eos_token or 0
-        rows3[:, 2, 4] = 1
-        rows = rows3.reshape(-1, PROV_COLUMNS)[np.stack([addbos, nonempty, addeos], 1).ravel()]
-        row_off = np.zeros(len(rows) + 1, np.int64)
+        n_rows = n_bos + int(np.count_nonzero(nonempty)) + n_eos
+        if n_rows == n and n_bos == 0 and n_eos == 0:
+            which = np.arange(n) * 3 + 1
+        else:
+            which = np.flatnonzero(np.stack([addbos, nonempty, addeos], 1).ravel())
+        rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
+        rows3[:, 0] = (LITERAL, self.bos_token or 0, 0, 0, 1)
+        rows3[:, 2] = (LITERAL, self.eos_token or 0, 0, 0, 1)
+        mid = rows3[:, 1]
+        mid[:, 0] = ds_id
+        mid[:, 1] = block.file
+        mid[:, 2] = block.doc
+        mid[:, 3] = block.start
+        mid[:, 4] = lengths
+        rows = rows3.reshape(-1, PROV_COLUMNS)[which]
+        row_off = np.zeros(n_rows + 1, np.int64)
         np.cumsum(rows[:, 4], out=row_off[1:])
         return _Stream(pre_state, carry_in, out, rows, row_off, unit_off)
 
@@ -434,7 +559,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         return parts, filled, False
 
     # -- best fit ------------------------------------------------------------------------------
-    def _next_best_fit(self) -> dict[str, np.ndarray]:
+    def _next_best_fit(self) -> PackedSequence:
         while self._bins is None:
             bins = self._build_window()
             if bins:
@@ -530,26 +655,101 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         return [parts[e0:e1] for e0, e1 in zip([0, *ends[:-1]], ends)]
 
     # -- output --------------------------------------------------------------------------------
-    def _emit(self, parts: list[_Part]) -> dict[str, np.ndarray]:
-        x = np.empty(self._packed_len, self.dtype)
-        rows: list[np.ndarray] = []
+    def _emit(self, parts: list[_Part]) -> PackedSequence:
+        """The sequence made of ``parts`` (then padding and the line specials).
+
+        Materialized, equal to ``_assemble(tokens, provenance)`` (which :meth:`rebuild` uses),
+        but the layout comes from the streams' document runs (:meth:`_runs`) instead of
+        :meth:`_layout`: inside a part a row continues the row before it exactly as in its
+        whole stream, so only a part's first row needs :meth:`_layout`'s rule, against the last
+        row of the part before (the first part always starts a run). The sequence is cut into
+        runs, each with the position its counting starts from and its document id (-1 for the
+        line specials and the padding), which :meth:`materialize` spreads over the tokens.
+        """
+        size = self._packed_len
+        x = np.empty(size, self.dtype)
+        cuts: list[int] = []  # where each run starts; its positions count from there
+        ids: list[int] = []  # its document id
+        pieces: list[np.ndarray] = []
         p = 0
         if self.bol_token is not None:
             x[0] = self.bol_token
-            rows.append(np.array([[LITERAL, self.bol_token, 0, 0, 1]], np.int64))
+            cuts.append(0)
+            ids.append(-1)
+            pieces.append(np.array([[LITERAL, self.bol_token, 0, 0, 1]], np.int64))
             p = 1
+        first_cut = True  # whether the next part's first row starts a run
+        doc = 0
         for s, a, b in parts:
+            run_at = self._runs(s)
             x[p : p + b - a] = s.tokens[a:b]
-            rows.append(s.rows_between(a, b))
+            rows = s.rows_between(a, b)
+            if pieces and not first_cut:
+                first_cut = not self._continues(pieces[-1][-1].tolist(), rows[0].tolist())
+            if first_cut:
+                cuts.append(p)
+                ids.append(doc)
+                doc += 1
+            lo = bisect.bisect_right(run_at, a)  # runs starting inside a .. b
+            hi = bisect.bisect_left(run_at, b, lo)
+            if hi > lo:
+                shift = p - a
+                cuts.extend([r + shift for r in run_at[lo:hi]])
+                ids.extend(range(doc, doc + hi - lo))
+                doc += hi - lo
+            pieces.append(rows)
             p += b - a
-        end = self._packed_len - (self.eol_token is not None)
+            first_cut = False
+        end = size - (self.eol_token is not None)
         if end > p:
             x[p:end] = self.pad_token
-            rows.append(np.array([[PAD, self.pad_token, 0, 0, end - p]], np.int64))
-        if self.eol_token is not None:
+            cuts.append(p)
+            ids.append(-1)
+            pieces.append(np.array([[PAD, self.pad_token, 0, 0, end - p]], np.int64))
+        if end < size:
             x[-1] = self.eol_token
-            rows.append(np.array([[LITERAL, self.eol_token, 0, 0, 1]], np.int64))
-        return self._assemble(x, np.concatenate(rows))
+            cuts.append(end)
+            ids.append(-1)
+            pieces.append(np.array([[LITERAL, self.eol_token, 0, 0, 1]], np.int64))
+        rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return PackedSequence(x, rows, cuts, ids, (p, max(end, p)))
+
+    def _continues(self, prev: list[int], cur: list[int]) -> bool:
+        """:meth:`_layout`'s rule for two content rows: whether ``cur`` continues the run of
+        ``prev`` (an EOS does; a document row does after a BOS or the contiguous previous piece
+        of its document; a BOS never does)."""
+        bos = self._bos_role
+        if bos is not None and cur[0] == LITERAL and cur[1] == bos:
+            return False
+        if cur[0] < 0:
+            return True
+        if bos is not None and prev[0] == LITERAL and prev[1] == bos:
+            return True
+        return prev[0] >= 0 and prev[:3] == cur[:3] and cur[3] == prev[3] + prev[4]
+
+    def _runs(self, s: _Stream) -> list[int]:
+        """Stream token offsets where the document runs of stream ``s`` start (increasing,
+        from 0), with :meth:`_layout`'s rule (the stream read as one piece)."""
+        if s.run_at is None:
+            rows = s.rows
+            ds = rows[:, 0]
+            is_data = ds >= 0
+            prev, cur = rows[:-1], rows[1:]
+            same_doc = (
+                is_data[:-1]
+                & (cur[:, 0] == prev[:, 0])
+                & (cur[:, 1] == prev[:, 1])
+                & (cur[:, 2] == prev[:, 2])
+                & (cur[:, 3] == prev[:, 3] + prev[:, 4])
+            )
+            starts = np.ones(len(rows), bool)
+            if self._bos_role is not None:
+                is_bos = (ds == LITERAL) & (rows[:, 1] == self._bos_role)
+                starts[1:] = is_bos[1:] | (is_data[1:] & ~is_bos[:-1] & ~same_doc)
+            else:
+                starts[1:] = is_data[1:] & ~same_doc
+            s.run_at = s.row_off[:-1][starts].tolist()
+        return s.run_at
 
     def _assemble(self, x: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
         """The output dict of packed tokens ``x`` and their provenance ``rows``."""
