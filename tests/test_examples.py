@@ -1,0 +1,55 @@
+"""The examples run as users run them (subprocesses) and print their success lines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.shuffle import ShuffleBuffer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*args: str, timeout: float = 120) -> str:
+    res = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert res.returncode == 0, f"{args} failed:\n{res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+@pytest.mark.xfail(
+    not all(hasattr(n, "inflight") for n in (Pack, ShuffleBuffer)),
+    reason="rescaling the full pipeline needs Pack.inflight / ShuffleBuffer.inflight (in progress)",
+    strict=True,
+)
+def test_train_tiny_lm_fast_mode(tmp_path: Path) -> None:
+    """Prepare (cli, in-process) -> pipeline -> train -> DCP + folder checkpoint -> resume with
+    3 workers (rescale) -> train: provenance matches the files, nothing repeated, loss goes on."""
+    out = _run(str(EXAMPLES / "train_tiny_lm.py"), "--steps", "8", "--max-files", "70",
+               "--data-dir", str(tmp_path))  # fmt: skip
+    assert "sequences on rank 0 equal the tokens their provenance names" in out
+    assert ", 0 repeated (2 workers -> checkpoint -> 3 workers)" in out
+    assert "OK: trained 8+4 steps, resumed from DCP + loader checkpoint with 3 workers" in out
+    assert (tmp_path / "code" / "meta" / "torchdata_ext_counts.csv").exists()
+
+
+def test_train_tiny_lm_same_topology_resume(tmp_path: Path) -> None:
+    """The same run restoring onto 2 workers again (no rescale)."""
+    out = _run(str(EXAMPLES / "train_tiny_lm.py"), "--steps", "6", "--max-files", "70",
+               "--resume-workers", "2", "--data-dir", str(tmp_path))  # fmt: skip
+    assert ", 0 repeated (2 workers -> checkpoint -> 2 workers)" in out
+    assert "OK: trained 6+4 steps" in out
+
+
+def test_bamba_config() -> None:
+    out = _run(str(EXAMPLES / "bamba_config.py"))
+    assert "batch['input_ids']: (2, 4096) torch.int64" in out
+    assert "loader state:" in out
+    assert "OK: Bamba pipeline batch of 2 x 4096 tokens" in out
