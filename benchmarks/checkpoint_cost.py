@@ -67,7 +67,10 @@ def main() -> None:
         step_times.append(t1 - t0)
         state_times.append(t2 - t1)
     size = len(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
-    step, snap = sorted(step_times)[len(step_times) // 2], sorted(state_times)[len(state_times) // 2]
+    step, snap = (
+        sorted(step_times)[len(step_times) // 2],
+        sorted(state_times)[len(state_times) // 2],
+    )
     print(f"buffer fill (first batch): {fill:.1f}s")
     print(f"state per worker: {size / 1e6:.2f} MB pickled ({args.logical_shards} shards x 3 datasets, "
           f"{args.shuffle_buffer}-sequence shuffle buffer)")  # fmt: skip

@@ -130,9 +130,67 @@ def old_workers_needed(n_logical_shards: int, old_total: int, new_world: World) 
     return out
 
 
+def graph_nodes(root: BaseNode) -> list[BaseNode]:
+    """Every node of a graph, root first (children found through node attributes)."""
+    out: list[BaseNode] = []
+    stack = [root]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        for value in vars(node).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(value, BaseNode):
+                stack.append(value)
+            elif isinstance(value, (list, tuple, dict)):
+                stack.extend(v for v in items if isinstance(v, BaseNode))
+    return out
+
+
+def _holds_nothing(node: BaseNode) -> bool:
+    from torchdata_ext.nodes.collate import Collate
+    from torchdata_ext.nodes.reader import ShardReader
+
+    return isinstance(node, (ShardReader, Collate))
+
+
+def _live_cut(
+    graph_state: dict[str, Any], world: World, build: Callable[[World], BaseNode]
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, int, int, int, int]]]:
+    """Restore an old worker's graph and return a consistent cut: each reader's live state
+    (after everything it handed out) and every piece held in flight above it."""
+    from torchdata_ext.nodes.reader import ShardReader
+
+    root = build(world)
+    root.reset(graph_state)
+    readers: dict[str, dict[str, Any]] = {}
+    pieces: list[tuple[str, int, int, int, int]] = []
+    nodes = graph_nodes(root)
+    for node in nodes:  # first every node's held data (a node may pull while reporting) ...
+        if hasattr(node, "inflight"):
+            pieces.extend(node.inflight())
+        elif not _holds_nothing(node):
+            raise ValueError(
+                f"cannot rescale: node {type(node).__name__} does not report the data it holds "
+                "(give it an inflight() method returning (dataset, file, doc, start, stop) "
+                "pieces), so a rescale could lose or repeat data"
+            )
+    for node in nodes:  # ... then the readers' cursors after everything they handed out
+        if isinstance(node, ShardReader):
+            readers[node.dataset.name] = node.state_dict()
+    for node in nodes:
+        close = getattr(node, "close", None)
+        if callable(close):
+            close()
+    return readers, pieces
+
+
 def rescale_worker_states(
     old_graphs: dict[int, dict[str, Any]],
-    old_total: int,
+    old_topology: tuple[int, int],
     new_world: World,
     build: Callable[[World], BaseNode],
 ) -> dict[str, Any]:
@@ -141,14 +199,20 @@ def rescale_worker_states(
     Args:
         old_graphs: graph states of (at least) the old workers returned by
             :func:`old_workers_needed`, by old global worker id.
-        old_total: the old number of global workers.
+        old_topology: ``(ranks, workers per rank)`` when the checkpoint was taken.
         new_world: the new worker's place.
         build: the graph builder (the same function the loader uses).
 
-    The new graph starts from a fresh state whose reader cursors are replaced by the merged
-    cursors of the old workers, and whose interleave token counters are the old counters
-    re-split (each old worker's counters divided evenly among the new workers that read it).
+    Each needed old worker's graph is restored in this process to take a consistent cut: its
+    readers' cursors after everything they handed out, plus every piece held in flight by the
+    nodes above (interleave remainders, packing remainders, shuffle-buffer contents). The new
+    worker starts from a fresh graph whose reader cursors are the merged old cursors of its
+    shards, with the in-flight pieces of its shards handed back to those shards (delivered
+    first), and whose interleave token counters are the old ones re-split (each old worker's
+    counters divided evenly among the new workers that read it).
     """
+    old_ranks, old_workers = old_topology
+    old_total = old_ranks * old_workers
     root = build(new_world)
     root.reset(None)
     box = {"graph": root.state_dict()}  # a container, so even the root state can be replaced
@@ -166,14 +230,24 @@ def rescale_worker_states(
     if missing:
         raise ValueError(f"rescaling needs the states of old workers {missing}")
     by_dataset: dict[str, list[dict[str, Any]]] = {}
+    returned: dict[str, list[tuple[int, int, int, int]]] = {}
     for g in needed:
-        for st in _reader_states(old_graphs[g]).values():
-            by_dataset.setdefault(st["dataset"], []).append(st)
+        old_world = World(g // old_workers, old_ranks, g % old_workers, old_workers)
+        readers, pieces = _live_cut(old_graphs[g], old_world, build)
+        for name, st in readers.items():
+            by_dataset.setdefault(name, []).append(st)
+        for ds, file, doc, start, stop in pieces:
+            returned.setdefault(ds, []).append((file, doc, start, stop))
+    live = {r.dataset.name: r for r in graph_nodes(root) if _is_reader_node(r)}
     for path, st in targets.items():
-        old = by_dataset.get(st["dataset"])
+        name = st["dataset"]
+        old = by_dataset.get(name)
         if not old:
-            raise ValueError(f"the checkpoint has no state for dataset {st['dataset']!r}")
-        _set(box, path, _merge_partial(old))
+            raise ValueError(f"the checkpoint has no state for dataset {name!r}")
+        merged = _merge_partial(old)
+        if returned.get(name):
+            merged = live[name].with_returned(merged, returned[name])
+        _set(box, path, merged)
     # token counters: each old worker's share split among the new workers that read it
     new_total = new_world.total_workers
     readers_of = {
@@ -195,6 +269,12 @@ def rescale_worker_states(
                     summed[name] += int(v) // readers_of[g]
         _set(box, path, summed)
     return box["graph"]
+
+
+def _is_reader_node(node: BaseNode) -> bool:
+    from torchdata_ext.nodes.reader import ShardReader
+
+    return isinstance(node, ShardReader)
 
 
 def _nth_world(like: World, g: int) -> World:
@@ -307,7 +387,7 @@ def load_checkpoint(
             if g not in cache:
                 raw = _read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options)
                 cache[g] = pickle.loads(raw)["graph"]
-        new_graphs[w] = rescale_worker_states(cache, old_total, world, loader.build)
+        new_graphs[w] = rescale_worker_states(cache, (old_ranks, old_workers), world, loader.build)
     logger.info(
         "rescaled loader checkpoint %s from %dx%d to %dx%d (read %d of %d worker states)",
         url, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,

@@ -127,6 +127,18 @@ class DocumentBlock:
             self.epoch,
         )
 
+    def pieces(self) -> list[tuple[str, int, int, int, int]]:
+        """Provenance of every piece: ``(dataset, file, doc, start, stop)`` (stop -1 for text
+        pieces that run to the end of their document)."""
+        ends = self.start + self.lengths if self.tokens is not None else None
+        out = []
+        for i in range(len(self)):
+            stop = -1 if ends is None else int(ends[i])
+            out.append(
+                (self.dataset, int(self.file[i]), int(self.doc[i]), int(self.start[i]), stop)
+            )
+        return out
+
     @classmethod
     def from_pieces(
         cls,

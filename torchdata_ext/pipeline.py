@@ -267,6 +267,7 @@ def build_pipeline(
         pad_token=cfg.pad_token,
         shift=cfg.shift,
         window=cfg.best_fit_window,
+        dataset_names=list(datasets),
     )
     if cfg.shuffle_buffer > 1:
         node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)

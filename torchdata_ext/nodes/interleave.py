@@ -240,6 +240,15 @@ class Interleave(BaseNode[DocumentBlock]):
         }
 
     # -- provenance ----------------------------------------------------------------------------
+    def inflight(self) -> list[tuple[str, int, int, int, int]]:
+        """Pieces pulled from the sources but not yet emitted, as
+        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling."""
+        out: list[tuple[str, int, int, int, int]] = []
+        for i, block in enumerate(self._blocks):
+            if block is not None and self._consumed[i] < len(block):
+                out.extend(block.select(self._consumed[i], len(block)).pieces())
+        return out
+
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` of ``dataset``, as the source that reads
         ``dataset`` delivers it.

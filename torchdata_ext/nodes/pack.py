@@ -17,6 +17,7 @@ Every output sequence is one dict of NumPy arrays (see :class:`Pack`), plus a pr
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -194,8 +195,10 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         window: int = 1000,
         dtype: np.dtype | type = np.int32,
         flush: bool = True,
+        dataset_names: Sequence[str] = (),
     ) -> None:
         super().__init__()
+        self._fixed_names = [str(n) for n in dataset_names]
         if not isinstance(source, BaseNode):
             raise TypeError(
                 f"source must be a torchdata.nodes.BaseNode yielding DocumentBlocks (got "
@@ -281,7 +284,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             self.source.reset()
             self._anchor = self.source.state_dict()
             self._anchor_off, self._bins_done, self._anchor_carry = 0, 0, []
-            self.dataset_names = []
+            self.dataset_names = list(self._fixed_names)
         self._ds_ids = {n: i for i, n in enumerate(self.dataset_names)}
         self._open = {(str(d), int(f), int(k)) for d, f, k in self._anchor_carry}
         self._skip = self._anchor_off
@@ -394,6 +397,29 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         }
 
     # -- provenance ----------------------------------------------------------------------------
+    def inflight(self) -> list[tuple[str, int, int, int, int]]:
+        """Document tokens pulled from the source but not yet emitted, as
+        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling.
+
+        Raises:
+            NotImplementedError: in ``best_fit`` mode (its window is not handed on yet).
+        """
+        if self.mode == "best_fit":
+            raise NotImplementedError(
+                "rescaling a best_fit packer is not supported yet; rescale with mode='concat' "
+                "or 'pad', or restore on the same number of ranks and workers"
+            )
+        if self._cur is None and not self._exhausted:
+            self._pull()  # restored lazily: pull the current block again (skipping what was used)
+        cur = self._cur
+        if cur is None or self._pos >= len(cur.tokens):
+            return []
+        out = []
+        for ds, f, d, start, length in cur.rows_between(self._pos, len(cur.tokens)).tolist():
+            if ds >= 0 and length > 0:
+                out.append((self.dataset_names[ds], f, d, start, start + length))
+        return out
+
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` of ``dataset``, whole, from the source."""
         fetch = getattr(self.source, "fetch_document", None)

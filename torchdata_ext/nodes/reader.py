@@ -39,6 +39,7 @@ from torchdata_ext.shards import (
     Fragment,
     check_shard_count,
     file_offsets,
+    shard_bounds,
     shard_fragments,
     worker_shards,
 )
@@ -67,9 +68,13 @@ class _Cursor:
     skipped_files: list[int] = field(default_factory=list)
     skipped_docs: list[list[int]] = field(default_factory=list)
     skips: int = 0
+    # pieces handed back after a rescale, delivered before the walk goes on:
+    # [file, doc, start, stop] (stop -1: to the end of the document)
+    returned: list[list[int]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "returned": [list(x) for x in self.returned],
             "epoch": self.epoch,
             "pos": self.pos,
             "offset": self.offset,
@@ -87,6 +92,7 @@ class _Cursor:
             [int(x) for x in d["skipped_files"]],
             [[int(a), int(b)] for a, b in d["skipped_docs"]],
             int(d["skips"]),
+            [[int(v) for v in x] for x in d.get("returned", [])],
         )
 
 
@@ -208,6 +214,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._plan_cache: tuple[int, int, _Plan] | None = None
         self._order_cache: dict[int, np.ndarray] = {}
         self._empty_run = 0
+        self._returned_shards: list[int] = []
         self.world: World | None = None
         self.prefetch_shards = int(prefetch_shards)
         self.cache = _make_cache(cache, dataset)
@@ -247,6 +254,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             (c.epoch, int(self._order_rank(c.epoch)[s]), s) for s, c in self._cursors.items()
         ]
         heapq.heapify(self._queue)
+        self._returned_shards = sorted(s for s, c in self._cursors.items() if c.returned)
         self._owned_docs = sum(self.shard_size(s) for s in self._cursors)
         self._plan_cache = None
         self._empty_run = 0
@@ -321,6 +329,71 @@ class ShardReader(BaseNode[DocumentBlock]):
         except Exception:  # interpreter shutdown, half-built reader
             pass
 
+    def _read_returned(self, sid: int, c: _Cursor) -> DocumentBlock | None:
+        """Deliver pieces handed back by a rescale (one file per block)."""
+        if not c.returned:
+            self._returned_shards.pop(0)
+            self._frozen[str(sid)] = c.as_dict()
+            self._active = None
+            return None
+        file = c.returned[0][0]
+        take: list[list[int]] = []
+        while c.returned and c.returned[0][0] == file and len(take) < self.block_docs:
+            take.append(c.returned.pop(0))
+        pieces: list[Any] = []
+        docs: list[int] = []
+        starts: list[int] = []
+        lasts: list[bool] = []
+        for _, doc, start, stop in take:
+            data = self.fetch_document(self.dataset.name, file, doc)
+            if isinstance(data, str):
+                if start != 0 or stop != -1:
+                    raise NotImplementedError(
+                        "a rescale handed back part of a text document; restore text datasets "
+                        "on the same number of ranks and workers, or pre-tokenize them "
+                        "(torchdata-ext prepare)"
+                    )
+                end = len(data)
+            else:
+                end = len(data) if stop < 0 else stop
+            pieces.append(data[start:end])
+            docs.append(doc)
+            starts.append(start)
+            lasts.append(end == len(data))
+        self._frozen[str(sid)] = c.as_dict()
+        return DocumentBlock.from_pieces(
+            self.dataset.name,
+            pieces,
+            [file] * len(take),
+            docs,
+            starts,
+            lasts,
+            shard=sid,
+            epoch=c.epoch,
+            dtype=self.dtype,
+        )
+
+    def with_returned(
+        self, state: dict[str, Any], pieces: Sequence[tuple[int, int, int, int]]
+    ) -> dict[str, Any]:
+        """A copy of reader ``state`` with in-flight ``pieces`` ``(file, doc, start, stop)``
+        handed back to the logical shards holding them (each is delivered first by whichever
+        worker owns the shard). Used when rescaling."""
+        bounds = shard_bounds(int(self._offsets[-1]), self.n_logical_shards)
+        shards = dict(state["shards"])
+        added: dict[str, list[list[int]]] = {}
+        for file, doc, start, stop in pieces:
+            g = int(self._offsets[file]) + int(doc)
+            sid = str(int(np.searchsorted(bounds, g, side="right")) - 1)
+            if sid not in shards:
+                continue  # another new worker's shard; it reads the same old state
+            added.setdefault(sid, []).append([int(file), int(doc), int(start), int(stop)])
+        for sid, new in added.items():
+            cur = dict(shards[sid])
+            cur["returned"] = sorted([list(x) for x in cur.get("returned", [])] + new)
+            shards[sid] = cur
+        return {**state, "shards": shards}
+
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` as this reader delivers it (after
         ``strip_tokens``, whole, in the output dtype), read again from the source.
@@ -373,7 +446,11 @@ class ShardReader(BaseNode[DocumentBlock]):
         return ranks
 
     def _pick_active(self) -> int | None:
-        """The shard to read: lowest epoch first, then the epoch's shuffled shard order."""
+        """The shard to read: pieces handed back by a rescale first, then the lowest epoch,
+        then the epoch's shuffled shard order."""
+        if self._active is None and self._returned_shards:
+            self._active = self._returned_shards[0]
+            return self._active
         if self._active is None and self._queue:
             epoch, _, sid = self._queue[0]
             if self.epochs is None or epoch < self.epochs:
@@ -414,6 +491,8 @@ class ShardReader(BaseNode[DocumentBlock]):
     # -- reading -------------------------------------------------------------------------------
     def _read_block(self, sid: int) -> DocumentBlock | None:
         c = self._cursors[sid]
+        if self._returned_shards and self._returned_shards[0] == sid:
+            return self._read_returned(sid, c)
         plan = self._plan(sid, c.epoch)
         if c.pos >= plan.size:
             self._finish_epoch(sid)

@@ -191,6 +191,24 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             return self.provenance_key in first
         return self._packed and hasattr(first, "provenance")
 
+    def inflight(self) -> list[tuple[str, int, int, int, int]]:
+        """Document tokens held in the buffer, as ``(dataset, file, doc, start, stop)``; used to
+        hand them on when rescaling (needs a source with ``dataset_names``, i.e. a Pack)."""
+        if not self._buf:
+            return []
+        names = getattr(self.source, "dataset_names", None)
+        if names is None:
+            raise ValueError(
+                "cannot hand on shuffle-buffer contents: its source has no dataset_names "
+                "(put the shuffle buffer on a Pack)"
+            )
+        out = []
+        for item in self._buf:
+            for ds, f, d, start, length in self._provenance(item).tolist():
+                if ds >= 0 and length > 0:
+                    out.append((names[ds], f, d, start, start + length))
+        return out
+
     def _provenance(self, item: Any) -> np.ndarray:
         table = item[self.provenance_key] if isinstance(item, dict) else item.provenance
         return np.asarray(table)

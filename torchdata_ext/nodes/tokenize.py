@@ -220,6 +220,15 @@ class Tokenize(BaseNode[DocumentBlock]):
         return {self.SOURCE_KEY: self._source_state}
 
     # -- provenance ----------------------------------------------------------------------------
+    def inflight(self) -> list[tuple[str, int, int, int, int]]:
+        """Pieces read from the source but not yet emitted (blocks encoding ahead), as
+        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling."""
+        out: list[tuple[str, int, int, int, int]] = []
+        for item, _ in self._pending:
+            block = item.result() if isinstance(item, Future) else item
+            out.extend(block.pieces())
+        return out
+
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` of ``dataset`` as this node delivers it:
         read again from the source and, if it is text, tokenized with the same tokenizer and
