@@ -23,6 +23,7 @@ from torchdata_ext.nodes import (
     merge_reader_states,
 )
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
@@ -38,6 +39,9 @@ __all__ = [
     "PipelineConfig",
     "PipelineDataset",
     "RandomWalk",
+    "RemoteError",
+    "RetryPolicy",
+    "ShardCache",
     "ShardReader",
     "ShuffleBuffer",
     "Tokenize",
