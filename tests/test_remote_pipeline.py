@@ -73,3 +73,14 @@ def test_full_pipeline_over_s3_equals_local_and_rescales_from_s3_checkpoint(s3, 
     load_checkpoint(loader, ckpt, storage_options=s3.storage_options)
     cover(coverage, list(loader), NAMES)
     check_exactly_once(coverage, lengths)
+
+
+@pytest.mark.multiprocess
+def test_loader_reports_io_counters_from_worker_processes(s3) -> None:
+    _write_corpus(s3.url("d2"), s3.storage_options)
+    cfg = _cfg(s3.url("d2"), s3.storage_options)
+    loader = TokenLoader(functools.partial(build, cfg), num_workers=2)
+    n = sum(1 for _ in loader)
+    stats = loader.io_stats()
+    assert n > 0 and stats["files_opened"] >= 4
+    assert stats["bytes_downloaded"] > 0 and stats["wait_seconds"] >= 0

@@ -58,7 +58,21 @@ class _PipelineIterator(Iterator[Any]):
         return {
             "world": [w.rank, w.world_size, w.worker_id, w.num_workers],
             "graph": self.root.state_dict(),
+            "io": self.io_stats(),
         }
+
+    def io_stats(self) -> dict[str, float]:
+        """The I/O counters of every reader in this worker's graph, summed."""
+        from torchdata_ext.checkpoint import graph_nodes
+
+        out: dict[str, float] = {}
+        for node in graph_nodes(self.root):
+            stats = getattr(node, "io_stats", None)
+            if callable(stats):
+                for k, v in stats().items():
+                    if isinstance(v, (int, float)):
+                        out[k] = out.get(k, 0) + v
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._started:
@@ -250,6 +264,17 @@ class TokenLoader:
         last = sd["_snapshot"]["_last_yielded_worker_id"]
         next_physical = (last + 1) % W if self._yielded else 0
         return self._wrap(workers, (next_physical + self._offset) % W)
+
+    def io_stats(self) -> dict[str, float]:
+        """I/O counters of all this rank's workers, summed, as of the last batch (bytes
+        downloaded, cache hits, downloads, ``wait_seconds`` waiting on I/O, files opened, ...;
+        see :meth:`ShardReader.io_stats`). With worker processes the counters travel with the
+        workers' state snapshots, so they are as fresh as ``snapshot_every_n_steps``."""
+        out: dict[str, float] = {}
+        for st in self.state_dict()["workers"].values():
+            for k, v in st.get("io", {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def _wrap(self, workers: dict[str, Any], next_worker: int) -> dict[str, Any]:
         return {
