@@ -109,3 +109,55 @@ def cover_with_names(coverage, seqs, loader) -> None:
 
 
 NAMES = ["web", "code"]
+
+
+def _phase1(cfg, ckpt, steps=6):
+    coverage: dict = {}
+    loader = TokenLoader(functools.partial(build, cfg))
+    seqs = []
+    for seq in loader:
+        seqs.append(seq)
+        if len(seqs) >= steps:
+            break
+    cover(coverage, seqs, NAMES)
+    save_checkpoint(loader, ckpt)
+    return coverage
+
+
+def test_changed_weights_are_refused_unless_accepted(cfg, tmp_path) -> None:
+    import dataclasses
+
+    ckpt = str(tmp_path / "ckpt")
+    coverage = _phase1(cfg, ckpt)
+    reweighted = dataclasses.replace(cfg, weights=[1.0, 1.0])
+    with pytest.raises(ValueError, match="weight differs .*allow_weight_changes=True"):
+        load_checkpoint(TokenLoader(functools.partial(build, reweighted)), ckpt)
+    loader = TokenLoader(functools.partial(build, reweighted))
+    load_checkpoint(loader, ckpt, allow_weight_changes=True)
+    cover(coverage, list(loader), NAMES)
+    check_exactly_once(coverage, expected_lengths(cfg))
+
+
+def test_added_dataset_is_refused_unless_accepted(cfg, tmp_path) -> None:
+    import dataclasses
+
+    only_web = dataclasses.replace(cfg, datasets=["web"], weights=[1.0])
+    ckpt = str(tmp_path / "ckpt")
+    coverage = _phase1(only_web, ckpt, steps=10)
+    with pytest.raises(ValueError, match="'code' is in this pipeline but not in the checkpoint"):
+        load_checkpoint(TokenLoader(functools.partial(build, cfg)), ckpt)
+    loader = TokenLoader(functools.partial(build, cfg))
+    with pytest.raises(ValueError, match="'web': weight differs"):  # 1.0 alone, now 2 of 3
+        load_checkpoint(loader, ckpt, allow_new_datasets=True)
+    load_checkpoint(loader, ckpt, allow_new_datasets=True, allow_weight_changes=True)
+    from torchdata_ext.checkpoint import _token_counters
+
+    (counters,) = [
+        c for st in loader.state_dict()["workers"].values() for c in _token_counters(st).values()
+    ]
+    # web's count carries on; code starts at its target share (1 of 3) of the tokens so far
+    assert counters["web"] >= 10 * cfg.seq_length
+    assert counters["code"] == counters["web"] // 2
+    seqs = list(loader)
+    cover(coverage, seqs, NAMES)
+    check_exactly_once(coverage, expected_lengths(cfg))  # web finished once, code read once

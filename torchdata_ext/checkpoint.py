@@ -18,6 +18,7 @@ on with nothing repeated and nothing lost.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import logging
@@ -107,12 +108,18 @@ def _set(tree: Any, path: tuple, value: Any) -> None:
 
 
 def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
-    """Dataset fingerprints, seeds and shard counts found in a graph state (for the manifest)."""
+    """Dataset fingerprints, seeds, shard counts and mixing weights found in a graph state
+    (for the manifest)."""
+    weights: dict[str, float] = {}
+    for _, x in _walk(graph):
+        if isinstance(x, dict) and isinstance(x.get("weights"), dict) and "tokens_delivered" in x:
+            weights.update({str(k): float(v) for k, v in x["weights"].items()})
     return {
         st["dataset"]: {
             "fingerprint": st["fingerprint"],
             "seed": st["seed"],
             "n_logical_shards": st["n_logical_shards"],
+            "weight": weights.get(st["dataset"]),
         }
         for st in _reader_states(graph).values()
     }
@@ -165,6 +172,7 @@ def _live_cut(
     from torchdata_ext.nodes.reader import ShardReader
 
     root = build(world)
+    graph_state = _with_added_sources(graph_state, root)
     root.reset(graph_state)
     readers: dict[str, dict[str, Any]] = {}
     pieces: list[tuple[str, int, int, int, int]] = []
@@ -188,11 +196,38 @@ def _live_cut(
     return readers, pieces
 
 
+def _with_added_sources(graph_state: dict[str, Any], root: BaseNode) -> dict[str, Any]:
+    """``graph_state`` with a fresh entry for each interleave source that ``root``'s graph has
+    and the state lacks (a sub-dataset added since the checkpoint). Its saved weight is 0, so
+    the restored interleave replays its first block as it was decided, without the new source.
+    """
+    root.reset(None)
+    fresh = {"graph": root.state_dict()}
+    box = {"graph": copy.deepcopy(graph_state)}
+    for path in _token_counters(fresh):
+        mixer, old_node = path[:-1], box
+        fresh_node: Any = fresh
+        for k in mixer:
+            fresh_node = fresh_node[k]
+            if not isinstance(old_node, dict) or k not in old_node:
+                break
+            old_node = old_node[k]
+        else:
+            for name, entry in fresh_node["sources"].items():
+                if name not in old_node["sources"]:
+                    old_node["sources"][name] = entry
+                    old_node["tokens_delivered"][name] = 0
+                    old_node.setdefault("weights", {})[name] = 0.0
+    return box["graph"]
+
+
 def rescale_worker_states(
     old_graphs: dict[int, dict[str, Any]],
     old_topology: tuple[int, int],
     new_world: World,
     build: Callable[[World], BaseNode],
+    *,
+    allow_new_datasets: bool = False,
 ) -> dict[str, Any]:
     """The graph state for ``new_world`` from the states of old global workers.
 
@@ -202,6 +237,9 @@ def rescale_worker_states(
         old_topology: ``(ranks, workers per rank)`` when the checkpoint was taken.
         new_world: the new worker's place.
         build: the graph builder (the same function the loader uses).
+        allow_new_datasets: datasets the graph has and the checkpoint lacks start fresh (their
+            interleave token counter at its target share of the tokens so far) instead of
+            raising.
 
     Each needed old worker's graph is restored in this process to take a consistent cut: its
     readers' cursors after everything they handed out, plus every piece held in flight by the
@@ -229,12 +267,15 @@ def rescale_worker_states(
     missing = [g for g in needed if g not in old_graphs]
     if missing:
         raise ValueError(f"rescaling needs the states of old workers {missing}")
+    in_checkpoint = {name for g in needed for name in graph_summary(old_graphs[g])}
     by_dataset: dict[str, list[dict[str, Any]]] = {}
     returned: dict[str, list[tuple[int, int, int, int]]] = {}
     for g in needed:
         old_world = World(g // old_workers, old_ranks, g % old_workers, old_workers)
         readers, pieces = _live_cut(old_graphs[g], old_world, build)
         for name, st in readers.items():
+            if name not in in_checkpoint:
+                continue  # an added dataset: its reader state stays fresh
             by_dataset.setdefault(name, []).append(st)
         for ds, file, doc, start, stop in pieces:
             returned.setdefault(ds, []).append((file, doc, start, stop))
@@ -243,6 +284,8 @@ def rescale_worker_states(
         name = st["dataset"]
         old = by_dataset.get(name)
         if not old:
+            if allow_new_datasets:
+                continue  # an added dataset starts fresh
             raise ValueError(f"the checkpoint has no state for dataset {name!r}")
         merged = _merge_partial(old)
         if returned.get(name):
@@ -267,8 +310,23 @@ def rescale_worker_states(
             for name, v in counted.items():
                 if name in summed:
                     summed[name] += int(v) // readers_of[g]
+        new = [k for k in summed if k not in in_checkpoint]
+        if new:  # an added dataset starts at its target share, so the mix does not lurch to it
+            weights = _weights_at(box, path)
+            total_w = sum(weights.values())
+            total = sum(v for k, v in summed.items() if k not in new)
+            old_w = sum(w for k, w in weights.items() if k not in new) or 1.0
+            for k in new:
+                summed[k] = int(total / old_w * weights.get(k, 0.0)) if total_w else 0
         _set(box, path, summed)
     return box["graph"]
+
+
+def _weights_at(box: dict[str, Any], counters_path: tuple) -> dict[str, float]:
+    node: Any = box
+    for k in counters_path[:-1]:
+        node = node[k]
+    return {str(k): float(v) for k, v in node.get("weights", {}).items()}
 
 
 def _is_reader_node(node: BaseNode) -> bool:
@@ -358,15 +416,31 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
 
 
 def load_checkpoint(
-    loader: TokenLoader, url: str, *, storage_options: dict[str, Any] | None = None
+    loader: TokenLoader,
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_weight_changes: bool = False,
+    allow_new_datasets: bool = False,
 ) -> None:
     """Restore ``loader`` (not yet iterating) from folder ``url``, rescaling if the number of
-    ranks or workers changed. Reads only the files this rank needs."""
+    ranks or workers changed. Reads only the files this rank needs.
+
+    Args:
+        loader: a new loader with the same pipeline builder.
+        url: the checkpoint folder (any fsspec URL).
+        storage_options: fsspec options for ``url``.
+        allow_weight_changes: accept sub-dataset weights that differ from the checkpoint's
+            (the token counters carry on; the mix moves to the new targets).
+        allow_new_datasets: accept sub-datasets that the checkpoint does not have; they start
+            their first epoch, at their target share of the tokens so far. Documents of the
+            other datasets already delivered stay delivered.
+    """
     manifest = read_manifest(url, storage_options)
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
-    _check_datasets(loader, manifest)
-    if (old_ranks, old_workers) == (loader.world_size, W):
+    added = _check_datasets(loader, manifest, allow_weight_changes, allow_new_datasets)
+    if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         graphs = {}
         for w in range(W):
             g = loader.rank * W + w
@@ -387,7 +461,13 @@ def load_checkpoint(
             if g not in cache:
                 raw = _read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options)
                 cache[g] = pickle.loads(raw)["graph"]
-        new_graphs[w] = rescale_worker_states(cache, (old_ranks, old_workers), world, loader.build)
+        new_graphs[w] = rescale_worker_states(
+            cache,
+            (old_ranks, old_workers),
+            world,
+            loader.build,
+            allow_new_datasets=bool(added),
+        )
     logger.info(
         "rescaled loader checkpoint %s from %dx%d to %dx%d (read %d of %d worker states)",
         url, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
@@ -395,19 +475,43 @@ def load_checkpoint(
     loader.load_worker_states(new_graphs, next_worker=0)
 
 
-def _check_datasets(loader: TokenLoader, manifest: dict[str, Any]) -> None:
+def _check_datasets(
+    loader: TokenLoader,
+    manifest: dict[str, Any],
+    allow_weight_changes: bool = False,
+    allow_new_datasets: bool = False,
+) -> list[str]:
+    """Refuse a checkpoint of other data; return the names of accepted added datasets."""
     world = World(loader.rank, loader.world_size, 0, loader.logical_workers)
     root = loader.build(world)
     root.reset(None)
     mine = graph_summary(root.state_dict())
     theirs = manifest["datasets"]
     problems = []
+    added = []
     for name in sorted(set(mine) | set(theirs)):
         if name not in mine:
             problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
         elif name not in theirs:
-            problems.append(f"dataset {name!r} is in this pipeline but not in the checkpoint")
+            if allow_new_datasets:
+                added.append(name)
+            else:
+                problems.append(
+                    f"dataset {name!r} is in this pipeline but not in the checkpoint "
+                    "(pass allow_new_datasets=True to add it)"
+                )
         else:
+            old_w, new_w = theirs[name].get("weight"), mine[name].get("weight")
+            if (
+                old_w is not None
+                and new_w is not None
+                and old_w != new_w
+                and not allow_weight_changes
+            ):
+                problems.append(
+                    f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; pass "
+                    "allow_weight_changes=True to accept it)"
+                )
             for key in ("fingerprint", "seed", "n_logical_shards"):
                 if mine[name][key] != theirs[name][key]:
                     what = "files or document counts" if key == "fingerprint" else key
@@ -421,6 +525,7 @@ def _check_datasets(loader: TokenLoader, manifest: dict[str, Any]) -> None:
             + "; ".join(problems)
             + ". Restore with the same data, seed and logical shards as the checkpoint"
         )
+    return added
 
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------------

@@ -140,6 +140,8 @@ class Interleave(BaseNode[DocumentBlock]):
         self.names: list[str] = list(sources)
         self.sources: list[BaseNode[DocumentBlock]] = [sources[n] for n in self.names]
         self.weights: list[float] = [float(weights[n]) for n in self.names]
+        self._target_weights = list(self.weights)
+        self._switch_weights = False
         self.mode = mode
         self.seed = int(seed)
         self._key = mix_seed(self.seed, _SAMPLES_TAG)
@@ -160,6 +162,19 @@ class Interleave(BaseNode[DocumentBlock]):
         self._before = [None] * n
         self._consumed = [0] * n
         self._ended = [False] * n
+        self.weights = list(self._target_weights)
+        self._switch_weights = False
+        if initial_state is not None and "weights" in initial_state:
+            saved = [
+                float(initial_state["weights"].get(name, w))
+                for name, w in zip(self.names, self.weights)
+            ]
+            if saved != self.weights:
+                # the first block after a restore is replayed by the nodes above (they skip what
+                # they already used), so it must come out as it did: decide it with the weights
+                # in force when the state was saved, then move to the new targets
+                self.weights = saved
+                self._switch_weights = True
         if initial_state is None:
             for src in self.sources:
                 src.reset()
@@ -203,6 +218,10 @@ class Interleave(BaseNode[DocumentBlock]):
             active = [i for i, ended in enumerate(self._ended) if not ended]
             if not active:
                 raise StopIteration
+            if self._switch_weights:  # a source added since the checkpoint waits its turn
+                active = [i for i in active if self.weights[i] > 0] or active
+                if any(self.weights[i] <= 0 for i in active):
+                    self.weights, self._switch_weights = list(self._target_weights), False
             if self.mode == "tokens":
                 s = self._pick_tokens(active)
             else:
@@ -218,7 +237,10 @@ class Interleave(BaseNode[DocumentBlock]):
             else:
                 count = self._samples_run(s, active, len(block) - lo)
                 self._counter += count
-            return self._emit(s, block, lo, lo + count)
+            out = self._emit(s, block, lo, lo + count)
+            if self._switch_weights:
+                self.weights, self._switch_weights = list(self._target_weights), False
+            return out
 
     def get_state(self) -> dict[str, Any]:
         per_source = {}
@@ -236,6 +258,7 @@ class Interleave(BaseNode[DocumentBlock]):
         return {
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
+            "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
         }
 
