@@ -60,3 +60,14 @@ def test_mix_seed_depends_on_every_value_and_order() -> None:
     assert len(seen) == 4 * 8 * 8
     assert mix_seed(1, 2) != mix_seed(2, 1)
     assert 0 <= mix_seed(-5, 2**70) < 2**63
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 20_000), seed=st.integers(0, 2**63 - 1), data=st.data())
+def test_table_and_direct_feistel_give_the_same_walk(
+    n: int, seed: int, data: st.DataObject
+) -> None:
+    start = data.draw(st.integers(0, n - 1))
+    count = data.draw(st.integers(0, n - start))
+    table = RandomWalk(n, seed).take(start, count)
+    assert np.array_equal(RandomWalk(n, seed, max_table=0).take(start, count), table)

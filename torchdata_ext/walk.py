@@ -46,14 +46,21 @@ class RandomWalk:
     Args:
         n: the number of elements (documents); ``n >= 0``.
         seed: any integer; different seeds give (practically) independent orders.
+        max_table: the largest Feistel domain (elements) for which :meth:`take` builds the
+            permutation table (see below); 0 never builds one.
 
     ``walk[i]`` is the ``i``-th element visited; :meth:`take` computes a run of them at once
-    with NumPy. Memory is O(1) in ``n``.
+    with NumPy. The walk's position is O(1) (one integer); for speed, a walk whose Feistel
+    domain has at most ``max_table`` elements (``n`` up to ~1M) builds the domain's whole
+    permutation once, on the first :meth:`take` (4 bytes and ~40 ns per element),
+    so each cycle-walking step is one array lookup instead of a Feistel evaluation: a reader
+    takes a shard piece's whole walk in runs of a few hundred documents, and this turns
+    ~45 NumPy calls per cycle-walking step into one. The permutation is the same either way.
     """
 
-    __slots__ = ("_half", "_keys", "_mask", "n", "seed")
+    __slots__ = ("_half", "_keys", "_mask", "_table", "_use_table", "n", "seed")
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, *, max_table: int = 1 << 22) -> None:
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"{n=} must be a non-negative integer")
         self.n = int(n)
@@ -63,6 +70,8 @@ class RandomWalk:
         self._half = bits // 2
         self._mask = (1 << self._half) - 1
         self._keys = tuple(mix_seed(self.seed, r) for r in range(_ROUNDS))
+        self._table: np.ndarray | None = None
+        self._use_table = 1 << (2 * self._half) <= max_table
 
     def __len__(self) -> int:
         return self.n
@@ -80,6 +89,17 @@ class RandomWalk:
         """Elements ``start .. start + count`` of the walk as an ``int64`` array."""
         if start < 0 or count < 0 or start + count > self.n:
             raise IndexError(f"walk slice [{start}, {start + count}) out of range for n={self.n}")
+        if self._use_table:
+            table = self._table
+            if table is None:
+                domain = np.arange(1 << (2 * self._half), dtype=np.uint64)
+                table = self._table = self._encrypt(domain).astype(np.uint32)
+            out = table[start : start + count].astype(np.int64)
+            bad = np.flatnonzero(out >= self.n)
+            while bad.size:  # cycle walking, one lookup per step
+                out[bad] = table[out[bad]]
+                bad = bad[out[bad] >= self.n]
+            return out
         x = np.arange(start, start + count, dtype=np.uint64)
         out = self._encrypt(x)
         bad = np.flatnonzero(out >= self.n)

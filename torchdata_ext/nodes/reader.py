@@ -212,6 +212,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._queue: list[tuple[int, int, int]] = []  # (epoch, order rank, shard), a heap
         self._owned_docs = 0
         self._plan_cache: tuple[int, int, _Plan] | None = None
+        self._walk_cache: RandomWalk | None = None
         self._order_cache: dict[int, np.ndarray] = {}
         self._empty_run = 0
         self._returned_shards: list[int] = []
@@ -464,6 +465,13 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._plan_cache = (sid, epoch, plan)
         return plan
 
+    def _walk(self, size: int, seed: int) -> RandomWalk:
+        """The walk of a shard piece, kept while the piece is read (it builds a table once)."""
+        walk = self._walk_cache
+        if walk is None or walk.n != size or walk.seed != seed:
+            walk = self._walk_cache = RandomWalk(size, seed)
+        return walk
+
     def _make_plan(self, sid: int, epoch: int) -> _Plan:
         frags = shard_fragments(self._offsets, self.n_logical_shards, sid)
         rng = np.random.default_rng(mix_seed(self.seed, _FRAGMENT_TAG, sid, epoch))
@@ -508,8 +516,11 @@ class ShardReader(BaseNode[DocumentBlock]):
         reader = self._reader_for(frag.file, c, plan, j)
         if reader is None:
             return None
-        doc_ids = RandomWalk(frag.size, plan.seeds[j]).take(k, count) + frag.start
+        doc_ids = self._walk(frag.size, plan.seeds[j]).take(k, count) + frag.start
         docs = self._fetch(reader, frag.file, doc_ids, c)
+        block = self._whole_docs_block(sid, frag.file, doc_ids, docs, c)
+        if block is not False:
+            return block
         pieces: list[Any] = []
         files: list[int] = []
         docnums: list[int] = []
@@ -551,6 +562,48 @@ class ShardReader(BaseNode[DocumentBlock]):
             shard=sid,
             epoch=c.epoch,
             dtype=self.dtype,
+        )
+
+    def _whole_docs_block(
+        self,
+        sid: int,
+        file: int,
+        doc_ids: np.ndarray,
+        docs: Sequence[DocData | None],
+        c: _Cursor,
+    ) -> DocumentBlock | None | Literal[False]:
+        """The block of ``docs`` in one vectorised step when each is a whole token document
+        that needs no stripping or cutting (the usual case); None if none is long enough;
+        False when the general per-document path must build it."""
+        if c.offset or self._strip_arr.size or not docs or isinstance(docs[0], str):
+            return False
+        if not all(d is not None for d in docs):
+            return False
+        lengths = np.fromiter(map(len, docs), np.int64, len(docs))  # type: ignore[arg-type]
+        if self.max_chunksize is not None and int(lengths.max()) > self.max_chunksize:
+            return False
+        keep = lengths >= max(self.min_length, 1)
+        c.pos += len(docs)
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            if not len(idx):
+                return None
+            docs = [docs[i] for i in idx.tolist()]
+            lengths, doc_ids = lengths[idx], doc_ids[idx]
+        offsets = np.zeros(len(docs) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        n = len(docs)
+        return DocumentBlock(
+            self.dataset.name,
+            np.concatenate(docs, dtype=self.dtype, casting="unsafe"),  # type: ignore[call-overload]
+            None,
+            offsets,
+            np.full(n, file, np.int32),
+            doc_ids.astype(np.int64, copy=False),
+            np.zeros(n, np.int64),
+            np.ones(n, bool),
+            sid,
+            c.epoch,
         )
 
     def _reader_for(self, file: int, c: _Cursor, plan: _Plan, j: int) -> Any:
