@@ -275,8 +275,8 @@ def test_every_token_delivered_with_exact_boundaries(scenario) -> None:
 @settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_packed_form_materializes_to_the_output(scenario) -> None:
-    """``next_packed`` + ``materialize`` (what the shuffle buffer uses) and ``materialize_into``
-    (what collate uses) give exactly what ``next`` gives."""
+    """``next_packed`` + ``materialize`` (what the shuffle buffer uses), ``materialize_into``
+    and ``materialize_batch_into`` (what collate uses) give exactly what ``next`` gives."""
     kw, mode, shift, seq_len, lengths, marks, chunk, block_docs, window = scenario
     docs = make_corpus(lengths, marks, kw)
     names = ("web", "books") if chunk is None else ("web",)
@@ -309,6 +309,15 @@ def test_packed_form_materializes_to_the_output(scenario) -> None:
             for k, a in out.items():
                 assert np.array_equal(a[1], seq[k]), k
                 assert k == "loss_mask" or (a[0] == -7).all()
+    for dt in (np.int64, np.int32) if packed else ():  # the whole run as one batch
+        batch = {
+            k: np.full((len(packed), seq_len), -7, bool if k == "loss_mask" else dt)
+            for k in pack.output_keys
+            if k != "provenance"
+        }
+        pack.materialize_batch_into(packed, batch)
+        for k, a in batch.items():
+            assert np.array_equal(a, np.stack([seq[k] for seq in seqs]).astype(a.dtype)), k
 
 
 def test_a_document_cut_across_blocks_is_one_run() -> None:

@@ -15,7 +15,7 @@ from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
 __all__ = ["Collate"]
 
 DEFAULT_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
-_PACKED_PROTOCOL = ("next_packed", "materialize", "materialize_into")
+_PACKED_PROTOCOL = ("next_packed", "materialize", "materialize_batch_into")
 _BOOL_KEYS = frozenset({"loss_mask"})
 
 
@@ -43,7 +43,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
     the upstream sits at a batch boundary. Resume guarantee: restoring continues with exactly
     the batches the uninterrupted run would have produced.
 
-    A source with ``next_packed`` / ``materialize`` / ``materialize_into`` (a
+    A source with ``next_packed`` / ``materialize`` / ``materialize_batch_into`` (a
     :class:`~.pack.Pack`, or a :class:`~.shuffle.ShuffleBuffer` over one) is read in its
     packed form and each sequence is written straight into the batch arrays (the same batch,
     without making each sequence's dict first).
@@ -147,7 +147,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                     f"item {i} packs {len(item.tokens)} tokens but item 0 packs "
                     f"{len(items[0].tokens)}; Collate stacks sequences of one length"
                 )
-            self.source.materialize_into(item, arrays, i)
+        self.source.materialize_batch_into(items, arrays)
         out: dict[str, torch.Tensor] = {}
         for key in self.keys:
             if key == "provenance" and key in produced:

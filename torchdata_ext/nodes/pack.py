@@ -255,6 +255,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         self._combined = self.bos_token is not None and self.bos_token == self.eos_token
         self._bos_role = None if self._combined else self.bos_token  # token id of added BOS
         self._arange = np.arange(self._packed_len, dtype=np.int32)
+        self._batch_arange = self._arange  # grown to a batch's tokens on first use
+        self._bos_row = np.array([LITERAL, self.bos_token or 0, 0, 0, 1], np.int64)
+        self._eos_row = np.array([LITERAL, self.eos_token or 0, 0, 0, 1], np.int64)
         self.dataset_names: list[str] = []
         self._ds_ids: dict[str, int] = {}
         self._open: set[tuple[str, int, int]] = set()
@@ -355,29 +358,60 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
 
     def materialize_into(self, item: PackedSequence, out: dict[str, np.ndarray], row: int) -> None:
         """Write ``materialize(item)`` into row ``row`` of the ``[B, seq_len]`` arrays in ``out``
-        (any of the keys but ``provenance``; values are cast to each array's dtype), without
-        making the output dict: what a collating node does with it, in one step."""
-        x, _, cuts, ids, (lo, hi) = item
+        (see :meth:`materialize_batch_into`)."""
+        self.materialize_batch_into([item], {k: v[row : row + 1] for k, v in out.items()})
+
+    def materialize_batch_into(
+        self, items: Sequence[PackedSequence], out: dict[str, np.ndarray]
+    ) -> None:
+        """Write ``materialize(items[i])`` into row ``i`` of each ``[len(items), seq_len]`` array
+        in ``out`` (any of the keys but ``provenance``; values are cast to each array's dtype),
+        without making the output dicts: what a collating node does, for the whole batch in a
+        few array operations."""
         n = self.seq_len
-        lens = [b - a for a, b in zip(cuts, cuts[1:])]
-        lens.append(len(x) - cuts[-1])
-        for key, target in out.items():
-            dest = target[row]
-            if key == "input_ids":
-                dest[:] = x[:n]
-            elif key == "labels" and self.shift:
-                dest[:] = x[1:]
-            elif key == "position_ids":
-                pos = np.array(cuts, np.int32).repeat(lens)[:n]
-                np.subtract(self._arange[:n], pos, out=dest, casting="unsafe")
-            elif key == "document_ids":
-                dest[:] = np.array(ids, np.int32).repeat(lens)[:n]
-            elif key == "loss_mask":
-                dest[:] = True
+        size = self._packed_len
+        bad = [k for k in out if k not in self.output_keys or k == "provenance"]
+        if bad:
+            raise KeyError(f"a Pack sequence has no {bad[0]!r}; its keys: {self.output_keys}")
+        if not items:
+            return
+        if "input_ids" in out:
+            dest = out["input_ids"]
+            for i, item in enumerate(items):
+                dest[i] = item.tokens[:n]
+        if "labels" in out:
+            dest = out["labels"]
+            for i, item in enumerate(items):
+                dest[i] = item.tokens[1:]
+        if "position_ids" in out or "document_ids" in out:
+            # every item's runs laid end to end: run r covers flat tokens cuts[r] .. cuts[r + 1]
+            cuts: list[int] = []
+            ids: list[int] = []
+            for i, item in enumerate(items):
+                base = i * size
+                cuts.extend([c + base for c in item.cuts])
+                ids.extend(item.ids)
+            total = len(items) * size
+            at = np.array(cuts, np.int32)
+            lens = np.empty(len(at), np.int32)
+            np.subtract(at[1:], at[:-1], out=lens[:-1])
+            lens[-1] = total - at[-1]
+            if "position_ids" in out:
+                if len(self._batch_arange) < total:
+                    self._batch_arange = np.arange(total, dtype=np.int32)
+                flat = at.repeat(lens)
+                np.subtract(self._batch_arange[:total], flat, out=flat)
+                out["position_ids"][...] = flat.reshape(len(items), size)[:, :n]
+            if "document_ids" in out:
+                flat = np.array(ids, np.int32).repeat(lens)
+                out["document_ids"][...] = flat.reshape(len(items), size)[:, :n]
+        if "loss_mask" in out:
+            dest = out["loss_mask"]
+            dest[...] = True
+            for i, item in enumerate(items):
+                lo, hi = item.pad
                 if hi > lo:  # with shift: where the input or the label is padding
-                    dest[max(lo - 1, 0) if self.shift else lo : hi] = False
-            else:
-                raise KeyError(f"a Pack sequence has no {key!r}; its keys: {self.output_keys}")
+                    dest[i, max(lo - 1, 0) if self.shift else lo : hi] = False
 
     def get_state(self) -> dict[str, Any]:
         if self.mode != "best_fit" and self._cur is not None:
@@ -483,18 +517,19 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             tokens = tokens.astype(self.dtype)
         off = np.asarray(block.offsets, np.int64)
         n = len(off) - 1
-        lengths = np.diff(off)
-        first = np.asarray(block.start) == 0
+        lengths = off[1:] - off[:-1]
         last = np.asarray(block.last, bool)
         nonempty = lengths > 0
-        keep = nonempty | ~(first & last)  # empty whole documents are dropped
-        if tokens.size:
-            head = tokens[np.minimum(off[:-1], tokens.size - 1)]
-            tail = tokens[np.maximum(off[1:] - 1, 0)]
-        else:
-            head = tail = np.zeros(n, self.dtype)
-        no = np.zeros(n, bool)
-        addbos, addeos = no, no
+        all_nonempty = bool(nonempty.all())
+        first = np.asarray(block.start) == 0
+        # empty whole documents are dropped (they get no specials)
+        keep = None if all_nonempty else nonempty | ~(first & last)
+        safe = tokens.size - 1 if tokens.size else 0
+        if self._combined or self.bos_token is not None:
+            head = tokens[np.minimum(off[:-1], safe)] if tokens.size else np.zeros(n, self.dtype)
+        if self._combined or self.eos_token is not None:
+            tail = tokens[np.maximum(off[1:] - 1, 0)] if tokens.size else np.zeros(n, self.dtype)
+        addbos = addeos = None
         if self._combined:
             sep = self.eos_token
             head_s, tail_s = nonempty & (head == sep), nonempty & (tail == sep)
@@ -511,48 +546,85 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                     addeos[i] = False
         else:
             if self.bos_token is not None:
-                addbos = first & ~(nonempty & (head == self.bos_token))
+                ends_bos = head == self.bos_token
+                addbos = first & ~(ends_bos if all_nonempty else nonempty & ends_bos)
             if self.eos_token is not None:
-                addeos = last & ~(nonempty & (tail == self.eos_token))
-        addbos, addeos = addbos & keep, addeos & keep
-        unit_off = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths + addbos + addeos, out=unit_off[1:])
-        n_bos, n_eos = int(np.count_nonzero(addbos)), int(np.count_nonzero(addeos))
+                ends_eos = tail == self.eos_token
+                addeos = last & ~(ends_eos if all_nonempty else nonempty & ends_eos)
+        if keep is not None:
+            addbos = None if addbos is None else addbos & keep
+            addeos = None if addeos is None else addeos & keep
+        n_bos = 0 if addbos is None else int(np.count_nonzero(addbos))
+        n_eos = 0 if addeos is None else int(np.count_nonzero(addeos))
+        if not n_bos:
+            addbos = None
+        if not n_eos:
+            addeos = None
+        unit_len = lengths
+        if addbos is not None:
+            unit_len = unit_len + addbos
+        if addeos is not None:
+            unit_len = unit_len + addeos
+        unit_off = np.empty(n + 1, np.int64)
+        unit_off[0] = 0
+        np.cumsum(unit_len, out=unit_off[1:])
         if n_bos or n_eos:
             out = np.empty(int(unit_off[-1]), self.dtype)
-            at_bos = unit_off[:-1][addbos]
-            at_eos = unit_off[1:][addeos] - 1
+            at_bos = None if addbos is None else unit_off[:-1][addbos]
+            at_eos = None if addeos is None else unit_off[1:][addeos] - 1
             if n <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
-                dest = (unit_off[:-1] + addbos).tolist()
-                for d, a, b in zip(dest, off[:-1].tolist(), off[1:].tolist()):
+                dest = unit_off[:-1] if addbos is None else unit_off[:-1] + addbos
+                for d, a, b in zip(dest.tolist(), off[:-1].tolist(), off[1:].tolist()):
                     out[d : d + b - a] = tokens[a:b]
             else:
                 mask = np.ones(len(out), bool)
-                mask[at_bos] = False
-                mask[at_eos] = False
+                if at_bos is not None:
+                    mask[at_bos] = False
+                if at_eos is not None:
+                    mask[at_eos] = False
                 out[mask] = tokens[: off[-1]]
-            if n_bos:
+            if at_bos is not None:
                 out[at_bos] = self.bos_token
-            if n_eos:
+            if at_eos is not None:
                 out[at_eos] = self.eos_token
         else:
             out = tokens[: off[-1]]
-        n_rows = n_bos + int(np.count_nonzero(nonempty)) + n_eos
-        if n_rows == n and n_bos == 0 and n_eos == 0:
-            which = np.arange(n) * 3 + 1
-        else:
-            which = np.flatnonzero(np.stack([addbos, nonempty, addeos], 1).ravel())
-        rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
-        rows3[:, 0] = (LITERAL, self.bos_token or 0, 0, 0, 1)
-        rows3[:, 2] = (LITERAL, self.eos_token or 0, 0, 0, 1)
-        mid = rows3[:, 1]
+        # provenance rows: [BOS] [document piece] [EOS] per piece, the ones present
+        mid = np.empty((n, PROV_COLUMNS), np.int64)
         mid[:, 0] = ds_id
         mid[:, 1] = block.file
         mid[:, 2] = block.doc
         mid[:, 3] = block.start
         mid[:, 4] = lengths
-        rows = rows3.reshape(-1, PROV_COLUMNS)[which]
-        row_off = np.zeros(n_rows + 1, np.int64)
+        if addbos is None and all_nonempty:
+            if addeos is None:
+                rows = mid
+            elif n_eos == n:  # every piece gets an EOS: rows alternate
+                rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
+                rows[0::2] = mid
+                rows[1::2] = self._eos_row
+            else:
+                rows = np.empty((n, 2, PROV_COLUMNS), np.int64)
+                rows[:, 0] = mid
+                rows[:, 1] = self._eos_row
+                rows = rows.reshape(-1, PROV_COLUMNS)[
+                    np.flatnonzero(np.stack([nonempty, addeos], 1).ravel())
+                ]
+        else:
+            no = np.zeros(n, bool)
+            which = np.flatnonzero(
+                np.stack(
+                    [no if addbos is None else addbos, nonempty, no if addeos is None else addeos],
+                    1,
+                ).ravel()
+            )
+            rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
+            rows3[:, 0] = self._bos_row
+            rows3[:, 1] = mid
+            rows3[:, 2] = self._eos_row
+            rows = rows3.reshape(-1, PROV_COLUMNS)[which]
+        row_off = np.empty(len(rows) + 1, np.int64)
+        row_off[0] = 0
         np.cumsum(rows[:, 4], out=row_off[1:])
         return _Stream(pre_state, carry_in, out, rows, row_off, unit_off)
 

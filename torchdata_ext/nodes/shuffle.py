@@ -151,12 +151,15 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         """The item :meth:`next` would return for an item from :meth:`next_packed`."""
         return self._out(item)
 
-    def materialize_into(self, item: Any, out: dict[str, np.ndarray], row: int) -> None:
-        """The source's ``materialize_into`` (see :meth:`~.pack.Pack.materialize_into`)."""
-        fill = getattr(self.source, "materialize_into", None)
+    def materialize_batch_into(self, items: list[Any], out: dict[str, np.ndarray]) -> None:
+        """The source's ``materialize_batch_into`` (see
+        :meth:`~.pack.Pack.materialize_batch_into`)."""
+        fill = getattr(self.source, "materialize_batch_into", None)
         if fill is None:
-            raise TypeError(f"the source {type(self.source).__name__} has no materialize_into")
-        fill(item, out, row)
+            raise TypeError(
+                f"the source {type(self.source).__name__} has no materialize_batch_into"
+            )
+        fill(items, out)
 
     @property
     def output_keys(self) -> tuple[str, ...]:
