@@ -48,18 +48,22 @@ def raw_limit(files: list[str]) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
-def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int, float]:
-    """Tokens delivered, wall seconds, batches, CPU seconds."""
+def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int, float, float]:
+    """Tokens delivered, wall seconds, batches, CPU seconds, seconds to the first batch (the
+    shuffle buffer's fill)."""
     datasets = build_datasets(cfg)
     node = build_pipeline(cfg, World(), datasets)
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = batches = 0
+    first = 0.0
     for batch in node:
+        if not batches:
+            first = time.perf_counter() - t0
         tokens += batch["input_ids"].numel()
         batches += 1
         if tokens >= max_tokens:
             break
-    return tokens, time.perf_counter() - t0, batches, time.process_time() - c0
+    return tokens, time.perf_counter() - t0, batches, time.process_time() - c0, first
 
 
 def _summary(rates: list[float]) -> str:
@@ -95,14 +99,18 @@ def main() -> None:
     raw_rates: list[float] = []
     pipe_rates: list[float] = []
     cpu_rates: list[float] = []
+    steady_rates: list[float] = []
+    fills: list[float] = []
     batches = 0
     for _ in range(max(1, args.repeat)):
         n_raw, t_raw = raw_limit(files)
         raw_rates.append(n_raw / t_raw)
         # deliver as many tokens as the corpus holds (the buffer fill is part of the cost)
-        n_pipe, t_pipe, batches, c_pipe = pipeline_pass(cfg, int(args.tokens * 0.9))
+        n_pipe, t_pipe, batches, c_pipe, first = pipeline_pass(cfg, int(args.tokens * 0.9))
         pipe_rates.append(n_pipe / t_pipe)
         cpu_rates.append(n_pipe / c_pipe)
+        steady_rates.append(n_pipe * (batches - 1) / batches / (t_pipe - first))
+        fills.append(first)
     raw_rate, pipe_rate = max(raw_rates), max(pipe_rates)
     print(f"raw limit (mmap + zero-copy + np.concatenate): {_summary(raw_rates)}")
     print(
@@ -110,6 +118,10 @@ def main() -> None:
         f" {_summary(pipe_rates)} ({batches} batches)"
     )
     print(f"  per CPU second: {_summary(cpu_rates)}")
+    print(
+        f"  after the first batch: {_summary(steady_rates)}; first batch (buffer fill) after "
+        f"{min(fills):.2f}-{max(fills):.2f} s"
+    )
     print(f"ratio pipeline / raw (bests): {pipe_rate / raw_rate:.2f}")
 
     troot = os.path.join(args.data_dir, f"jsonl_{args.text_bytes}")
@@ -121,7 +133,7 @@ def main() -> None:
     )  # fmt: skip
     t0 = time.perf_counter()
     nbytes = sum(os.path.getsize(f) for ix in build_datasets(tcfg).values() for f in ix.files)
-    n_text, t_text, _, _ = pipeline_pass(tcfg, int(args.text_bytes * 0.8))
+    n_text, t_text, _, _, _ = pipeline_pass(tcfg, int(args.text_bytes * 0.8))
     print(f"pipeline, JSONL text + byte tokenizer: {n_text / t_text / 1e6:8.1f}M tokens/s")
     print(
         f"  (corpus {nbytes / 1e6:.0f} MB; ratio to the Arrow pipeline: {(n_text / t_text) / pipe_rate:.2f})"

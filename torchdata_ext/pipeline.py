@@ -74,7 +74,9 @@ class PipelineConfig:
             ``"samples"`` (random by weight).
         mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
             next one's share before the mix switches (0: document by document). The default
-            keeps per-block overhead low; after the shuffle buffer the order is mixed anyway.
+            (16 sequences of 4,096) keeps per-block overhead low; each share stays within
+            ``(mix_quantum_tokens + longest document) / tokens delivered`` of its target, and
+            after the shuffle buffer the order is mixed anyway.
         epochs: None for an endless stream; 1 for validation data.
         min_length: skip documents shorter than this many tokens.
         max_chunksize: cut token documents longer than this many tokens in the reader (bounds
@@ -106,7 +108,7 @@ class PipelineConfig:
     best_fit_window: int = 1000
     shuffle_buffer: int = 10_000
     interleave_mode: Literal["tokens", "samples"] = "tokens"
-    mix_quantum_tokens: int = 16_384
+    mix_quantum_tokens: int = 65_536
     epochs: int | None = None
     min_length: int = 1
     max_chunksize: int | None = None
