@@ -39,6 +39,7 @@ class _PipelineIterator(Iterator[Any]):
         self.root = build(world)
         self._initial = initial
         self._started = False
+        self._counted: list[Any] | None = None  # the nodes with io_stats (the graph is fixed)
 
     def _start(self) -> None:
         if not self._started:
@@ -65,13 +66,15 @@ class _PipelineIterator(Iterator[Any]):
         """The I/O counters of every reader in this worker's graph, summed."""
         from torchdata_ext.checkpoint import graph_nodes
 
+        if self._counted is None:  # found once: walking the graph visits every buffered item
+            self._counted = [
+                n for n in graph_nodes(self.root) if callable(getattr(n, "io_stats", None))
+            ]
         out: dict[str, float] = {}
-        for node in graph_nodes(self.root):
-            stats = getattr(node, "io_stats", None)
-            if callable(stats):
-                for k, v in stats().items():
-                    if isinstance(v, (int, float)):
-                        out[k] = out.get(k, 0) + v
+        for node in self._counted:
+            for k, v in node.io_stats().items():
+                if isinstance(v, (int, float)):
+                    out[k] = out.get(k, 0) + v
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
