@@ -57,6 +57,10 @@ class DocumentBlock:
         last: ``bool`` whether each piece ends its document.
         shard: the logical shard the block was read from (-1 if mixed).
         epoch: the epoch of that shard (-1 if mixed).
+        stop: text blocks only, None unless a rescale handed back parts of text documents:
+            ``int64`` per piece, -1 for a whole text, else the piece is the tokens
+            ``start .. stop`` of the text once tokenized (the tokenize node cuts it; ``last``
+            is decided there).
     """
 
     dataset: str
@@ -69,6 +73,7 @@ class DocumentBlock:
     last: np.ndarray
     shard: int = -1
     epoch: int = -1
+    stop: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -125,12 +130,13 @@ class DocumentBlock:
             self.last[lo:hi],
             self.shard,
             self.epoch,
+            None if self.stop is None else self.stop[lo:hi],
         )
 
     def pieces(self) -> list[tuple[str, int, int, int, int]]:
         """Provenance of every piece: ``(dataset, file, doc, start, stop)`` (stop -1 for text
         pieces that run to the end of their document)."""
-        ends = self.start + self.lengths if self.tokens is not None else None
+        ends = self.start + self.lengths if self.tokens is not None else self.stop
         out = []
         for i in range(len(self)):
             stop = -1 if ends is None else int(ends[i])
@@ -144,10 +150,10 @@ class DocumentBlock:
         cls,
         dataset: str,
         pieces: Sequence[np.ndarray] | Sequence[str],
-        file: Sequence[int],
-        doc: Sequence[int],
-        start: Sequence[int],
-        last: Sequence[bool],
+        file: Sequence[int] | np.ndarray,
+        doc: Sequence[int] | np.ndarray,
+        start: Sequence[int] | np.ndarray,
+        last: Sequence[bool] | np.ndarray,
         *,
         shard: int = -1,
         epoch: int = -1,

@@ -433,26 +433,41 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
     # -- provenance ----------------------------------------------------------------------------
     def inflight(self) -> list[tuple[str, int, int, int, int]]:
         """Document tokens pulled from the source but not yet emitted, as
-        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling.
-
-        Raises:
-            NotImplementedError: in ``best_fit`` mode (its window is not handed on yet).
-        """
+        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling. In
+        ``best_fit`` mode: the pieces of the window's bins not yet emitted, then the rest of
+        the block the window ended in."""
         if self.mode == "best_fit":
-            raise NotImplementedError(
-                "rescaling a best_fit packer is not supported yet; rescale with mode='concat' "
-                "or 'pad', or restore on the same number of ranks and workers"
-            )
+            return self._best_fit_inflight()
         if self._cur is None and not self._exhausted:
             self._pull()  # restored lazily: pull the current block again (skipping what was used)
         cur = self._cur
         if cur is None or self._pos >= len(cur.tokens):
             return []
-        out = []
-        for ds, f, d, start, length in cur.rows_between(self._pos, len(cur.tokens)).tolist():
-            if ds >= 0 and length > 0:
-                out.append((self.dataset_names[ds], f, d, start, start + length))
+        return self._pieces(cur, self._pos, len(cur.tokens))
+
+    def _best_fit_inflight(self) -> list[tuple[str, int, int, int, int]]:
+        if self._bins is None and not self._exhausted:  # restored lazily: rebuild the window
+            bins = self._build_window()
+            if bins:
+                self._bins = bins
+        out: list[tuple[str, int, int, int, int]] = []
+        for parts in (self._bins or [])[self._bins_done :]:
+            for s, a, b in parts:
+                out.extend(self._pieces(s, a, b))
+        cur = self._cur
+        if cur is not None and self._pos < cur.n_units:
+            out.extend(self._pieces(cur, int(cur.unit_off[self._pos]), len(cur.tokens)))
         return out
+
+    def _pieces(self, s: _Stream, a: int, b: int) -> list[tuple[str, int, int, int, int]]:
+        """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
+        if a >= b:
+            return []
+        return [
+            (self.dataset_names[ds], f, d, start, start + length)
+            for ds, f, d, start, length in s.rows_between(a, b).tolist()
+            if ds >= 0 and length > 0
+        ]
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` of ``dataset``, whole, from the source."""

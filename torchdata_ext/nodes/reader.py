@@ -345,24 +345,23 @@ class ShardReader(BaseNode[DocumentBlock]):
         docs: list[int] = []
         starts: list[int] = []
         lasts: list[bool] = []
+        stops: list[int] = []
         for _, doc, start, stop in take:
             data = self.fetch_document(self.dataset.name, file, doc)
             if isinstance(data, str):
-                if start != 0 or stop != -1:
-                    raise NotImplementedError(
-                        "a rescale handed back part of a text document; restore text datasets "
-                        "on the same number of ranks and workers, or pre-tokenize them "
-                        "(torchdata-ext prepare)"
-                    )
-                end = len(data)
+                # offsets count the tokens of the tokenized text: the whole text goes on with
+                # them, and the tokenize node cuts the piece out after encoding
+                pieces.append(data)
+                lasts.append(stop < 0)
+                stops.append(stop)
             else:
                 end = len(data) if stop < 0 else stop
-            pieces.append(data[start:end])
+                pieces.append(data[start:end])
+                lasts.append(end == len(data))
             docs.append(doc)
             starts.append(start)
-            lasts.append(end == len(data))
         self._frozen[str(sid)] = c.as_dict()
-        return DocumentBlock.from_pieces(
+        block = DocumentBlock.from_pieces(
             self.dataset.name,
             pieces,
             [file] * len(take),
@@ -373,6 +372,9 @@ class ShardReader(BaseNode[DocumentBlock]):
             epoch=c.epoch,
             dtype=self.dtype,
         )
+        if stops:
+            block.stop = np.asarray(stops, np.int64)
+        return block
 
     def with_returned(
         self, state: dict[str, Any], pieces: Sequence[tuple[int, int, int, int]]

@@ -106,6 +106,8 @@ def _encode_block(
                 "pass a wider dtype to Tokenize (e.g. np.int64)"
             )
     tokens, offsets = ensure_bos_eos(flat, offsets, bos_token, eos_token, dtype)
+    if block.stop is not None:
+        return _cut_handed_back(block, tokens, offsets)
     return DocumentBlock(
         block.dataset,
         tokens,
@@ -117,6 +119,38 @@ def _encode_block(
         block.last,
         block.shard,
         block.epoch,
+    )
+
+
+def _cut_handed_back(
+    block: DocumentBlock, tokens: np.ndarray, offsets: np.ndarray
+) -> DocumentBlock:
+    """Cut the token pieces ``start .. stop`` that a rescale handed back out of their encoded
+    texts (``stop`` -1: to the end)."""
+    assert block.stop is not None
+    pieces, lasts = [], []
+    for i, (a, stop) in enumerate(zip(block.start.tolist(), block.stop.tolist())):
+        doc = tokens[offsets[i] : offsets[i + 1]]
+        b = len(doc) if stop < 0 else stop
+        if not 0 <= a <= b <= len(doc):
+            raise ValueError(
+                f"dataset {block.dataset!r}, file {int(block.file[i])}, doc {int(block.doc[i])}: "
+                f"the piece {a}..{b} handed back by a rescale is not inside the {len(doc)} "
+                "tokens of its text: the tokenizer, BOS/EOS settings or the data changed "
+                "since the checkpoint"
+            )
+        pieces.append(doc[a:b])
+        lasts.append(b == len(doc))
+    return DocumentBlock.from_pieces(
+        block.dataset,
+        pieces,
+        block.file,
+        block.doc,
+        block.start,
+        lasts,
+        shard=block.shard,
+        epoch=block.epoch,
+        dtype=tokens.dtype,
     )
 
 
@@ -305,6 +339,8 @@ class Tokenize(BaseNode[DocumentBlock]):
 
     @staticmethod
     def _check_whole(block: DocumentBlock) -> None:
+        if block.stop is not None:  # token pieces handed back by a rescale: cut after encoding
+            return
         if len(block) and (block.start.any() or not block.last.all()):
             i = int(np.flatnonzero((block.start != 0) | ~block.last)[0])
             raise ValueError(
