@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,23 @@ def test_globs_braces_and_data_sources_txt(dataset, tmp_path) -> None:
         str(flat / "data_sources.txt"), file_type="flat", handler_options={"eos_token": 0}
     )
     assert c.doc_counts.tolist() == [4, 4] and c.total_tokens > 0
+
+
+def test_offsets_sidecars_are_not_listed_as_data(tmp_path) -> None:
+    """A folder of flat token files with ``.offsets.npy`` sidecars lists only the data files,
+    whether the format is given or sniffed."""
+    for i in range(2):
+        write_flat_tokens(str(tmp_path / f"part_{i}.npy"), _docs(3, i), offsets=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "part_0.npy",
+        "part_0.npy.offsets.npy",
+        "part_1.npy",
+        "part_1.npy.offsets.npy",
+    ]
+    for file_type in ("flat", None):
+        ix = DatasetIndex.build(str(tmp_path), file_type=file_type)
+        assert [os.path.basename(f) for f in ix.files] == ["part_0.npy", "part_1.npy"]
+        assert ix.doc_counts.tolist() == [3, 3]
 
 
 def test_memory_filesystem(tmp_path) -> None:

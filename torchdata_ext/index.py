@@ -31,6 +31,7 @@ from torchdata_ext.handlers.base import (
     get_handler_class,
     registered_formats,
 )
+from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
 from torchdata_ext.remote import RemoteError, check_access, with_retries
 from torchdata_ext.urls import expand_urls, filesystem
 
@@ -179,6 +180,13 @@ class DatasetIndex:
             for u in expanded:  # say so if the bucket is missing or refuses these credentials
                 check_access(u, storage_options)
             raise
+        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data
+        listed = set(files)
+        files = [
+            f
+            for f in files
+            if not (f.endswith(OFFSETS_SUFFIX) and f[: -len(OFFSETS_SUFFIX)] in listed)
+        ]
         if file_type is None:
             kinds = {format_for_url(f) for f in files}
             if len(kinds) > 1:

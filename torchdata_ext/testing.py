@@ -69,9 +69,8 @@ def _token_arrays(docs: Docs, dtype: Any = None) -> tuple[list[np.ndarray], np.d
         arrays.append(arr)
     dt: np.dtype[Any]
     if dtype is None:
-        dt = reduce(np.promote_types, [a.dtype for a in arrays], np.dtype(np.int8))
-        if not arrays:
-            dt = np.dtype(np.int64)
+        # the common type of the documents (starting from int8 would turn uint32 into int64)
+        dt = reduce(np.promote_types, [a.dtype for a in arrays]) if arrays else np.dtype(np.int64)
         if dt.kind not in "iu":  # e.g. uint64 mixed with int64
             dt = np.dtype(np.int64)
     else:
