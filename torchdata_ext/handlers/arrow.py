@@ -109,6 +109,8 @@ def int_column_to_numpy(url: str, col_name: str, array: pa.Array, where: str) ->
     return array.to_numpy(zero_copy_only=True)
 
 
+_PARSE_GROUP = 64  # batches parsed together when only a few are asked for
+
 class RowColumn:
     """Row-indexed documents over the chunks of one list<int> or string column.
 
@@ -291,10 +293,21 @@ class BatchIndex:
         return np.frombuffer(buf, self.dtype, count=self.size // self.dtype.itemsize)
 
     def ensure(self, buf: Any, idx: np.ndarray) -> None:
-        """Parse the metadata of batches ``idx`` (an ``int64`` array) if not parsed yet."""
+        """Parse the metadata of batches ``idx`` (an ``int64`` array) if not parsed yet.
+
+        A few scattered batches (one document fetched here and there, as when a shuffle
+        buffer is rebuilt from provenance) are parsed with their aligned group of
+        ``_PARSE_GROUP`` neighbours: one vectorised parse costs about the same for 1 or 64
+        batches, and the next fetches nearby find them parsed."""
         todo = idx[~self.parsed[idx]]
-        if len(todo):
-            self._parse(_Bytes(buf), np.unique(todo))
+        if not len(todo):
+            return
+        if len(todo) < _PARSE_GROUP:
+            base = np.unique(todo // _PARSE_GROUP) * _PARSE_GROUP
+            todo = (base[:, None] + np.arange(_PARSE_GROUP)).ravel()
+            todo = todo[todo < len(self.parsed)]
+            todo = todo[~self.parsed[todo]]
+        self._parse(_Bytes(buf), np.unique(todo))
 
     def ensure_all(self, buf: Any) -> None:
         if not self.parsed.all():
