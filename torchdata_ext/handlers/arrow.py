@@ -111,6 +111,7 @@ def int_column_to_numpy(url: str, col_name: str, array: pa.Array, where: str) ->
 
 _PARSE_GROUP = 64  # batches parsed together when only a few are asked for
 
+
 class RowColumn:
     """Row-indexed documents over the chunks of one list<int> or string column.
 
