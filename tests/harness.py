@@ -118,3 +118,16 @@ def _take(it, n):
         if len(out) >= n:
             break
     return out
+
+
+def check_exactly_once(coverage: dict, lengths: dict) -> None:
+    """Every document of ``lengths`` (key -> tokens) is covered by its delivered token ranges
+    (``coverage``: key -> [(start, stop), ...]) exactly once: no gap, no overlap, no extra."""
+    assert set(coverage) == set(lengths), "documents missing or unknown"
+    for key, ranges in coverage.items():
+        ranges.sort()
+        pos = 0
+        for a, b in ranges:
+            assert a == pos, f"{key}: tokens {pos}..{a} missing or repeated (ranges {ranges})"
+            pos = b
+        assert pos == lengths[key], f"{key}: covered {pos} of {lengths[key]} tokens"

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from harness import check_exactly_once
 
 from torchdata_ext.testing import write_arrow_batches
 
@@ -95,11 +96,4 @@ def test_kill_full_pipeline_and_restart_with_other_worker_count(tmp_path) -> Non
     for item in _kill_then_resume(tmp_path / "data", tmp_path, ["--pipeline"]):
         ds, f, d, start, length = map(int, item.split(","))
         coverage.setdefault((ds, f, d), []).append((start, start + length))
-    assert set(coverage) == set(lengths), "documents missing"
-    for key, ranges in coverage.items():
-        ranges.sort()
-        pos = 0
-        for a, b in ranges:
-            assert a == pos, f"{key}: tokens {pos}..{a} missing or repeated ({ranges})"
-            pos = b
-        assert pos == lengths[key], f"{key}: {pos} of {lengths[key]} tokens delivered"
+    check_exactly_once(coverage, lengths)

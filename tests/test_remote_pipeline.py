@@ -7,8 +7,8 @@ import functools
 
 import numpy as np
 import pytest
-from harness import item_key, run
-from test_rescale import NAMES, check_exactly_once, cover, expected_lengths
+from harness import check_exactly_once, item_key, run
+from test_rescale import NAMES, cover, expected_lengths
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint

@@ -13,6 +13,7 @@ import functools
 
 import numpy as np
 import pytest
+from harness import check_exactly_once
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -65,47 +66,13 @@ def cover(coverage: dict, seqs, names) -> None:
             coverage.setdefault(key, []).append((start, start + length))
 
 
-def check_exactly_once(coverage: dict, lengths: dict) -> None:
-    assert set(coverage) == set(lengths), "documents missing or unknown"
-    for key, ranges in coverage.items():
-        ranges.sort()
-        pos = 0
-        for a, b in ranges:
-            assert a == pos, f"{key}: tokens {pos}..{a} missing or repeated (ranges {ranges})"
-            pos = b
-        assert pos == lengths[key], f"{key}: covered {pos} of {lengths[key]} tokens"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("old", [(2, 2), (3, 1)], ids=str)
 @pytest.mark.parametrize("new", [(1, 0), (1, 1), (1, 3), (2, 2), (3, 1), (4, 2)], ids=str)
 def test_full_pipeline_rescale_exactly_once(cfg, tmp_path, old, new) -> None:
-    lengths = expected_lengths(cfg)
-    coverage: dict = {}
-    ckpt = str(tmp_path / "ckpt")
-    R, W = old
-    for r in range(R):
-        loader = TokenLoader(functools.partial(build, cfg), num_workers=W, rank=r, world_size=R)
-        seqs = []
-        for seq in loader:
-            seqs.append(seq)
-            if len(seqs) >= 7 + 2 * r:
-                break
-        cover_with_names(coverage, seqs, loader)
-        save_checkpoint(loader, ckpt)
-    R2, W2 = new
-    for r in range(R2):
-        loader = TokenLoader(functools.partial(build, cfg), num_workers=W2, rank=r, world_size=R2)
-        load_checkpoint(loader, ckpt)
-        cover_with_names(coverage, list(loader), loader)
-    check_exactly_once(coverage, lengths)
-
-
-def cover_with_names(coverage, seqs, loader) -> None:
-    """Provenance dataset ids index the datasets in config order (the pipeline pins them)."""
-    del loader
-    cover(coverage, seqs, NAMES)
+    coverage, _ = _checkpoint_then_finish(cfg, tmp_path, old, new)
+    check_exactly_once(coverage, expected_lengths(cfg))
 
 
 NAMES = ["web", "code"]
