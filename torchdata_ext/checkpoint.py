@@ -371,7 +371,9 @@ def save_checkpoint(
         )
     _write_atomic(
         posixpath.join(url, f"rank_{loader.rank:05d}.json"),
-        json.dumps({"next_worker": state["next_worker"]}).encode(),
+        json.dumps(
+            {"next_worker": state["next_worker"], "skip_batches": state["skip_batches"]}
+        ).encode(),
         storage_options,
     )
     _barrier()
@@ -383,6 +385,8 @@ def save_checkpoint(
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
             "datasets": graph_summary(any_graph),
+            # ranks step together, so rank 0's count holds for all
+            "skip_batches": state["skip_batches"],
         }
         _write_atomic(
             posixpath.join(url, _MANIFEST),
@@ -449,8 +453,19 @@ def load_checkpoint(
         meta = json.loads(
             _read(posixpath.join(url, f"rank_{loader.rank:05d}.json"), storage_options)
         )
-        loader.load_worker_states(graphs, next_worker=meta["next_worker"])
+        loader.load_worker_states(
+            graphs,
+            next_worker=meta["next_worker"],
+            skip_batches=int(meta.get("skip_batches", 0)),
+        )
         return
+    if int(manifest.get("skip_batches", 0)):
+        raise ValueError(
+            f"checkpoint {url} was taken {manifest['skip_batches']} batches after the workers' "
+            "last state snapshot (snapshot_every_n_steps > 1), so it restores only on the same "
+            f"{old_ranks} ranks x {old_workers} workers; to rescale, take checkpoints at "
+            "multiples of snapshot_every_n_steps (or use snapshot_every_n_steps=1)"
+        )
     old_total = old_ranks * old_workers
     cache: dict[int, dict[str, Any]] = {}
     new_graphs = {}
