@@ -86,6 +86,24 @@ def main() -> None:
         t2 = time.perf_counter()
     print(f"checkpoint save: {(t1 - t0) * 1e3:.0f} ms; restore + first batch: {t2 - t1:.1f}s "
           f"(vs {fill:.1f}s to fill the buffer from scratch)")  # fmt: skip
+    # the same through one dataloader worker process: what a snapshot at every step costs
+    # there (state_dict + pickling + sending it with the batch) next to snapshots every 100
+    per_batch = {}
+    for every in (100, 1):
+        worker = TokenLoader(
+            functools.partial(build, cfg, datasets), num_workers=1, snapshot_every_n_steps=every
+        )
+        it = iter(worker)
+        for _ in range(5):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(args.steps * 4):
+            next(it)
+        per_batch[every] = (time.perf_counter() - t0) / (args.steps * 4)
+        del it, worker
+    print(f"1 worker process: {per_batch[1] * 1e3:.2f} ms per batch with a snapshot every step, "
+          f"{per_batch[100] * 1e3:.2f} ms with one every 100 "
+          f"(ratio {per_batch[1] / per_batch[100]:.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -164,3 +164,26 @@ def test_packed_sequences_written_straight_into_the_batch(index, pack_kw, dtype)
         lambda: Collate(ShuffleBuffer(packer(index, **pack_kw), 5, seed=1), 2, dtype=dtype),
         steps=range(0, 12, 3),
     )
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["packed", "generic"])
+def test_a_batch_is_one_storage(index, fused) -> None:
+    """All tensors of a batch are contiguous views of one storage, so a dataloader worker
+    sends one shared-memory segment per batch; each still holds exactly its own values."""
+    keys = ("input_ids", "labels", "provenance", "position_ids", "document_ids", "loss_mask")
+    pack_kw = {"shift": True}
+    seqs = run(packer(index, **pack_kw))
+    src = packer(index, **pack_kw)
+    node = Collate(src if fused else _Plain(src), 3, dtype=torch.int32, keys=keys)
+    assert node._fused is fused
+    for b, batch in enumerate(run(node)):
+        assert len({t.untyped_storage().data_ptr() for t in batch.values()}) == 1
+        group = seqs[b * 3 : (b + 1) * 3]
+        for key, t in batch.items():
+            assert t.is_contiguous()
+            if key != "provenance":
+                assert np.array_equal(t.numpy(), np.stack([s[key] for s in group]))
+        prov = batch["provenance"].numpy()
+        for row, s in zip(prov, group):
+            assert np.array_equal(row[: len(s["provenance"])], s["provenance"])
+            assert (row[len(s["provenance"]) :, 4] == 0).all()  # padding rows cover nothing

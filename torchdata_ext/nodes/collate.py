@@ -22,9 +22,11 @@ _BOOL_KEYS = frozenset({"loss_mask"})
 class Collate(BaseNode[dict[str, torch.Tensor]]):
     """Stack ``batch_size`` packed-sequence dicts (from :class:`~.pack.Pack`) into tensors.
 
-    Each key becomes one ``[B, seq_len]`` tensor made with ``torch.from_numpy`` over one freshly
-    allocated, C-contiguous NumPy array the rows are stacked into (zero-copy, ready for
-    ``pin_memory``): ``loss_mask`` as ``torch.bool``, every other key in ``dtype``.
+    Each key becomes one C-contiguous ``[B, seq_len]`` tensor: ``loss_mask`` as ``torch.bool``,
+    every other key in ``dtype`` (``provenance``: ``[B, rows, 5]`` int64). All tensors of a
+    batch are views of one freshly allocated storage, written in place through NumPy: a
+    dataloader worker hands a batch to the main process as one shared-memory segment instead
+    of one per tensor (~0.4 ms saved per tensor per batch).
 
     Args:
         source: a node yielding dicts of equal-length 1-D NumPy arrays.
@@ -110,7 +112,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             if all(isinstance(it, PackedSequence) for it in items):
                 return self._fill(items)
             items = [self.source.materialize(it) for it in items]
-        out: dict[str, Any] = {}
+        out: dict[str, np.ndarray] = {}
         for key in self.keys:
             present = [key in item for item in items]
             if not any(present):
@@ -121,10 +123,13 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                     f"{present.index(True)} has; all items of a batch must have the same keys"
                 )
             if key == "provenance":
-                out[key] = torch.from_numpy(_stack_provenance([it[key] for it in items]))
+                out[key] = _stack_provenance([it[key] for it in items])
                 continue
-            out[key] = torch.from_numpy(self._stack(key, [it[key] for it in items]))
-        return out
+            out[key] = self._stack(key, [it[key] for it in items])
+        arrays, tensors = _one_storage({k: (a.shape, a.dtype) for k, a in out.items()})
+        for k, a in out.items():
+            arrays[k][...] = a
+        return tensors
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}
@@ -136,25 +141,27 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         """The batch of packed sequences, each written straight into the batch arrays."""
         produced = tuple(self.source.output_keys)
         width = len(items[0].tokens) - ("labels" in produced)
-        arrays: dict[str, np.ndarray] = {}
-        for key in self.keys:
-            if key in produced and key != "provenance":
-                dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
-                arrays[key] = np.empty((len(items), width), dt)
         for i, item in enumerate(items):
             if len(item.tokens) - ("labels" in produced) != width:
                 raise ValueError(
                     f"item {i} packs {len(item.tokens)} tokens but item 0 packs "
                     f"{len(items[0].tokens)}; Collate stacks sequences of one length"
                 )
-        self.source.materialize_batch_into(items, arrays)
-        out: dict[str, torch.Tensor] = {}
+        specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for key in self.keys:
             if key == "provenance" and key in produced:
-                out[key] = torch.from_numpy(_stack_provenance([it.provenance for it in items]))
-            elif key in arrays:
-                out[key] = torch.from_numpy(arrays[key])
-        return out
+                rows = max(len(it.provenance) for it in items)
+                specs[key] = ((len(items), rows, PROV_COLUMNS), np.dtype(np.int64))
+            elif key in produced:
+                dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
+                specs[key] = ((len(items), width), dt)
+        arrays, tensors = _one_storage(specs)
+        self.source.materialize_batch_into(
+            items, {k: a for k, a in arrays.items() if k != "provenance"}
+        )
+        if "provenance" in arrays:
+            _stack_provenance([it.provenance for it in items], out=arrays["provenance"])
+        return tensors
 
     def _stack(self, key: str, arrays: list[np.ndarray]) -> np.ndarray:
         width = len(arrays[0])
@@ -180,9 +187,46 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         return buf
 
 
-def _stack_provenance(tables: list[np.ndarray]) -> np.ndarray:
+def _one_storage(
+    specs: dict[str, tuple[tuple[int, ...], np.dtype]],
+) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
+    """Arrays of the given shapes and dtypes laid out in one new ``torch`` storage (each
+    8-byte aligned): the NumPy views to write them through, and the tensors."""
+    starts, end = {}, 0
+    for key, (shape, dt) in specs.items():
+        starts[key] = end
+        end += -(-int(np.prod(shape, dtype=np.int64)) * dt.itemsize // 8) * 8
+    flat = torch.empty(end, dtype=torch.uint8)
+    raw = flat.numpy()
+    arrays, tensors = {}, {}
+    for key, (shape, dt) in specs.items():
+        a = starts[key]
+        b = a + int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        arrays[key] = raw[a:b].view(dt).reshape(shape)
+        tensors[key] = flat[a:b].view(_TORCH_DTYPES[dt]).view(shape)
+    return arrays, tensors
+
+
+_TORCH_DTYPES = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    **{
+        np.dtype(f"uint{bits}"): getattr(torch, f"uint{bits}")
+        for bits in (16, 32, 64)
+        if hasattr(torch, f"uint{bits}")
+    },
+}
+
+
+def _stack_provenance(tables: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
     rows = [np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables]
-    out = np.zeros((len(rows), max(len(r) for r in rows), PROV_COLUMNS), np.int64)
+    if out is None:
+        out = np.empty((len(rows), max(len(r) for r in rows), PROV_COLUMNS), np.int64)
+    out[...] = 0
     out[:, :, 0] = LITERAL
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
