@@ -63,11 +63,14 @@ class _PipelineIterator(Iterator[Any]):
     def state_dict(self) -> dict[str, Any]:
         self._start()
         w = self.world
-        return {
-            "world": [w.rank, w.world_size, w.worker_id, w.num_workers],
-            "graph_pickle": pickle.dumps(self.root.state_dict(), protocol=pickle.HIGHEST_PROTOCOL),
-            "io": self.io_stats(),
-        }
+        graph = self.root.state_dict()
+        out: dict[str, Any] = {"world": [w.rank, w.world_size, w.worker_id, w.num_workers]}
+        if get_worker_info() is None:  # in this process: nothing to send
+            out["graph"] = graph
+        else:
+            out["graph_pickle"] = pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)
+        out["io"] = self.io_stats()
+        return out
 
     def io_stats(self) -> dict[str, float]:
         """The I/O counters of every reader in this worker's graph, summed."""
