@@ -6,7 +6,7 @@ reports the graph's state, so ``StatefulDataLoader.state_dict()`` captures it at
 
 :class:`TokenLoader` wraps ``StatefulDataLoader`` and speaks in the product's own terms: its
 ``state_dict()`` is ``{"format", "rank", "world_size", "num_workers", "next_worker",
-"workers": {global worker id: graph state}}``, and ``load_state_dict`` restores it on the same
+"skip_batches", "workers": {global worker id: {"world", "graph", "io"}}}``, and ``load_state_dict`` restores it on the same
 topology, continuing with exactly the batches the uninterrupted run would have produced (the
 worker that would have produced the next batch does so). Restoring onto another number of
 ranks or workers goes through :func:`torchdata_ext.checkpoint.rescale_worker_states`.
