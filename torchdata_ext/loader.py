@@ -229,14 +229,13 @@ class TokenLoader:
             self._make()
         self._it = iter(self._dl)
         self._yielded = 0
-        skip, self._skip = self._skip, 0
-        return self._counting(self._it, skip)
+        return self._counting(self._it)
 
-    def _counting(self, it: Iterator[Any], skip: int) -> Iterator[Any]:
+    def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
         for batch in it:
             self._yielded += 1
-            if skip:  # delivered before the checkpoint, after the workers' last snapshot
-                skip -= 1
+            if self._skip:  # delivered before the checkpoint, after the workers' last snapshot
+                self._skip -= 1
                 continue
             yield batch
 
@@ -278,7 +277,7 @@ class TokenLoader:
             if st is None:
                 raise RuntimeError("the dataloader returned no pipeline state")
             workers[str(self.rank)] = fix(st)
-            return self._wrap(workers, 0)
+            return self._wrap(workers, 0, self._skip)  # the live state, less what is to drop
         snaps = sd["_snapshot"]["_worker_snapshots"]
         for name in sorted(snaps):
             st = snaps[name]["fetcher_state"]["dataset_iter_state"]
@@ -298,7 +297,8 @@ class TokenLoader:
         next_physical = (last + 1) % W if self._yielded else 0
         # with snapshot_every_n_steps > 1 the worker states are those of the last snapshot:
         # the batches since are produced again after a restore and dropped
-        since = int(sd.get("_steps_since_snapshot", 0))
+        # (batches still to drop after a restore count too: the snapshot may predate them)
+        since = int(sd.get("_steps_since_snapshot", 0)) + self._skip
         return self._wrap(workers, (next_physical + self._offset) % W, since)
 
     def io_stats(self) -> dict[str, float]:
