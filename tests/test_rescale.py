@@ -206,3 +206,46 @@ def test_text_rescale_hands_back_token_pieces_of_texts(text_cfg, tmp_path, old, 
             for d in range(handler.length(reader)):
                 lengths[(name, f, d)] = len(handler.get(reader, d).encode("utf-8"))
     check_exactly_once(coverage, lengths)
+
+
+def test_mix_changes_that_cannot_be_exact_are_refused(cfg, tmp_path) -> None:
+    """best_fit rebuilds a window from many interleave blocks after a restore, and batches
+    made again after a lagging worker snapshot need the old weights: a weight change or an
+    added dataset is refused there (saying why), not applied inexactly. A checkpoint saved
+    right after an accepted weight change records the new targets."""
+    import dataclasses
+
+    bf = dataclasses.replace(cfg, pack_mode="best_fit", best_fit_window=7)
+    ckpt = str(tmp_path / "bf")
+    _phase1(bf, ckpt)
+    reweighted = dataclasses.replace(bf, weights=[1.0, 3.0])
+    with pytest.raises(ValueError, match="pack_mode='best_fit'"):
+        load_checkpoint(
+            TokenLoader(functools.partial(build, reweighted)), ckpt, allow_weight_changes=True
+        )
+
+    lagging = TokenLoader(functools.partial(build, cfg), num_workers=1, snapshot_every_n_steps=4)
+    seqs = []
+    for seq in lagging:
+        seqs.append(seq)
+        if len(seqs) >= 5:
+            break
+    ckpt = str(tmp_path / "lag")
+    save_checkpoint(lagging, ckpt)
+    new_mix = dataclasses.replace(cfg, weights=[1.0, 3.0])
+    with pytest.raises(ValueError, match="batches after the workers' last state snapshot"):
+        load_checkpoint(
+            TokenLoader(functools.partial(build, new_mix), num_workers=1),
+            ckpt,
+            allow_weight_changes=True,
+        )
+
+    ckpt, again = str(tmp_path / "mix"), str(tmp_path / "mix2")
+    coverage = _phase1(cfg, ckpt)
+    loader = TokenLoader(functools.partial(build, new_mix))
+    load_checkpoint(loader, ckpt, allow_weight_changes=True)
+    save_checkpoint(loader, again)  # before any batch under the new mix
+    loader = TokenLoader(functools.partial(build, new_mix))
+    load_checkpoint(loader, again)  # the same config again: nothing to accept
+    cover(coverage, list(loader), NAMES)
+    check_exactly_once(coverage, expected_lengths(cfg))

@@ -113,7 +113,8 @@ def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
     weights: dict[str, float] = {}
     for _, x in _walk(graph):
         if isinstance(x, dict) and isinstance(x.get("weights"), dict) and "tokens_delivered" in x:
-            weights.update({str(k): float(v) for k, v in x["weights"].items()})
+            targets = x.get("target_weights") or x["weights"]  # the mix it is heading for
+            weights.update({str(k): float(v) for k, v in targets.items()})
     return {
         st["dataset"]: {
             "fingerprint": st["fingerprint"],
@@ -379,12 +380,20 @@ def save_checkpoint(
     _barrier()
     if loader.rank == 0:
         any_graph = next(iter(state["workers"].values()))["graph"]
+        datasets = graph_summary(any_graph)
+        # the weights are the pipeline's targets (a state restored with new weights and not
+        # yet run still holds the old ones)
+        fresh = loader.build(World(0, loader.world_size, 0, loader.logical_workers))
+        fresh.reset(None)
+        for name, summary in graph_summary(fresh.state_dict()).items():
+            if name in datasets:
+                datasets[name]["weight"] = summary["weight"]
         manifest = {
             "format": CHECKPOINT_FORMAT,
             "loader_format": STATE_FORMAT,
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
-            "datasets": graph_summary(any_graph),
+            "datasets": datasets,
             # ranks step together, so rank 0's count holds for all
             "skip_batches": state["skip_batches"],
         }
@@ -443,7 +452,7 @@ def load_checkpoint(
     manifest = read_manifest(url, storage_options)
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
-    added = _check_datasets(loader, manifest, allow_weight_changes, allow_new_datasets)
+    added, reweighted = _check_datasets(loader, manifest, allow_weight_changes, allow_new_datasets)
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         graphs = {}
         for w in range(W):
@@ -453,6 +462,14 @@ def load_checkpoint(
         meta = json.loads(
             _read(posixpath.join(url, f"rank_{loader.rank:05d}.json"), storage_options)
         )
+        if reweighted and int(meta.get("skip_batches", 0)):
+            raise ValueError(
+                f"checkpoint {url} was taken {meta['skip_batches']} batches after the workers' "
+                f"last state snapshot; those batches are made again on restore, which needs the "
+                f"weights they were made with, so the weights of {reweighted} cannot change here: "
+                "restore with the checkpoint's weights, or change them at a checkpoint taken at a "
+                "multiple of snapshot_every_n_steps"
+            )
         loader.load_worker_states(
             graphs,
             next_worker=meta["next_worker"],
@@ -470,6 +487,22 @@ def load_checkpoint(
     cache: dict[int, dict[str, Any]] = {}
     new_graphs = {}
     n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
+    needed_ranks = sorted(
+        {
+            g // old_workers
+            for w in range(W)
+            for g in old_workers_needed(n, old_total, World(loader.rank, loader.world_size, w, W))
+        }
+    )
+    for r in needed_ranks:  # each old rank's own count (the manifest holds rank 0's)
+        meta = json.loads(_read(posixpath.join(url, f"rank_{r:05d}.json"), storage_options))
+        if int(meta.get("skip_batches", 0)):
+            raise ValueError(
+                f"checkpoint {url}: rank {r} saved its state {meta['skip_batches']} batches after "
+                "its workers' last snapshot (snapshot_every_n_steps > 1), so the checkpoint "
+                f"restores only on the same {old_ranks} ranks x {old_workers} workers; to "
+                "rescale, take checkpoints at multiples of snapshot_every_n_steps"
+            )
     for w in range(W):
         world = World(loader.rank, loader.world_size, w, W)
         for g in old_workers_needed(n, old_total, world):
@@ -495,15 +528,17 @@ def _check_datasets(
     manifest: dict[str, Any],
     allow_weight_changes: bool = False,
     allow_new_datasets: bool = False,
-) -> list[str]:
-    """Refuse a checkpoint of other data; return the names of accepted added datasets."""
+) -> tuple[list[str], list[str]]:
+    """Refuse a checkpoint of other data; return the names of the accepted added datasets and
+    of those whose weight changed (accepted)."""
     world = World(loader.rank, loader.world_size, 0, loader.logical_workers)
     root = loader.build(world)
     root.reset(None)
     mine = graph_summary(root.state_dict())
     theirs = manifest["datasets"]
     problems = []
-    added = []
+    added: list[str] = []
+    reweighted: list[str] = []
     for name in sorted(set(mine) | set(theirs)):
         if name not in mine:
             problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
@@ -517,16 +552,14 @@ def _check_datasets(
                 )
         else:
             old_w, new_w = theirs[name].get("weight"), mine[name].get("weight")
-            if (
-                old_w is not None
-                and new_w is not None
-                and old_w != new_w
-                and not allow_weight_changes
-            ):
-                problems.append(
-                    f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; pass "
-                    "allow_weight_changes=True to accept it)"
-                )
+            if old_w is not None and new_w is not None and old_w != new_w:
+                if allow_weight_changes:
+                    reweighted.append(name)
+                else:
+                    problems.append(
+                        f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; "
+                        "pass allow_weight_changes=True to accept it)"
+                    )
             for key in ("fingerprint", "seed", "n_logical_shards"):
                 if mine[name][key] != theirs[name][key]:
                     what = "files or document counts" if key == "fingerprint" else key
@@ -540,7 +573,17 @@ def _check_datasets(
             + "; ".join(problems)
             + ". Restore with the same data, seed and logical shards as the checkpoint"
         )
-    return added
+    if added or reweighted:
+        from torchdata_ext.nodes.pack import Pack
+
+        if any(isinstance(x, Pack) and x.mode == "best_fit" for x in graph_nodes(root)):
+            raise ValueError(
+                f"cannot change the mix on restore (weights of {reweighted}, added {added}) with "
+                "pack_mode='best_fit': its window is rebuilt from many interleave blocks, which "
+                "must come out as they did under the checkpoint's weights; restore with the "
+                "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
+            )
+    return added, reweighted
 
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------------

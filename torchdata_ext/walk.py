@@ -51,8 +51,9 @@ class RandomWalk:
 
     ``walk[i]`` is the ``i``-th element visited; :meth:`take` computes a run of them at once
     with NumPy. The walk's position is O(1) (one integer); for speed, a walk whose Feistel
-    domain has at most ``max_table`` elements (``n`` up to ~1M) builds the domain's whole
-    permutation once, on the first :meth:`take` (4 bytes and ~40 ns per element),
+    domain (the even power of two at or above ``n``, so up to ``4 n``) has at most
+    ``max_table`` elements (by default ``n`` up to 2**20) builds the domain's whole permutation
+    once, on the first :meth:`take` (4 bytes and ~40 ns per element: at most 4 MB and ~40 ms),
     so each cycle-walking step is one array lookup instead of a Feistel evaluation: a reader
     takes a shard piece's whole walk in runs of a few hundred documents, and this turns
     ~45 NumPy calls per cycle-walking step into one. The permutation is the same either way.
@@ -60,7 +61,7 @@ class RandomWalk:
 
     __slots__ = ("_half", "_keys", "_mask", "_table", "_use_table", "n", "seed")
 
-    def __init__(self, n: int, seed: int, *, max_table: int = 1 << 22) -> None:
+    def __init__(self, n: int, seed: int, *, max_table: int = 1 << 20) -> None:
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"{n=} must be a non-negative integer")
         self.n = int(n)

@@ -259,6 +259,7 @@ class Interleave(BaseNode[DocumentBlock]):
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
+            "target_weights": dict(zip(self.names, self._target_weights)),
             self.COUNTER_KEY: self._counter,
         }
 
