@@ -166,10 +166,16 @@ def test_packed_sequences_written_straight_into_the_batch(index, pack_kw, dtype)
     )
 
 
+@pytest.mark.parametrize("in_worker", [True, False], ids=["worker", "main"])
 @pytest.mark.parametrize("fused", [True, False], ids=["packed", "generic"])
-def test_a_batch_is_one_storage(index, fused) -> None:
-    """All tensors of a batch are contiguous views of one storage, so a dataloader worker
-    sends one shared-memory segment per batch; each still holds exactly its own values."""
+def test_a_batch_is_one_storage_in_a_worker(index, fused, in_worker, monkeypatch) -> None:
+    """In a dataloader worker all tensors of a batch are contiguous views of one storage, so
+    the worker sends one shared-memory segment per batch; each still holds exactly its own
+    values (in the main process too, where each tensor has its own array)."""
+    import torchdata_ext.nodes.collate as collate_module
+
+    if in_worker:
+        monkeypatch.setattr(collate_module, "get_worker_info", lambda: object())
     keys = ("input_ids", "labels", "provenance", "position_ids", "document_ids", "loss_mask")
     pack_kw = {"shift": True}
     seqs = run(packer(index, **pack_kw))
@@ -177,7 +183,8 @@ def test_a_batch_is_one_storage(index, fused) -> None:
     node = Collate(src if fused else _Plain(src), 3, dtype=torch.int32, keys=keys)
     assert node._fused is fused
     for b, batch in enumerate(run(node)):
-        assert len({t.untyped_storage().data_ptr() for t in batch.values()}) == 1
+        storages = {t.untyped_storage().data_ptr() for t in batch.values()}
+        assert len(storages) == (1 if in_worker else len(batch))
         group = seqs[b * 3 : (b + 1) * 3]
         for key, t in batch.items():
             assert t.is_contiguous()
