@@ -7,7 +7,10 @@ buffer 10,000 sequences, one process. Reported next to the raw limit measured in
 and the same for JSONL text through the byte tokenizer.
 
     python benchmarks/pipeline_throughput.py [--tokens 150_000_000] [--text-bytes 20_000_000]
-        [--repeat 3]
+        [--repeat 3] [--loader-batches 1000]
+
+It also runs the pipeline through ``TokenLoader``: in process and in 1 or 2 dataloader worker
+processes, with a state snapshot every step or every 100 steps.
 
 The machine may be shared: ``--repeat`` runs the raw limit and the pipeline alternately that
 many times and reports the best and the median of each, and the ratio of the bests (compare
@@ -66,6 +69,40 @@ def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int
     return tokens, time.perf_counter() - t0, batches, time.process_time() - c0, first
 
 
+def loader_rates(cfg: PipelineConfig, n_batches: int) -> None:
+    """The same pipeline through ``TokenLoader``: in this process and in StatefulDataLoader
+    worker processes, with a state snapshot every step and every 100 steps (after the first
+    batches, so the buffer fill is left out). The ratio is against the in-process loader."""
+    import functools
+
+    from torchdata_ext.loader import TokenLoader
+
+    datasets = build_datasets(cfg)
+    ref = 0.0
+    for workers, every in ((0, 1), (1, 100), (1, 1), (2, 100), (2, 1)):
+        loader = TokenLoader(
+            functools.partial(_build, cfg, datasets),
+            num_workers=workers,
+            snapshot_every_n_steps=every,
+        )
+        it = iter(loader)
+        for _ in range(5 * max(1, workers)):
+            next(it)
+        t0 = time.perf_counter()
+        tokens = sum(next(it)["input_ids"].numel() for _ in range(n_batches))
+        rate = tokens / (time.perf_counter() - t0)
+        ref = ref or rate
+        print(
+            f"TokenLoader, {workers} worker process(es), snapshot every {every:>3} step(s): "
+            f"{rate / 1e6:6.1f}M tokens/s (ratio to in-process {rate / ref:.2f})"
+        )
+        del it, loader
+
+
+def _build(cfg: PipelineConfig, datasets, world: World):
+    return build_pipeline(cfg, world, datasets)
+
+
 def _summary(rates: list[float]) -> str:
     best, median = max(rates), statistics.median(rates)
     if len(rates) == 1:
@@ -84,6 +121,10 @@ def main() -> None:
     p.add_argument("--shuffle-buffer", type=int, default=10_000)
     p.add_argument("--pack-mode", default="concat")
     p.add_argument("--repeat", type=int, default=3, help="alternating runs; best and median")
+    p.add_argument(
+        "--loader-batches", type=int, default=1000,
+        help="batches per TokenLoader measurement (0 skips them)",
+    )  # fmt: skip
     args = p.parse_args()
 
     root = os.path.join(args.data_dir, f"arrow_{args.tokens}")
@@ -123,6 +164,9 @@ def main() -> None:
         f"{min(fills):.2f}-{max(fills):.2f} s"
     )
     print(f"ratio pipeline / raw (bests): {pipe_rate / raw_rate:.2f}")
+
+    if args.loader_batches:
+        loader_rates(cfg, args.loader_batches)
 
     troot = os.path.join(args.data_dir, f"jsonl_{args.text_bytes}")
     jsonl_dataset(os.path.join(troot, "prose"), args.text_bytes, 4, seed=7)
