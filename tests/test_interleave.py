@@ -334,8 +334,8 @@ def test_state_layout(data) -> None:
     node = Interleave(readers(data, weights, block_docs=8), weights)
     run(node, 5)
     state = node.state_dict()
-    assert set(state) == {"sources", "tokens_delivered", "weights", "target_weights", "counter"}
-    assert state["weights"] == state["target_weights"] == weights
+    assert set(state) == {"sources", "tokens_delivered", "weights", "counter"}
+    assert state["weights"] == weights
     assert list(state["sources"]) == ["tiny", "code"]
     for s in state["sources"].values():
         assert set(s) == {"source", "consumed", "ended"}

@@ -113,8 +113,7 @@ def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
     weights: dict[str, float] = {}
     for _, x in _walk(graph):
         if isinstance(x, dict) and isinstance(x.get("weights"), dict) and "tokens_delivered" in x:
-            targets = x.get("target_weights") or x["weights"]  # the mix it is heading for
-            weights.update({str(k): float(v) for k, v in targets.items()})
+            weights.update({str(k): float(v) for k, v in x["weights"].items()})
     return {
         st["dataset"]: {
             "fingerprint": st["fingerprint"],
@@ -383,9 +382,8 @@ def save_checkpoint(
         datasets = graph_summary(any_graph)
         # the weights are the pipeline's targets (a state restored with new weights and not
         # yet run still holds the old ones)
-        fresh = loader.build(World(0, loader.world_size, 0, loader.logical_workers))
-        fresh.reset(None)
-        for name, summary in graph_summary(fresh.state_dict()).items():
+        _, configured = _configured(loader)
+        for name, summary in configured.items():
             if name in datasets:
                 datasets[name]["weight"] = summary["weight"]
         manifest = {
@@ -394,8 +392,6 @@ def save_checkpoint(
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
             "datasets": datasets,
-            # ranks step together, so rank 0's count holds for all
-            "skip_batches": state["skip_batches"],
         }
         _write_atomic(
             posixpath.join(url, _MANIFEST),
@@ -476,13 +472,6 @@ def load_checkpoint(
             skip_batches=int(meta.get("skip_batches", 0)),
         )
         return
-    if int(manifest.get("skip_batches", 0)):
-        raise ValueError(
-            f"checkpoint {url} was taken {manifest['skip_batches']} batches after the workers' "
-            "last state snapshot (snapshot_every_n_steps > 1), so it restores only on the same "
-            f"{old_ranks} ranks x {old_workers} workers; to rescale, take checkpoints at "
-            "multiples of snapshot_every_n_steps (or use snapshot_every_n_steps=1)"
-        )
     old_total = old_ranks * old_workers
     cache: dict[int, dict[str, Any]] = {}
     new_graphs = {}
@@ -494,14 +483,15 @@ def load_checkpoint(
             for g in old_workers_needed(n, old_total, World(loader.rank, loader.world_size, w, W))
         }
     )
-    for r in needed_ranks:  # each old rank's own count (the manifest holds rank 0's)
+    for r in needed_ranks:  # each old rank that owned a needed worker must be at a snapshot
         meta = json.loads(_read(posixpath.join(url, f"rank_{r:05d}.json"), storage_options))
         if int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"checkpoint {url}: rank {r} saved its state {meta['skip_batches']} batches after "
                 "its workers' last snapshot (snapshot_every_n_steps > 1), so the checkpoint "
                 f"restores only on the same {old_ranks} ranks x {old_workers} workers; to "
-                "rescale, take checkpoints at multiples of snapshot_every_n_steps"
+                "rescale, take checkpoints at multiples of snapshot_every_n_steps (or use "
+                "snapshot_every_n_steps=1)"
             )
     for w in range(W):
         world = World(loader.rank, loader.world_size, w, W)
@@ -523,6 +513,14 @@ def load_checkpoint(
     loader.load_worker_states(new_graphs, next_worker=0)
 
 
+def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:
+    """A fresh graph of ``loader``'s pipeline (this rank, worker 0) and its summary: the
+    datasets, seeds, shard counts and target weights as configured now."""
+    root = loader.build(World(loader.rank, loader.world_size, 0, loader.logical_workers))
+    root.reset(None)
+    return root, graph_summary(root.state_dict())
+
+
 def _check_datasets(
     loader: TokenLoader,
     manifest: dict[str, Any],
@@ -531,10 +529,7 @@ def _check_datasets(
 ) -> tuple[list[str], list[str]]:
     """Refuse a checkpoint of other data; return the names of the accepted added datasets and
     of those whose weight changed (accepted)."""
-    world = World(loader.rank, loader.world_size, 0, loader.logical_workers)
-    root = loader.build(world)
-    root.reset(None)
-    mine = graph_summary(root.state_dict())
+    root, mine = _configured(loader)
     theirs = manifest["datasets"]
     problems = []
     added: list[str] = []

@@ -127,8 +127,10 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 out[key] = _stack_provenance([it[key] for it in items])
                 continue
             out[key] = self._stack(key, [it[key] for it in items])
+        if get_worker_info() is None:
+            return {k: torch.from_numpy(a) for k, a in out.items()}
         arrays, tensors = _one_storage({k: (a.shape, a.dtype) for k, a in out.items()})
-        for k, a in out.items():
+        for k, a in out.items():  # into one storage, to leave the worker as one segment
             arrays[k][...] = a
         return tensors
 

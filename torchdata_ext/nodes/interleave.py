@@ -219,8 +219,10 @@ class Interleave(BaseNode[DocumentBlock]):
             if not active:
                 raise StopIteration
             if self._switch_weights:  # a source added since the checkpoint waits its turn
-                active = [i for i in active if self.weights[i] > 0] or active
-                if any(self.weights[i] <= 0 for i in active):
+                weighted = [i for i in active if self.weights[i] > 0]
+                if weighted:
+                    active = weighted
+                else:  # only the added sources are left: the new targets apply now
                     self.weights, self._switch_weights = list(self._target_weights), False
             if self.mode == "tokens":
                 s = self._pick_tokens(active)
@@ -259,7 +261,6 @@ class Interleave(BaseNode[DocumentBlock]):
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
-            "target_weights": dict(zip(self.names, self._target_weights)),
             self.COUNTER_KEY: self._counter,
         }
 

@@ -611,20 +611,12 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         mid[:, 2] = block.doc
         mid[:, 3] = block.start
         mid[:, 4] = lengths
-        if addbos is None and all_nonempty:
-            if addeos is None:
-                rows = mid
-            elif n_eos == n:  # every piece gets an EOS: rows alternate
-                rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
-                rows[0::2] = mid
-                rows[1::2] = self._eos_row
-            else:
-                rows = np.empty((n, 2, PROV_COLUMNS), np.int64)
-                rows[:, 0] = mid
-                rows[:, 1] = self._eos_row
-                rows = rows.reshape(-1, PROV_COLUMNS)[
-                    np.flatnonzero(np.stack([nonempty, addeos], 1).ravel())
-                ]
+        if addbos is None and all_nonempty and addeos is None:
+            rows = mid
+        elif addbos is None and all_nonempty and n_eos == n:  # rows alternate piece, EOS
+            rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
+            rows[0::2] = mid
+            rows[1::2] = self._eos_row
         else:
             no = np.zeros(n, bool)
             which = np.flatnonzero(
