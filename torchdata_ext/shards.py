@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from torchdata_ext._checks import check_int
+
 __all__ = [
     "Fragment",
     "check_shard_count",
@@ -43,14 +45,6 @@ class Fragment(NamedTuple):
         return self.stop - self.start
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return int(value)
-
-
 def file_offsets(doc_counts: Sequence[int] | np.ndarray) -> np.ndarray:
     """Cumulative document counts: ``offsets[f]`` is the global index of file ``f``'s first doc.
 
@@ -64,8 +58,8 @@ def file_offsets(doc_counts: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def check_shard_count(n_logical_shards: int, total_docs: int, total_workers: int = 1) -> None:
     """Raise a clear error unless ``total_workers <= n_logical_shards <= total_docs``."""
-    _check_int("n_logical_shards", n_logical_shards, 1)
-    _check_int("total_workers", total_workers, 1)
+    check_int("n_logical_shards", n_logical_shards, 1)
+    check_int("total_workers", total_workers, 1)
     if n_logical_shards < total_workers:
         raise ValueError(
             f"{n_logical_shards=} must be >= the number of global workers "
@@ -80,8 +74,8 @@ def check_shard_count(n_logical_shards: int, total_docs: int, total_workers: int
 
 def shard_bounds(total_docs: int, n_logical_shards: int) -> np.ndarray:
     """Global document boundaries of every shard: shard ``s`` is ``[b[s], b[s+1])``."""
-    total_docs = _check_int("total_docs", total_docs, 0)
-    n = _check_int("n_logical_shards", n_logical_shards, 1)
+    total_docs = check_int("total_docs", total_docs, 0)
+    n = check_int("n_logical_shards", n_logical_shards, 1)
     s = np.arange(n + 1, dtype=np.int64)
     # (s * D) // N without overflow for D up to ~9e18 / N: use Python ints when large
     if total_docs * n < 2**62:
@@ -97,8 +91,8 @@ def shard_fragments(offsets: np.ndarray, n_logical_shards: int, shard: int) -> l
         n_logical_shards: N, the number of logical shards of the dataset.
         shard: the shard id in ``[0, N)``.
     """
-    n = _check_int("n_logical_shards", n_logical_shards, 1)
-    shard = _check_int("shard", shard, 0)
+    n = check_int("n_logical_shards", n_logical_shards, 1)
+    shard = check_int("shard", shard, 0)
     if shard >= n:
         raise ValueError(f"{shard=} must be < {n_logical_shards=}")
     total = int(offsets[-1])
@@ -120,9 +114,9 @@ def shard_fragments(offsets: np.ndarray, n_logical_shards: int, shard: int) -> l
 
 def worker_shards(n_logical_shards: int, total_workers: int, global_worker: int) -> range:
     """The logical shards global worker ``global_worker`` of ``total_workers`` owns."""
-    n = _check_int("n_logical_shards", n_logical_shards, 1)
-    g = _check_int("total_workers", total_workers, 1)
-    w = _check_int("global_worker", global_worker, 0)
+    n = check_int("n_logical_shards", n_logical_shards, 1)
+    g = check_int("total_workers", total_workers, 1)
+    w = check_int("global_worker", global_worker, 0)
     if w >= g:
         raise ValueError(f"{global_worker=} must be < {total_workers=}")
     if n < g:

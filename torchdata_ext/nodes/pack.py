@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._checks import check_int
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.provenance import LITERAL, PAD, PROV_COLUMNS, resolve
@@ -204,10 +205,10 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                 f"source must be a torchdata.nodes.BaseNode yielding DocumentBlocks (got "
                 f"{type(source).__name__}); wrap it, e.g. ShardReader(...)"
             )
-        _check_int("seq_len", seq_len, 1)
+        check_int("seq_len", seq_len, 1)
         if mode not in _MODES:
             raise ValueError(f"{mode=} is not a packing mode; use one of {_MODES}")
-        _check_int("window", window, 1)
+        check_int("window", window, 1)
         for name, flag in (("shift", shift), ("flush", flush)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name}={flag!r} must be True or False")
@@ -227,7 +228,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         ):
             if tok is None and name != "pad_token":
                 continue
-            _check_int(name, tok, 0)
+            check_int(name, tok, 0)
             if int(tok) > top:  # type: ignore[arg-type]
                 raise ValueError(
                     f"{name}={tok} does not fit dtype {self.dtype} (max {top}); use a wider dtype"
@@ -925,13 +926,6 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                     f"cannot restore Pack: the checkpoint has {key}={state[key]!r} but this Pack "
                     f"has {key}={mine!r}; restore with the packing settings of the checkpoint"
                 )
-
-
-def _check_int(name: str, value: object, minimum: int | None) -> None:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
 
 
 def _place(sizes: list[int], cap: int) -> list[int]:

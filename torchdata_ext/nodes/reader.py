@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._checks import check_int
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
 from torchdata_ext.index import DatasetIndex
@@ -172,18 +173,18 @@ class ShardReader(BaseNode[DocumentBlock]):
                 f"dataset must be a DatasetIndex (got {type(dataset).__name__}); "
                 "build one with DatasetIndex.build(url)"
             )
-        _check_int("seed", seed, None)
-        _check_int("block_docs", block_docs, 1)
-        _check_int("min_length", min_length, 0)
+        check_int("seed", seed, None)
+        check_int("block_docs", block_docs, 1)
+        check_int("min_length", min_length, 0)
         if epochs is not None:
-            _check_int("epochs", epochs, 1)
+            check_int("epochs", epochs, 1)
         if max_chunksize is not None:
-            _check_int("max_chunksize", max_chunksize, 1)
+            check_int("max_chunksize", max_chunksize, 1)
         if on_error not in ("raise", "skip"):
             raise ValueError(f"{on_error=} must be 'raise' or 'skip'")
         if not np.issubdtype(np.dtype(dtype), np.integer):
             raise TypeError(f"{dtype=} must be an integer dtype such as np.int32 or np.int64")
-        _check_int("prefetch_shards", prefetch_shards, 0)
+        check_int("prefetch_shards", prefetch_shards, 0)
         if cache is not None and not isinstance(cache, (ShardCache, str, os.PathLike, bool)):
             raise TypeError(
                 f"cache={cache!r} must be a ShardCache, a cache folder path, False or None"
@@ -950,10 +951,3 @@ def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:
     while hi > lo and data[hi - 1] in strip:
         hi -= 1
     return data[lo:hi]
-
-
-def _check_int(name: str, value: object, minimum: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}={value!r} must be an integer")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
