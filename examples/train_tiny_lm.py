@@ -123,6 +123,7 @@ def make_config(data_dir: str, seed: int) -> PipelineConfig:
         batch_size=8,
         shuffle_buffer=256,
         mix_quantum_tokens=2048,
+        output_keys=["input_ids", "labels", "position_ids", "loss_mask"],
         seed=seed,
     )
 

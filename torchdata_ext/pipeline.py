@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
@@ -85,6 +86,11 @@ class PipelineConfig:
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
         storage_options: fsspec options (credentials, endpoint) for ``data_path``.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+        output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
+            ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
+            Default: what a Hugging Face causal LM with packed-sequence attention consumes
+            (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
+            tokens and document runs cross; these keys are built in the training process.
     """
 
     data_path: str = ""
@@ -116,6 +122,7 @@ class PipelineConfig:
     pad_token: int = 0
     storage_options: dict[str, Any] = field(default_factory=dict)
     dtype: Literal["int64", "int32"] = "int64"
+    output_keys: list[str] | str = field(default_factory=lambda: list(HF_KEYS))
 
     def __post_init__(self) -> None:
         self.datasets = _split_list(self.datasets, "datasets")
@@ -144,6 +151,14 @@ class PipelineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if self.dtype not in ("int64", "int32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+        self.output_keys = _split_list(self.output_keys, "output_keys")
+        known = (*ALL_KEYS, "provenance")
+        unknown = [k for k in self.output_keys if k not in known]
+        if unknown or not self.output_keys:
+            raise ValueError(
+                f"output_keys={self.output_keys!r}: unknown {unknown or 'none given'}; "
+                f"choose from {list(known)}"
+            )
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -275,7 +290,7 @@ def build_pipeline(
         node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)
     if collate:
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
-        node = Collate(node, cfg.batch_size, dtype=dtype)
+        node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
 
 
