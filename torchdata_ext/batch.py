@@ -19,6 +19,7 @@ none). See :class:`~torchdata_ext.nodes.pack.Pack` for what the keys mean.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +173,11 @@ class BatchGroup:
             first.shift,
             first.keys,
         )
+
+    def pin_memory(self) -> BatchGroup:
+        """The group with its token tensor in pinned memory (what the dataloader's
+        ``pin_memory=True`` calls)."""
+        return dataclasses.replace(self, tokens=self.tokens.pin_memory())
 
     def split(self) -> list[PackedBatch]:
         """The batches again; their tokens are views of :attr:`tokens`."""
