@@ -9,7 +9,8 @@ reports the graph's state, so ``StatefulDataLoader.state_dict()`` captures it at
 "skip_batches", "workers": {global worker id: {"world", "graph", "io"}}}``, and ``load_state_dict`` restores it on the same
 topology, continuing with exactly the batches the uninterrupted run would have produced (the
 worker that would have produced the next batch does so). Restoring onto another number of
-ranks or workers goes through :func:`torchdata_ext.checkpoint.rescale_worker_states`.
+ranks or workers goes through :func:`torchdata_ext.checkpoint.load_checkpoint` (planned by
+:func:`torchdata_ext.rescale.rescale_worker_states`).
 
 Inside the dataloader a worker reports its graph state pickled, as one ``bytes`` value
 (``graph_pickle``): ``StatefulDataLoader`` diffs and rebuilds worker states leaf by leaf in
@@ -28,6 +29,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.graph import graph_nodes
 from torchdata_ext.world import World
 
 __all__ = ["STATE_FORMAT", "PipelineDataset", "TokenLoader"]
@@ -74,8 +76,6 @@ class _PipelineIterator(Iterator[Any]):
 
     def io_stats(self) -> dict[str, float]:
         """The I/O counters of every reader in this worker's graph, summed."""
-        from torchdata_ext.checkpoint import graph_nodes
-
         if self._counted is None:  # found once: walking the graph visits every buffered item
             self._counted = [
                 n for n in graph_nodes(self.root) if callable(getattr(n, "io_stats", None))
