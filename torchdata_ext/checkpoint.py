@@ -75,6 +75,11 @@ def save_checkpoint(
     """Write this rank's part of the loader checkpoint into folder ``url`` (atomically).
 
     Call on every rank at the same step. Rank 0 writes the manifest last.
+
+    Args:
+        loader: the loader, at the step to checkpoint.
+        url: the checkpoint folder (any fsspec URL; created if missing).
+        storage_options: fsspec options for ``url``.
     """
     state = loader.state_dict()
     for g, st in state["workers"].items():
@@ -116,6 +121,7 @@ def save_checkpoint(
 
 
 def _barrier() -> None:
+    """Wait for every rank when ``torch.distributed`` is initialised (else return at once)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -309,19 +315,29 @@ class DCPLoaderState:
     other, and ``dcp.load`` restores it on the same topology. (To change the number of ranks or
     workers, save a folder checkpoint with :func:`save_checkpoint` too, and restore with
     :func:`load_checkpoint`.)
+
+    Args:
+        loader: the loader whose state is saved and restored (restore before iterating).
     """
 
     def __init__(self, loader: TokenLoader) -> None:
         self.loader = loader
 
     def _key(self) -> str:
+        """This rank's key in the DCP state."""
         return f"rank_{self.loader.rank:05d}"
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"rank_NNNNN": the pickled loader state}`` (a ``BytesIO``, which DCP stores as is)."""
         buf = io.BytesIO(pickle.dumps(self.loader.state_dict(), protocol=pickle.HIGHEST_PROTOCOL))
         return {self._key(): buf}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the loader from what :meth:`state_dict` saved for this rank.
+
+        Raises:
+            ValueError: the state has no entry for this rank (saved on other ranks).
+        """
         try:
             raw = state[self._key()]
         except KeyError:
