@@ -7,11 +7,13 @@ order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`P
 :class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches;
 :func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
 runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
-restores and rescales it.
+restores and rescales it. :func:`prepare` tokenizes text files into token shards and
+:func:`inspect_dataset` summarizes a dataset (the ``torchdata-ext`` command calls both).
 """
 
 from torchdata_ext.document import Document, DocumentBlock
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
     Collate,
@@ -23,6 +25,7 @@ from torchdata_ext.nodes import (
     merge_reader_states,
 )
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.prepare_data import prepare
 from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import RandomWalk, mix_seed
@@ -49,8 +52,10 @@ __all__ = [
     "World",
     "build_datasets",
     "build_pipeline",
+    "inspect_dataset",
     "merge_reader_states",
     "mix_seed",
+    "prepare",
 ]
 
 __version__ = "0.1.0"

@@ -9,7 +9,8 @@ in the graph's state since the previous one (:mod:`torchdata_ext.state_delta`).
 as the batches arrive, so its ``state_dict()`` is exact at every step and costs nothing to
 take; ``load_state_dict`` restores it on the same topology, continuing with exactly the
 batches the uninterrupted run would have produced. Restoring onto another number of ranks or
-workers goes through :func:`torchdata_ext.checkpoint.load_checkpoint` (which rescales).
+workers goes through :func:`torchdata_ext.checkpoint.load_checkpoint` (planned by
+:func:`torchdata_ext.rescale.rescale_worker_states`).
 
 Why deltas and groups: a worker's whole state is ~1 MB with a 10,000-sequence shuffle buffer
 over 3 x 1,024 shards, and a dataloader message costs ~1 ms of shared-memory and
@@ -33,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import BatchGroup, PackedBatch
+from torchdata_ext.graph import graph_nodes
 from torchdata_ext.state_delta import apply, diff
 from torchdata_ext.world import World
 
@@ -115,8 +117,6 @@ class _PipelineIterator(Iterator[_Message]):
 
     def io_stats(self) -> dict[str, float]:
         """The I/O counters of every reader in this worker's graph, summed."""
-        from torchdata_ext.checkpoint import graph_nodes
-
         if self._counted is None:  # found once: walking the graph visits every buffered item
             self._counted = [
                 n for n in graph_nodes(self.root) if callable(getattr(n, "io_stats", None))

@@ -26,6 +26,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.tokenizers import load_tokenizer
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
@@ -248,7 +249,8 @@ def build_pipeline(
     from torchdata_ext.nodes.tokenize import Tokenize
 
     datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
-    tokenizer = _load_tokenizer(cfg.tokenizer)
+    # the pipeline's byte tokenizer maps byte b to id b (prepare's default is b + 1)
+    tokenizer = None if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, byte_offset=0)
     sources: dict[str, BaseNode] = {}
     for name, index in datasets.items():
         node: BaseNode = ShardReader(
@@ -292,25 +294,3 @@ def build_pipeline(
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
-
-
-def _load_tokenizer(spec: str | None) -> Any:
-    if spec is None:
-        return None
-    from torchdata_ext.tokenizers import ByteTokenizer
-
-    if spec == "byte":
-        return ByteTokenizer()
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ImportError(
-            "text data needs the tokenizers package: pip install 'torchdata-ext[text]'"
-        ) from None
-    fs, path = filesystem(spec)
-    if not fs.exists(path):
-        raise FileNotFoundError(
-            f"tokenizer={spec!r}: no such file; pass 'byte' or the path of a tokenizer.json"
-        )
-    with fs.open(path, "rt") as f:
-        return Tokenizer.from_str(f.read())

@@ -4,6 +4,8 @@
 :func:`as_encoder` adapts a Hugging Face ``tokenizers.Tokenizer``, a ``transformers`` tokenizer
 (duck-typed: nothing here imports ``transformers``) or a :class:`ByteTokenizer` to the
 :class:`Encoder` protocol the :class:`~torchdata_ext.nodes.tokenize.Tokenize` node calls.
+:func:`load_tokenizer` turns a spec (``"byte"`` or the URL of a ``tokenizer.json``) into a
+tokenizer, for the pipeline config and the ``prepare``/``inspect`` tools.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "Encoder", "as_encoder"]
+from torchdata_ext.urls import filesystem
+
+__all__ = ["ByteTokenizer", "Encoder", "as_encoder", "load_tokenizer"]
 
 _NUM_BYTES = 256
 
@@ -169,3 +173,37 @@ def as_encoder(tokenizer: Any) -> Encoder:
         f"tokenizer={type(tokenizer).__name__} is not a tokenizer: pass a Hugging Face "
         "tokenizers.Tokenizer, a transformers tokenizer, or torchdata_ext.tokenizers.ByteTokenizer()"
     )
+
+
+def load_tokenizer(spec: str, *, byte_offset: int) -> Any:
+    """The tokenizer named by ``spec``.
+
+    Args:
+        spec: ``"byte"`` for :class:`ByteTokenizer`, else the path or fsspec URL of a Hugging
+            Face ``tokenizer.json`` (needs the ``tokenizers`` package).
+        byte_offset: the byte tokenizer's id offset (ignored for a ``tokenizer.json``). The
+            pipeline passes 0 and ``prepare``/``inspect`` their ``byte_offset`` (default 1).
+
+    Returns:
+        A :class:`ByteTokenizer` or a ``tokenizers.Tokenizer`` (wrap it with :func:`as_encoder`
+        for ``encode_batch``; its ``decode`` is its own).
+
+    Raises:
+        ImportError: ``tokenizers`` is not installed.
+        FileNotFoundError: no file at ``spec``.
+    """
+    if spec == "byte":
+        return ByteTokenizer(offset=byte_offset)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(
+            "text data needs the tokenizers package: pip install 'torchdata-ext[text]'"
+        ) from None
+    fs, path = filesystem(spec)
+    if not fs.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer={spec!r}: no such file; pass 'byte' or the path of a tokenizer.json"
+        )
+    with fs.open(path, "rt") as f:
+        return Tokenizer.from_str(f.read())

@@ -1,0 +1,80 @@
+"""The package's modules import each other without cycles, counting imports inside functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torchdata_ext
+
+PACKAGE = "torchdata_ext"
+ROOT = Path(torchdata_ext.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it names in an import statement (at any depth).
+
+    ``from a.b import c`` counts as importing ``a.b.c`` when that is a module, else ``a.b``;
+    the implicit import of parent packages is not counted (every module would import the root).
+    """
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    deps.add(full if full in files else node.module)
+        graph[name] = {d for d in deps if d in files and d not in (name, PACKAGE)}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert "torchdata_ext.graph" in graph["torchdata_ext.loader"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_layers() -> None:
+    """The loader knows nothing of checkpoints or rescaling; the CLI only calls the libraries."""
+    graph = import_graph()
+    assert not {"torchdata_ext.checkpoint", "torchdata_ext.rescale"} & graph["torchdata_ext.loader"]
+    assert "torchdata_ext.checkpoint" not in graph["torchdata_ext.rescale"]
+    importers_of_cli = {m for m, deps in graph.items() if "torchdata_ext.cli" in deps}
+    assert importers_of_cli == {"torchdata_ext.__main__"}
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -1,0 +1,127 @@
+"""Walking a node graph and its state tree: the helpers the loader, rescaling and checkpoints share.
+
+Two kinds of walk:
+
+* :func:`graph_nodes` visits the live nodes of a graph (children found through node
+  attributes), e.g. to collect the readers' I/O counters or to take a rescale cut.
+* :func:`walk_state` visits a graph *state* (nested dicts and lists of plain data), and the
+  finders built on it pick out what rescaling and checkpoints need: the reader states
+  (:func:`reader_states`), the interleave token counters (:func:`token_counters`) and the
+  per-dataset summary a checkpoint manifest records (:func:`graph_summary`).
+
+Nothing here imports the loader, rescaling or checkpoint modules, so all of them can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+__all__ = [
+    "graph_nodes",
+    "graph_summary",
+    "is_reader_state",
+    "reader_states",
+    "set_at",
+    "token_counters",
+    "walk_state",
+]
+
+_READER_STATE_KEYS = frozenset({"fingerprint", "shards", "n_logical_shards", "dataset"})
+
+
+def graph_nodes(root: BaseNode) -> list[BaseNode]:
+    """Every node of a graph, root first (children found through node attributes).
+
+    Args:
+        root: the graph's root node.
+
+    Returns:
+        Each node once, ``root`` first; a node reachable along several paths is listed once.
+    """
+    out: list[BaseNode] = []
+    stack = [root]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        for value in vars(node).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(value, BaseNode):
+                stack.append(value)
+            elif isinstance(value, (list, tuple, dict)):
+                stack.extend(v for v in items if isinstance(v, BaseNode))
+    return out
+
+
+def walk_state(x: Any, path: tuple = ()) -> Iterable[tuple[tuple, Any]]:
+    """Every value of a state tree with its path (dict keys and list indices), ``x`` first.
+
+    Args:
+        x: a state tree: nested dicts and lists of plain values.
+        path: the path of ``x`` itself (prefixed to every path yielded).
+    """
+    yield path, x
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from walk_state(v, (*path, k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from walk_state(v, (*path, i))
+
+
+def is_reader_state(x: Any) -> bool:
+    """Whether ``x`` is the state of a :class:`~torchdata_ext.nodes.reader.ShardReader`."""
+    return isinstance(x, dict) and set(x) >= _READER_STATE_KEYS
+
+
+def reader_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The reader states inside a graph state, by path."""
+    return {p: x for p, x in walk_state(graph) if is_reader_state(x)}
+
+
+def token_counters(graph: dict[str, Any]) -> dict[tuple, dict[str, int]]:
+    """The interleave token counters (``tokens_delivered``: tokens by dataset) inside a graph
+    state, by path (ending in ``"tokens_delivered"``)."""
+    return {
+        (*p, "tokens_delivered"): x["tokens_delivered"]
+        for p, x in walk_state(graph)
+        if isinstance(x, dict) and isinstance(x.get("tokens_delivered"), dict)
+    }
+
+
+def set_at(tree: Any, path: tuple, value: Any) -> None:
+    """Replace the value at ``path`` (non-empty) inside ``tree``, in place."""
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
+    """Per dataset of a graph state: its fingerprint, seed, logical shard count and mixing
+    weight (None without an interleave), as a checkpoint manifest records them.
+
+    Args:
+        graph: a graph state (``root.state_dict()``).
+
+    Returns:
+        ``{dataset: {"fingerprint", "seed", "n_logical_shards", "weight"}}``.
+    """
+    weights: dict[str, float] = {}
+    for _, x in walk_state(graph):
+        if isinstance(x, dict) and isinstance(x.get("weights"), dict) and "tokens_delivered" in x:
+            weights.update({str(k): float(v) for k, v in x["weights"].items()})
+    return {
+        st["dataset"]: {
+            "fingerprint": st["fingerprint"],
+            "seed": st["seed"],
+            "n_logical_shards": st["n_logical_shards"],
+            "weight": weights.get(st["dataset"]),
+        }
+        for st in reader_states(graph).values()
+    }

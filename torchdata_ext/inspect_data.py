@@ -1,0 +1,244 @@
+"""Look into a dataset: :func:`inspect_dataset` summarizes it or shows one document.
+
+(Named ``inspect_data`` rather than ``inspect``, which would shadow the standard library's
+``inspect`` for any script run from inside the package folder.) The ``torchdata-ext inspect``
+command (:mod:`torchdata_ext.cli`) calls it.
+
+Works on any dataset :class:`~torchdata_ext.index.DatasetIndex` reads (arrow, parquet, npy
+CEPED/flat, jsonl) and never writes into it (no counts file). The summary counts files,
+documents, tokens (characters for text) and a histogram of document lengths; one document is
+shown by global index, or by index within one file, decoded (tokens) or encoded (text) with a
+tokenizer on request.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from torchdata_ext.handlers.base import format_for_url, registered_formats
+from torchdata_ext.index import DatasetIndex, read_data_sources
+from torchdata_ext.tokenizers import as_encoder, load_tokenizer
+from torchdata_ext.urls import expand_urls, filesystem, join
+
+__all__ = ["histogram", "inspect_dataset", "open_index"]
+
+_HIST_EDGES = (16, 128, 1024, 8192, 65536)
+_BAR_WIDTH = 40  # characters of the longest histogram bar
+
+
+def inspect_dataset(
+    path: str,
+    *,
+    file_type: str | None = None,
+    col_name: str | None = None,
+    eos_token: int | None = None,
+    doc: int | None = None,
+    file: str | None = None,
+    tokenizer: str | None = None,
+    byte_offset: int = 1,
+    storage_options: dict[str, Any] | None = None,
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Print a summary of the dataset at ``path`` (or one document with ``doc``); return it.
+
+    Args:
+        path: a folder, file, glob or ``data_sources.txt`` (fsspec URL).
+        file_type / col_name: as in :meth:`DatasetIndex.build`.
+        eos_token: for flat ``.npy`` files (default 0).
+        doc: print this document: a global index over all files, or within ``file``.
+        file: a file of the dataset, by position in the sorted list or by (end of) its name.
+        tokenizer: ``"byte"`` or a ``tokenizer.json`` to decode tokens (or encode text).
+        byte_offset: the byte tokenizer's offset (as given to ``prepare``).
+        storage_options: fsspec options.
+        out: a text stream for the report (default ``sys.stdout``).
+
+    Returns:
+        The summary: ``{"dataset", "format", "files", "documents", "tokens", "characters",
+        "histogram"}`` (``tokens`` None for text, ``characters`` None for tokens; ``histogram``
+        as :func:`histogram`); or, with ``doc`` or ``file``, the document: ``{"file", "doc"}``
+        (its file URL and index within it) plus ``"tokens"`` (list of ints) and/or ``"text"``
+        (what is stored, and the other one when ``tokenizer`` is given).
+
+    Raises:
+        ValueError: ``doc`` is out of range, or ``file`` matches no file or several.
+    """
+    index = open_index(
+        path,
+        file_type=file_type,
+        col_name=col_name,
+        eos_token=eos_token,
+        storage_options=storage_options,
+    )
+    if doc is None and file is None:
+        result, lines = _summary(index)
+    else:
+        result, lines = _document(
+            index, doc if doc is not None else 0, file, tokenizer, byte_offset
+        )
+    out = out or sys.stdout
+    for line in lines:
+        print(line, file=out)
+    return result
+
+
+def open_index(
+    path: str,
+    *,
+    file_type: str | None = None,
+    col_name: str | None = None,
+    eos_token: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> DatasetIndex:
+    """The :class:`DatasetIndex` of ``path`` (read-only: no counts file is written).
+
+    For ``.npy`` data, a ``data_sources.txt`` in the folder is used when present, and
+    ``eos_token`` (default 0) splits flat token files into documents.
+    """
+    storage_options = dict(storage_options or {})
+    kind = _file_type_of(path, file_type, storage_options)
+    options: dict[str, Any] = {}
+    urls = path
+    if kind in ("npy", "flat"):
+        options["eos_token"] = 0 if eos_token is None else eos_token
+        fs, p = filesystem(path, storage_options)
+        sources = join(path, "data_sources.txt")
+        if fs.isdir(p) and fs.exists(posixpath.join(p, "data_sources.txt")):
+            urls = sources
+    return DatasetIndex.build(
+        urls,
+        file_type=kind,
+        col_name=col_name,
+        storage_options=storage_options,
+        handler_options=options,
+        write_counts=False,
+    )
+
+
+def histogram(lengths: np.ndarray, edges: Sequence[int] = _HIST_EDGES) -> list[tuple[str, int]]:
+    """``(bucket label, documents)`` for the buckets ``[0, e0), [e0, e1), ..., [e_last, inf)``."""
+    bounds = [0, *edges]
+    counts = np.bincount(np.searchsorted(edges, lengths, side="right"), minlength=len(bounds))
+    labels = [f"[{lo}, {hi})" for lo, hi in zip(bounds, [*edges])] + [f">= {bounds[-1]}"]
+    return list(zip(labels, counts.tolist()))
+
+
+def _file_type_of(path: str, file_type: str | None, storage_options: dict[str, Any]) -> str:
+    """``file_type``, or the format of the first file of ``path`` by its suffix."""
+    if file_type is not None:
+        return file_type
+    urls = read_data_sources(path, storage_options) if path.endswith(".txt") else [path]
+    suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
+    files = expand_urls(urls, storage_options, suffixes=suffixes)
+    return format_for_url(files[0])
+
+
+def _doc_lengths(index: DatasetIndex) -> np.ndarray:
+    """Every document's length: tokens, or characters for text files."""
+    handler = index.handler()
+    out = []
+    for url in index.files:
+        reader = handler.open(url)
+        try:
+            lengths = handler.doc_lengths(reader)
+            if lengths is None or handler.produces_for(reader) == "text":
+                n = handler.length(reader)
+                lengths = np.array([len(handler.get(reader, i)) for i in range(n)], np.int64)
+            out.append(np.asarray(lengths, dtype=np.int64))
+        finally:
+            handler.close(reader)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _summary(index: DatasetIndex) -> tuple[dict[str, Any], list[str]]:
+    """The dataset's summary and its report lines."""
+    lengths = _doc_lengths(index)
+    text = index.handler().produces == "text" or index.total_tokens < 0
+    total = int(lengths.sum())
+    summary: dict[str, Any] = {
+        "dataset": index.name,
+        "format": index.file_type,
+        "files": len(index.files),
+        "documents": index.total_docs,
+        "tokens": None if text else total,
+        "characters": total if text else None,
+        "histogram": histogram(lengths),
+    }
+    lines = [
+        f"dataset:   {index.name} ({index.file_type})",
+        f"files:     {len(index.files):,}",
+        f"documents: {index.total_docs:,}",
+        f"tokens:    unknown (text); characters: {total:,}" if text else f"tokens:    {total:,}",
+    ]
+    if lengths.size:
+        lines.append(
+            f"document length ({'characters' if text else 'tokens'}): min {lengths.min():,}, "
+            f"median {int(np.median(lengths)):,}, mean {lengths.mean():,.1f}, "
+            f"max {lengths.max():,}"
+        )
+    width = max(int(c) for _, c in summary["histogram"]) or 1
+    for label, count in summary["histogram"]:
+        bar = "#" * round(_BAR_WIDTH * count / width)
+        lines.append(f"  {label:>16} {count:>10,} {bar}")
+    return summary, lines
+
+
+def _document(
+    index: DatasetIndex, doc: int, file: str | None, tokenizer: str | None, byte_offset: int
+) -> tuple[dict[str, Any], list[str]]:
+    """Document ``doc`` (global, or within ``file``) and its report lines."""
+    f, local = _locate(index, doc, file)
+    handler = index.handler()
+    reader = handler.open(index.files[f])
+    try:
+        value = handler.get(reader, local)
+    finally:
+        handler.close(reader)
+    info: dict[str, Any] = {"file": index.files[f], "doc": local}
+    lines = [f"file: {index.files[f]} (file {f}), document {local}"]
+    tok = None if tokenizer is None else load_tokenizer(tokenizer, byte_offset=byte_offset)
+    if isinstance(value, str):
+        info["text"] = value
+        lines += [f"text ({len(value)} characters):", value]
+        if tok is not None:
+            info["tokens"] = [int(t) for t in as_encoder(tok).encode_batch([value])[0]]
+            lines.append(f"tokens ({len(info['tokens'])}): {info['tokens']}")
+        return info, lines
+    info["tokens"] = [int(t) for t in np.asarray(value).tolist()]
+    lines.append(f"tokens ({len(info['tokens'])}): {info['tokens']}")
+    if tok is not None:
+        info["text"] = tok.decode(info["tokens"])
+        lines += ["text:", info["text"]]
+    return info, lines
+
+
+def _locate(index: DatasetIndex, doc: int, file: str | None) -> tuple[int, int]:
+    """``(file position, document within it)`` of document ``doc`` (global, or in ``file``)."""
+    counts = index.doc_counts.tolist()
+    if file is not None:
+        f = _find_file(index, file)
+        if not 0 <= doc < counts[f]:
+            raise ValueError(f"--doc {doc} is out of range: {index.files[f]} has {counts[f]} docs")
+        return f, doc
+    if not 0 <= doc < index.total_docs:
+        raise ValueError(f"--doc {doc} is out of range: the dataset has {index.total_docs}")
+    starts = np.cumsum([0, *counts])
+    f = int(np.searchsorted(starts, doc, side="right") - 1)
+    return f, doc - int(starts[f])
+
+
+def _find_file(index: DatasetIndex, file: str) -> int:
+    """The position of ``file`` (a position, a name or the end of one) in ``index.files``."""
+    if file.isdigit() and int(file) < len(index.files):
+        return int(file)
+    hits = [i for i, f in enumerate(index.files) if f == file or f.endswith("/" + file)]
+    if len(hits) != 1:
+        raise ValueError(
+            f"--file {file!r} matches {len(hits)} of the dataset's files; give its position "
+            f"(0..{len(index.files) - 1}) or a unique name, e.g. {index.files[0]!r}"
+        )
+    return hits[0]

@@ -1,0 +1,416 @@
+"""Tokenize text files into token shards the pipeline reads: :func:`prepare` (resumable, in parts).
+
+(Named ``prepare_data`` so that the module does not share its name with the function
+``torchdata_ext.prepare``, which would shadow it: ``import torchdata_ext.prepare as m`` would
+give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.cli`) calls it.
+
+* Inputs: JSONL (``.jsonl``/``.json``, optionally ``.gz``/``.zst``; the text in
+  ``text_field``), Parquet (a string column ``text_field``) and plain text (``.txt``: **one
+  document per file**, the whole file). Local paths or fsspec URLs, with globs and braces;
+  folders are searched for those suffixes. Empty texts are skipped.
+* ``format="arrow"`` (Bamba layout): Arrow IPC files, one record batch per document, one
+  ``uint32`` column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``uint32`` ``.npy`` token
+  arrays, every document followed by ``eos_token`` (default 0), plus ``data_sources.txt``
+  listing them. Both get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file).
+* ``tokenizer="byte"`` is :class:`~torchdata_ext.tokenizers.ByteTokenizer` with
+  ``offset=byte_offset`` (default 1, so id 0 stays free for EOS; ids 1..256 are bytes);
+  otherwise the path of a Hugging Face ``tokenizer.json``.
+* Outputs hold at most ``max_tokens_per_file`` tokens (a longer document gets a file of its
+  own; documents are never split) and are named ``part{shard_id:05d}_{n:05d}.arrow|npy``.
+* ``shard_id=K, num_shards=N`` (e.g. a Slurm array): part K takes the K-th of N contiguous,
+  equal slices of the sorted input files (:func:`split_inputs`), so the parts in order hold the
+  same documents, in the same order, as one run over everything.
+* ``num_proc=P`` tokenizes P input files at a time in a process pool; results are consumed in
+  input order, so the output does not depend on P.
+
+Kills and restarts: each output file is written atomically
+(:func:`torchdata_ext.remote.write_bytes_atomic`), then ``_progress_part{K:05d}.json`` (also
+atomic) records the next output number and the input position (file, document) where that
+output starts. A re-run with the same arguments starts there, so the final shards are
+byte-identical to an uninterrupted run. A part that finished is skipped. Each finishing part
+rewrites ``data_sources.txt`` and the counts file from every complete output in the folder
+(re-run any part to refresh them after all parts end).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import posixpath
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchdata_ext.handlers.base import get_handler, registered_formats
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.tokenizers import Encoder, as_encoder, load_tokenizer
+from torchdata_ext.urls import expand_urls, filesystem, is_local, unstrip
+
+__all__ = ["INPUT_SUFFIXES", "PrepareResult", "prepare", "split_inputs"]
+
+# what prepare reads: the text formats' own suffixes (from the registry, which imports no
+# handler module, so no pyarrow), and .txt (one document per file)
+_PARQUET_SUFFIXES = tuple(registered_formats()["parquet"])
+INPUT_SUFFIXES = (*registered_formats()["jsonl"], *_PARQUET_SUFFIXES, ".txt")
+PROGRESS_VERSION = 1
+_TOKENIZE_BATCH = 256  # texts per encode_batch call
+
+
+@dataclass
+class PrepareResult:
+    """What one :func:`prepare` part did.
+
+    Attributes:
+        out: the output folder.
+        outputs: this part's output file URLs, in order.
+        documents / tokens: written by this call (0 for a part that was already done).
+        resumed: the part continued from an earlier, interrupted run.
+        skipped: the part was already complete; nothing was written.
+    """
+
+    out: str
+    outputs: list[str] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    resumed: bool = False
+    skipped: bool = False
+
+
+def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[str]:
+    """Part ``shard_id`` of ``num_shards`` contiguous, near-equal slices of ``files``."""
+    n = len(files)
+    return list(files[shard_id * n // num_shards : (shard_id + 1) * n // num_shards])
+
+
+def prepare(
+    inputs: str | Sequence[str],
+    out: str,
+    *,
+    format: str = "arrow",
+    tokenizer: str = "byte",
+    byte_offset: int = 1,
+    text_field: str = "text",
+    eos_token: int | None = None,
+    max_tokens_per_file: int = 100_000_000,
+    num_proc: int = 1,
+    shard_id: int = 0,
+    num_shards: int = 1,
+    storage_options: dict[str, Any] | None = None,
+    progress: bool | None = None,
+    slow_for_tests: float = 0.0,
+) -> PrepareResult:
+    """Tokenize text files into shards in ``out`` (see the module docstring); resumable.
+
+    Args:
+        inputs: input URLs (files, folders, globs, braces).
+        out: the output folder (fsspec URL).
+        format: ``"arrow"`` or ``"npy"``.
+        tokenizer: ``"byte"`` or the path of a ``tokenizer.json``.
+        byte_offset: the byte tokenizer's id offset (ids ``< byte_offset`` stay free).
+        text_field: the JSONL field / Parquet column holding the text.
+        eos_token: appended to every document; for ``npy`` default 0 (it separates documents),
+            for ``arrow`` default none (the pipeline adds it).
+        max_tokens_per_file: cap of tokens per output file.
+        num_proc: tokenizing processes.
+        shard_id / num_shards: which part of the inputs this call does.
+        storage_options: fsspec options for inputs and outputs.
+        progress: show a tqdm bar and a closing summary on stderr (None: the bar only on a
+            terminal; False: neither).
+        slow_for_tests: seconds to sleep per input file (tests of kills).
+
+    Returns:
+        What this call did (:class:`PrepareResult`).
+
+    Raises:
+        ValueError: bad arguments, or ``out`` holds progress of a different configuration.
+    """
+    _check_arguments(format, shard_id, num_shards, max_tokens_per_file, num_proc)
+    if format == "npy" and eos_token is None:
+        eos_token = 0
+    storage_options = dict(storage_options or {})
+    raw = [inputs] if isinstance(inputs, str) else list(inputs)
+    files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
+    mine = split_inputs(files, shard_id, num_shards)
+    fs, out_path = filesystem(out, storage_options)
+    fs.makedirs(out_path, exist_ok=True)
+    config = {
+        "version": PROGRESS_VERSION,
+        "inputs": hashlib.sha256("\n".join(mine).encode()).hexdigest()[:16],
+        "num_inputs": len(mine),
+        "format": format,
+        "tokenizer": tokenizer,
+        "byte_offset": byte_offset if tokenizer == "byte" else None,
+        "text_field": text_field,
+        "eos_token": eos_token,
+        "max_tokens_per_file": max_tokens_per_file,
+        "shard_id": shard_id,
+        "num_shards": num_shards,
+    }
+    ppath = posixpath.join(out_path, f"_progress_part{shard_id:05d}.json")
+    result = PrepareResult(out=out)
+    state = _saved_progress(fs, ppath, config, out, shard_id)
+    if state is None:
+        state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
+    else:
+        result.resumed = True
+    _remove_stale_temps(fs, out_path, shard_id)
+    suffix = ".arrow" if format == "arrow" else ".npy"
+
+    def out_url(n: int) -> str:
+        return unstrip(fs, posixpath.join(out_path, f"part{shard_id:05d}_{n:05d}{suffix}"))
+
+    def put(url: str, data: bytes) -> None:
+        write_bytes_atomic(url, data, storage_options)
+
+    result.outputs = [out_url(n) for n in range(int(state["next_output"]))]
+    if state["done"]:
+        result.skipped = True
+        _finalize(fs, out, out_path, format, eos_token, storage_options)
+        return result
+
+    from tqdm import tqdm
+
+    encode = _npy_bytes if format == "npy" else _arrow_bytes
+    eos = None if eos_token is None else np.array([eos_token], np.uint32)
+    buf: list[np.ndarray] = []
+    buf_tokens = 0
+    bar = tqdm(
+        total=None,
+        unit="tok",
+        unit_scale=True,
+        desc=f"prepare part {shard_id}/{num_shards}",
+        disable=None if progress is None else not progress,
+        file=sys.stderr,
+    )
+
+    def flush(next_pos: tuple[int, int]) -> None:
+        nonlocal buf, buf_tokens
+        n_out = int(state["next_output"])
+        put(out_url(n_out), encode(buf))
+        result.outputs.append(out_url(n_out))
+        buf, buf_tokens = [], 0
+        state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
+        put(unstrip(fs, ppath), json.dumps(state, indent=1, sort_keys=True).encode())
+
+    t0 = time.perf_counter()
+    first_file, first_doc = int(state["input"]), int(state["doc"])
+    tokenize = (tokenizer, byte_offset, text_field, storage_options)
+    for i, docs in enumerate(
+        _tokenized(mine, first_file, first_doc, tokenize, num_proc), start=first_file
+    ):
+        j0 = first_doc if i == first_file else 0
+        for k, doc in enumerate(docs):
+            if eos is not None:
+                if eos_token in doc:
+                    raise ValueError(
+                        f"{mine[i]}: document {j0 + k} contains eos_token={eos_token}, which "
+                        "would split it when read back; choose another --eos-token (or "
+                        "--byte-offset >= 1 for the byte tokenizer)"
+                    )
+                doc = np.concatenate([doc, eos])
+            if buf and buf_tokens + doc.size > max_tokens_per_file:
+                flush((i, j0 + k))
+            buf.append(doc)
+            buf_tokens += doc.size
+            result.documents += 1
+            result.tokens += doc.size
+            bar.update(doc.size)
+        bar.set_postfix(files=f"{i + 1}/{len(mine)}")
+        if slow_for_tests:
+            time.sleep(slow_for_tests)
+    if buf:
+        flush((len(mine), 0))
+    state.update(done=True, input=len(mine), doc=0)
+    put(unstrip(fs, ppath), json.dumps(state, indent=1, sort_keys=True).encode())
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    if progress is not False:
+        print(
+            f"part {shard_id}/{num_shards}: {result.documents:,} documents, {result.tokens:,} "
+            f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
+            f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)",
+            file=sys.stderr,
+        )
+    _finalize(fs, out, out_path, format, eos_token, storage_options)
+    return result
+
+
+def _check_arguments(
+    format: str, shard_id: int, num_shards: int, max_tokens_per_file: int, num_proc: int
+) -> None:
+    """Raise ``ValueError`` naming the first bad argument of :func:`prepare`."""
+    if format not in ("arrow", "npy"):
+        raise ValueError(f"{format=} must be 'arrow' or 'npy'")
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
+        raise ValueError(f"{shard_id=} must be in 0..{num_shards=}-1 and num_shards >= 1")
+    if max_tokens_per_file < 1:
+        raise ValueError(f"{max_tokens_per_file=} must be >= 1")
+    if num_proc < 1:
+        raise ValueError(f"{num_proc=} must be >= 1")
+
+
+def _saved_progress(
+    fs: Any, ppath: str, config: dict[str, Any], out: str, shard_id: int
+) -> dict[str, Any] | None:
+    """The progress an earlier run of this part saved, or None; refuses other settings."""
+    if not fs.exists(ppath):
+        return None
+    saved = json.loads(fs.cat_file(ppath))
+    if saved.get("config") != config:
+        diff = sorted(k for k in config if saved.get("config", {}).get(k) != config[k])
+        raise ValueError(
+            f"{out} holds an earlier prepare of part {shard_id} with different settings "
+            f"({', '.join(diff)}); use another --out folder, or delete "
+            f"{posixpath.basename(ppath)} and its part{shard_id:05d}_* files to start over"
+        )
+    return dict(saved)
+
+
+# -- reading and tokenizing inputs -----------------------------------------------------------------
+def _read_texts(url: str, text_field: str, storage_options: dict[str, Any]) -> list[str]:
+    """All texts of one input file, in order."""
+    lower = url.lower()
+    if lower.endswith(".txt"):
+        fs, path = filesystem(url, storage_options)
+        with fs.open(path, "rb") as f:
+            return [f.read().decode("utf-8", errors="replace")]
+    kind = "parquet" if lower.endswith(_PARQUET_SUFFIXES) else "jsonl"
+    handler = get_handler(kind, col_name=text_field, storage_options=storage_options)
+    reader = handler.open(url)
+    try:
+        if handler.produces_for(reader) != "text":
+            raise ValueError(
+                f"{url}: column {text_field!r} holds tokens, not text; it is already tokenized "
+                "(read it directly) or pass --text-field with the text column"
+            )
+        return [str(handler.get(reader, i)) for i in range(handler.length(reader))]
+    finally:
+        handler.close(reader)
+
+
+_ENCODERS: dict[tuple[str, int], Encoder] = {}  # per process (pool workers too)
+
+# (tokenizer spec, byte offset, text field, storage options)
+_TokenizeArgs = tuple[str, int, str, dict[str, Any]]
+
+
+def _tokenize_file(task: tuple[str, int, _TokenizeArgs]) -> list[np.ndarray]:
+    """Tokens (``uint32``) of the non-empty texts of one input file, from text ``start`` on."""
+    url, start, (spec, byte_offset, text_field, storage_options) = task
+    key = (spec, byte_offset)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = as_encoder(load_tokenizer(spec, byte_offset=byte_offset))
+    encoder = _ENCODERS[key]
+    texts = [t for t in _read_texts(url, text_field, storage_options) if t][start:]
+    out = []
+    for lo in range(0, len(texts), _TOKENIZE_BATCH):
+        for ids in encoder.encode_batch(texts[lo : lo + _TOKENIZE_BATCH]):
+            arr = np.asarray(ids)
+            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint32).max):
+                raise ValueError(f"{url}: token ids out of the uint32 range")
+            out.append(arr.astype(np.uint32))
+    return out
+
+
+def _tokenized(
+    files: Sequence[str],
+    first_file: int,
+    first_doc: int,
+    tokenize: _TokenizeArgs,
+    num_proc: int,
+) -> Iterator[list[np.ndarray]]:
+    """Each input file's documents (from ``first_file``, document ``first_doc``), in order."""
+    tasks = [
+        (files[i], first_doc if i == first_file else 0, tokenize)
+        for i in range(first_file, len(files))
+    ]
+    if num_proc <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield _tokenize_file(task)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(num_proc) as pool:
+        yield from pool.imap(_tokenize_file, tasks)
+
+
+# -- writing outputs -------------------------------------------------------------------------------
+def _arrow_bytes(docs: Sequence[np.ndarray]) -> bytes:
+    """An Arrow IPC file: one record batch per document, one ``uint32`` column ``tokens``."""
+    import pyarrow as pa
+
+    schema = pa.schema([("tokens", pa.uint32())])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as writer:
+        for doc in docs:
+            writer.write_batch(pa.record_batch([pa.array(doc, type=pa.uint32())], schema=schema))
+    return bytes(sink.getvalue())
+
+
+def _npy_bytes(docs: Sequence[np.ndarray]) -> bytes:
+    """A ``.npy`` file: the documents concatenated into one flat ``uint32`` array."""
+    buf = io.BytesIO()
+    flat = np.concatenate(list(docs)) if docs else np.zeros(0, np.uint32)
+    np.save(buf, flat.astype(np.uint32), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _is_stale_temp(name: str, shard_id: int) -> bool:
+    """Whether ``name`` is a temporary file a killed run of part ``shard_id`` left behind:
+    ``write_bytes_atomic``'s ``.<name>.tmp-<hex>`` or the ``.tmp-<name>-<hex>`` of earlier
+    versions, for this part's outputs or progress file."""
+    ours = (f"part{shard_id:05d}_", f"_progress_part{shard_id:05d}.")
+    if name.startswith(".tmp-"):
+        return name[len(".tmp-") :].startswith(ours)
+    return name.startswith(".") and ".tmp-" in name and name[1:].startswith(ours)
+
+
+def _remove_stale_temps(fs: Any, out_path: str, shard_id: int) -> None:
+    """Delete temporary files a killed run of this part left behind."""
+    try:
+        names = fs.ls(out_path, detail=False)
+    except FileNotFoundError:
+        return
+    for p in names:
+        if _is_stale_temp(posixpath.basename(p), shard_id):
+            fs.rm(p)
+
+
+def _finalize(
+    fs: Any,
+    out: str,
+    out_path: str,
+    format: str,
+    eos_token: int | None,
+    storage_options: dict[str, Any],
+) -> None:
+    """Write ``data_sources.txt`` (npy) and the counts file from every complete output."""
+    suffix = ".arrow" if format == "arrow" else ".npy"
+    names = sorted(
+        p
+        for p in fs.ls(out_path, detail=False)
+        if posixpath.basename(p).startswith("part") and p.endswith(suffix)
+    )
+    if not names:
+        return
+    if format == "npy":
+        listed = [os.path.abspath(p) if is_local(fs) else unstrip(fs, p) for p in names]
+        data = ("\n".join(listed) + "\n").encode()
+        write_bytes_atomic(
+            unstrip(fs, posixpath.join(out_path, "data_sources.txt")), data, storage_options
+        )
+        DatasetIndex.build(
+            out,
+            file_type="flat",
+            storage_options=storage_options,
+            handler_options={"eos_token": eos_token},
+        )
+    else:
+        DatasetIndex.build(out, file_type="arrow", storage_options=storage_options)
