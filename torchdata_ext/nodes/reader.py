@@ -16,6 +16,16 @@ State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shar
 on restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
 "skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
 blocks the uninterrupted run would have produced next.
+
+This module is the walk: shard order, plans, cursors and epochs, building blocks, delivering
+pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
+``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
+:class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
+:class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
+document ids. At ~750 lines it is over the ~500 of the style guide: the rest is one state
+machine over the per-shard cursor (``_Cursor``) that the plan, block and hand-back code all
+advance; the state format (``_Cursor``, ``_check_state``, :func:`merge_reader_states`,
+:meth:`ShardReader.with_returned`) is the seam for the next cut if it grows.
 """
 
 from __future__ import annotations
