@@ -47,6 +47,7 @@ _FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers 
 # side files a format reads next to a data file, fetched into the cache with it
 _COMPANIONS = {"flat": (".offsets.npy",), "npy": (".offsets.npy",)}
 _RANGE_FORMATS = ("arrow", "parquet")
+_NOTHING_OPEN = "no file is open: call open(file, upcoming) first"
 
 
 class FileAccess:
@@ -116,11 +117,15 @@ class FileAccess:
 
     def get_many(self, doc_ids: np.ndarray) -> Sequence[DocData]:
         """Documents ``doc_ids`` of the current file, as its handler reads them."""
-        return self.handler().get_many(self._current_handle(), doc_ids)
+        if self._current is None or self._handler is None:  # (no extra call: the hot path)
+            raise RuntimeError(_NOTHING_OPEN)
+        return self._handler.get_many(self._current[1], doc_ids)
 
     def get(self, doc: int) -> DocData:
         """Document ``doc`` of the current file, as its handler reads it."""
-        return self.handler().get(self._current_handle(), doc)
+        if self._current is None or self._handler is None:
+            raise RuntimeError(_NOTHING_OPEN)
+        return self._handler.get(self._current[1], doc)
 
     def close(self, *, discard: bool = False) -> None:
         """Close the current file, if any; ``discard=True`` also drops its cached copy (so it
@@ -265,11 +270,6 @@ class FileAccess:
                     if len(out) >= n:
                         break
         return out
-
-    def _current_handle(self) -> Any:
-        if self._current is None:
-            raise RuntimeError("no file is open: call open(file, upcoming) first")
-        return self._current[1]
 
     def _discard(self, url: str) -> None:
         if self.cache is not None and self.cache.is_cached(url):
