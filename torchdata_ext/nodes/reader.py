@@ -716,15 +716,22 @@ class ShardReader(BaseNode[DocumentBlock]):
                 )
 
 
-def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge_reader_states(
+    states: Sequence[dict[str, Any]], *, complete: bool = True
+) -> dict[str, Any]:
     """Merge the states of all copies of one reader (every rank and worker) into one.
 
     The merged state restores on any number of ranks x workers: each new copy takes the
     cursors of the logical shards it owns under the new partition.
 
+    Args:
+        states: reader states of one dataset, each covering the shards of one copy.
+        complete: require every logical shard to be covered (False: a rescale merges only
+            the old copies a new one needs).
+
     Raises:
         ValueError: the states come from different datasets, seeds or shard counts, a shard
-            appears twice, or a shard is missing.
+            appears twice, or (with ``complete``) a shard is missing.
     """
     if not states:
         raise ValueError("merge_reader_states needs at least one state")
@@ -741,7 +748,7 @@ def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if sid in shards:
                 raise ValueError(f"logical shard {sid} appears in two states; pass each copy once")
             shards[sid] = cur
-    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards)
+    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards) if complete else ()
     if missing:
         raise ValueError(
             f"the states cover {len(shards)} of {first['n_logical_shards']} logical shards "
