@@ -569,13 +569,21 @@ class ShardReader(BaseNode[DocumentBlock]):
         c: _Cursor,
     ) -> DocumentBlock | None | Literal[False]:
         """The block of ``docs`` in one vectorised step when each is a whole token document
-        that needs no stripping or cutting (the usual case); None if none is long enough;
-        False when the general per-document path must build it."""
-        if c.offset or self._strip_arr.size or not docs or isinstance(docs[0], str):
+        that needs no cutting (the usual case): stripping ``strip_tokens`` looks only at the
+        documents' ends, for all documents at once; None if none is long enough; False when
+        the general per-document path must build it."""
+        if c.offset or not docs or isinstance(docs[0], str):
             return False
         if not all(d is not None for d in docs):
             return False
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))  # type: ignore[arg-type]
+        flat = np.concatenate(docs, dtype=self.dtype, casting="unsafe")  # type: ignore[call-overload]
+        offsets = np.zeros(len(docs) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        lo, hi = offsets[:-1], offsets[1:]
+        if self._strip_arr.size:
+            lo, hi = _strip_ends(flat, lo, hi, self._strip_arr)
+            lengths = hi - lo
         if self.max_chunksize is not None and int(lengths.max()) > self.max_chunksize:
             return False
         keep = lengths >= max(self.min_length, 1)
@@ -584,14 +592,17 @@ class ShardReader(BaseNode[DocumentBlock]):
             idx = np.flatnonzero(keep)
             if not len(idx):
                 return None
-            docs = [docs[i] for i in idx.tolist()]
-            lengths, doc_ids = lengths[idx], doc_ids[idx]
-        offsets = np.zeros(len(docs) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        n = len(docs)
+            lo, hi, lengths, doc_ids = lo[idx], hi[idx], lengths[idx], doc_ids[idx]
+        n = len(lengths)
+        if lengths.sum() != len(flat):  # something stripped or dropped: gather what is kept
+            out_offsets = np.zeros(n + 1, np.int64)
+            np.cumsum(lengths, out=out_offsets[1:])
+            shift = np.repeat(lo - out_offsets[:-1], lengths)
+            flat = flat[np.arange(int(out_offsets[-1]), dtype=np.int64) + shift]
+            offsets = out_offsets
         return DocumentBlock(
             self.dataset.name,
-            np.concatenate(docs, dtype=self.dtype, casting="unsafe"),  # type: ignore[call-overload]
+            flat,
             None,
             offsets,
             np.full(n, file, np.int32),
@@ -755,6 +766,26 @@ def merge_reader_states(
             f"(missing e.g. {sorted(missing, key=int)[:5]}); pass the states of all ranks and workers"
         )
     return {**first, "shards": shards}
+
+
+def _strip_ends(
+    flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, strip: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per document ``flat[lo[i]:hi[i]]``, the range left after removing ``strip`` tokens from
+    both ends (as :func:`_strip`), looking only at the ends: one vectorised step per token
+    removed from the deepest end, usually one or two."""
+    lo, hi = lo.copy(), hi.copy()
+    for front in (True, False):
+        todo = np.flatnonzero(lo < hi)
+        while len(todo):
+            at = lo[todo] if front else hi[todo] - 1
+            todo = todo[np.isin(flat[at], strip)]
+            if front:
+                lo[todo] += 1
+            else:
+                hi[todo] -= 1
+            todo = todo[lo[todo] < hi[todo]]
+    return lo, hi
 
 
 def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:
