@@ -249,3 +249,34 @@ def test_mix_changes_that_cannot_be_exact_are_refused(cfg, tmp_path) -> None:
     load_checkpoint(loader, again)  # the same config again: nothing to accept
     cover(coverage, list(loader), NAMES)
     check_exactly_once(coverage, expected_lengths(cfg))
+
+
+@pytest.mark.parametrize("old,new", [(3, (1, 2)), (2, (3, 1)), (2, (1, 3)), (4, (2, 3))], ids=str)
+def test_token_counters_are_split_exactly(cfg, old, new) -> None:
+    """Rescaled interleave token counters add up to the saved ones: each old worker's count
+    is split among the new workers that read it, nothing dropped by rounding."""
+    from torchdata_ext.graph import token_counters
+    from torchdata_ext.rescale import rescale_worker_states
+
+    make = functools.partial(build, cfg)
+    graphs = {}
+    for r in range(old):  # old ranks of one in-process worker each
+        loader = TokenLoader(make, rank=r, world_size=old)
+        it = iter(loader)
+        for _ in range(3 + r):
+            next(it)
+        for g, st in loader.state_dict()["workers"].items():
+            graphs[int(g)] = st["graph"]
+    saved: dict[str, int] = {}
+    for st in graphs.values():
+        for counters in token_counters({"graph": st}).values():
+            for k, v in counters.items():
+                saved[k] = saved.get(k, 0) + int(v)
+    R2, W2 = new
+    got: dict[str, int] = {}
+    for g in range(R2 * W2):
+        st = rescale_worker_states(graphs, (old, 1), World(g // W2, R2, g % W2, W2), make)
+        for counters in token_counters({"graph": st}).values():
+            for k, v in counters.items():
+                got[k] = got.get(k, 0) + int(v)
+    assert got == saved and sum(saved.values()) > 0

@@ -7,9 +7,12 @@ from hypothesis import strategies as st
 
 from torchdata_ext.shards import (
     check_shard_count,
+    count_new_readers,
     file_offsets,
+    old_workers_to_read,
     shard_bounds,
     shard_fragments,
+    shard_owner,
     worker_shards,
 )
 
@@ -98,3 +101,99 @@ def test_huge_counts_do_not_overflow() -> None:
     total = 3 * 10**15
     b = shard_bounds(total, 30720)
     assert b[-1] == total and (np.diff(b) >= total // 30720).all()
+
+
+# -- rescaling: the inverse maps, against brute-force loops over every worker ---------------------
+def _overlap(n: int, total: int, worker: int, other_total: int) -> list[int]:
+    mine = worker_shards(n, total, worker)
+    return [
+        g
+        for g in range(other_total)
+        if (theirs := worker_shards(n, other_total, g)).start < mine.stop
+        and mine.start < theirs.stop
+    ]
+
+
+@st.composite
+def rescales(draw, max_shards: int = 3000) -> tuple[int, int, int]:
+    n = draw(st.integers(1, max_shards))
+    old_total = draw(st.integers(1, n))
+    new_total = draw(st.one_of(st.integers(1, n), st.sampled_from([old_total, n, 1])))
+    return n, old_total, new_total
+
+
+@settings(max_examples=250, deadline=None)
+@given(n=st.integers(1, 5000), data=st.data())
+def test_shard_owner_is_the_worker_whose_shards_hold_it(n: int, data) -> None:
+    total = data.draw(st.integers(1, n))
+    s = data.draw(st.integers(0, n - 1))
+    g = shard_owner(n, total, s)
+    assert s in worker_shards(n, total, g)
+    # the largest g with g*N//G <= s, by brute force
+    assert g == max(w for w in range(total) if (w * n) // total <= s)
+
+
+@settings(max_examples=250, deadline=None)
+@given(rescale=rescales(), data=st.data())
+def test_old_workers_to_read_equals_the_brute_force_loop(rescale, data) -> None:
+    n, old_total, new_total = rescale
+    w = data.draw(st.integers(0, new_total - 1))
+    needed = old_workers_to_read(n, old_total, new_total, w)
+    assert list(needed) == _overlap(n, new_total, w, old_total)
+    # the old workers' shards cover the new worker's, and the count is bounded by the ratio
+    covered = {s for g in needed for s in worker_shards(n, old_total, g)}
+    assert set(worker_shards(n, new_total, w)) <= covered
+    assert len(needed) <= -(-old_total // new_total) + 1
+
+
+@settings(max_examples=250, deadline=None)
+@given(rescale=rescales(), data=st.data())
+def test_count_new_readers_equals_the_brute_force_count(rescale, data) -> None:
+    n, old_total, new_total = rescale
+    g = data.draw(st.integers(0, old_total - 1))
+    readers = [w for w in range(new_total) if g in old_workers_to_read(n, old_total, new_total, w)]
+    assert count_new_readers(n, old_total, new_total, g) == len(readers)
+    assert readers == _overlap(n, old_total, g, new_total)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rescale=rescales(max_shards=120))
+def test_every_overlap_is_counted_once_from_both_sides(rescale) -> None:
+    n, old_total, new_total = rescale
+    from_new = sum(len(old_workers_to_read(n, old_total, new_total, w)) for w in range(new_total))
+    from_old = sum(count_new_readers(n, old_total, new_total, g) for g in range(old_total))
+    assert from_new == from_old
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    topology=st.sampled_from([(40960, 32768, 24576), (40960, 32768, 40960), (30720, 24576, 30720)]),
+    data=st.data(),
+)
+def test_inverse_maps_at_pretraining_scale(topology, data) -> None:
+    n, old_total, new_total = topology
+    w = data.draw(st.integers(0, new_total - 1))
+    g = data.draw(st.integers(0, old_total - 1))
+    assert list(old_workers_to_read(n, old_total, new_total, w)) == _overlap(
+        n, new_total, w, old_total
+    )
+    assert count_new_readers(n, old_total, new_total, g) == len(
+        _overlap(n, old_total, g, new_total)
+    )
+
+
+def test_bad_rescale_arguments_name_the_argument_and_fix() -> None:
+    with pytest.raises(ValueError, match="new_worker=4 must be < new_total=4"):
+        old_workers_to_read(10, 3, 4, 4)
+    with pytest.raises(ValueError, match="old_worker=3 must be < old_total=3"):
+        count_new_readers(10, 3, 4, 3)
+    with pytest.raises(
+        ValueError, match="n_logical_shards=30720 must be >= old_total=32768.*raise"
+    ):
+        old_workers_to_read(30720, 32768, 24576, 0)
+    with pytest.raises(ValueError, match="n_logical_shards=8 must be >= new_total=9"):
+        count_new_readers(8, 4, 9, 0)
+    with pytest.raises(TypeError, match="old_total=2.0 must be an integer"):
+        old_workers_to_read(8, 2.0, 4, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shard=10 must be < n_logical_shards=10"):
+        shard_owner(10, 3, 10)

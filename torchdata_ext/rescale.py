@@ -24,8 +24,13 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.graph import graph_nodes, graph_summary, reader_states, set_at, token_counters
 from torchdata_ext.nodes.collate import Collate
-from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.shards import worker_shards
+from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
+from torchdata_ext.shards import (
+    count_new_readers,
+    old_workers_to_read,
+    shard_owner,
+    worker_shards,
+)
 from torchdata_ext.world import World
 
 __all__ = ["old_workers_needed", "rescale_worker_states"]
@@ -44,13 +49,11 @@ def old_workers_needed(n_logical_shards: int, old_total: int, new_world: World) 
     Returns:
         The old global worker ids, ascending.
     """
-    mine = worker_shards(n_logical_shards, new_world.total_workers, new_world.global_worker)
-    out = []
-    for g in range(old_total):
-        theirs = worker_shards(n_logical_shards, old_total, g)
-        if theirs.start < mine.stop and mine.start < theirs.stop:
-            out.append(g)
-    return out
+    return list(
+        old_workers_to_read(
+            n_logical_shards, old_total, new_world.total_workers, new_world.global_worker
+        )
+    )
 
 
 def _holds_nothing(node: BaseNode) -> bool:
@@ -184,19 +187,17 @@ def rescale_worker_states(
             if allow_new_datasets:
                 continue  # an added dataset starts fresh
             raise ValueError(f"the checkpoint has no state for dataset {name!r}")
-        merged = _merge_partial(old)
+        merged = merge_reader_states(old, complete=False)
         if returned.get(name):
             merged = live[name].with_returned(merged, returned[name])
         set_at(box, path, merged)
     # token counters: each old worker's share split among the new workers that read it
     new_total = new_world.total_workers
-    readers_of = {
-        g: sum(
-            1
-            for w in range(new_total)
-            if g in old_workers_needed(n, old_total, _nth_world(new_world, w))
-        )
-        for g in needed
+    # (O(1) each: a pass over every new worker's needs is hours at 4,096 ranks x 8 workers)
+    readers_of = {g: count_new_readers(n, old_total, new_total, g) for g in needed}
+    # this worker's place among an old worker's readers: the first (v % readers) get one more
+    first_reader = {
+        g: shard_owner(n, new_total, worker_shards(n, old_total, g).start) for g in needed
     }
     for path, counters in token_counters(box).items():
         summed = dict.fromkeys(counters, 0)
@@ -205,8 +206,9 @@ def rescale_worker_states(
             if counted is None:
                 continue
             for name, v in counted.items():
-                if name in summed:
-                    summed[name] += int(v) // readers_of[g]
+                if name in summed:  # split exactly: the parts add up to v
+                    parts, i = readers_of[g], new_world.global_worker - first_reader[g]
+                    summed[name] += int(v) // parts + (i < int(v) % parts)
         new = [k for k in summed if k not in in_checkpoint]
         if new:  # an added dataset starts at its target share, so the mix does not lurch to it
             weights = _weights_at(box, path)
@@ -225,23 +227,3 @@ def _weights_at(box: dict[str, Any], counters_path: tuple) -> dict[str, float]:
     for k in counters_path[:-1]:
         node = node[k]
     return {str(k): float(v) for k, v in node.get("weights", {}).items()}
-
-
-def _nth_world(like: World, g: int) -> World:
-    """Global worker ``g`` of the topology of ``like``."""
-    return World(g // like.num_workers, like.world_size, g % like.num_workers, like.num_workers)
-
-
-def _merge_partial(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge reader states that may cover only part of the shards (no completeness check)."""
-    first = states[0]
-    shards: dict[str, Any] = {}
-    for st in states:
-        for key in ("format", "fingerprint", "seed", "n_logical_shards"):
-            if st[key] != first[key]:
-                raise ValueError(
-                    f"old worker states disagree on {key} ({st[key]!r} vs {first[key]!r}); "
-                    "the checkpoint mixes runs"
-                )
-        shards.update(st["shards"])
-    return {**first, "shards": shards}

@@ -7,6 +7,10 @@ split fractionally between neighbouring shards). Global worker ``g`` of ``G`` ow
 shards ``[g*N//G, (g+1)*N//G)``: balanced to within one shard, any ``N >= G`` works, and every
 (rank, worker) computes its share locally with no communication.
 
+Rescaling from ``G_old`` to ``G_new`` workers is the inverse map: the old workers a new worker
+must read and the new workers that read an old one are computed in O(1) from the owner of a
+shard (:func:`shard_owner`), never by scanning all workers.
+
 ::
 
     files     |---- f0 ----|-- f1 --|------- f2 -------|
@@ -26,9 +30,12 @@ from torchdata_ext._checks import check_int
 __all__ = [
     "Fragment",
     "check_shard_count",
+    "count_new_readers",
     "file_offsets",
+    "old_workers_to_read",
     "shard_bounds",
     "shard_fragments",
+    "shard_owner",
     "worker_shards",
 ]
 
@@ -125,3 +132,69 @@ def worker_shards(n_logical_shards: int, total_workers: int, global_worker: int)
             "raise n_logical_shards"
         )
     return range((w * n) // g, ((w + 1) * n) // g)
+
+
+def shard_owner(n_logical_shards: int, total_workers: int, shard: int) -> int:
+    """The global worker of ``total_workers`` whose :func:`worker_shards` hold ``shard``.
+
+    The owner is the largest ``g`` with ``g*N//G <= s``. Since ``floor(x) <= s`` exactly when
+    ``x < s + 1``, that is ``g*N < (s+1)*G``, i.e. ``g <= ((s+1)*G - 1) // N`` (not ``s*G//N``,
+    which is wrong when ``G`` does not divide ``N``). O(1).
+    """
+    n = check_int("n_logical_shards", n_logical_shards, 1)
+    g = check_int("total_workers", total_workers, 1)
+    s = check_int("shard", shard, 0)
+    if s >= n:
+        raise ValueError(f"{shard=} must be < {n_logical_shards=}")
+    if n < g:
+        raise ValueError(
+            f"{n_logical_shards=} must be >= the number of global workers ({total_workers}); "
+            "raise n_logical_shards"
+        )
+    return ((s + 1) * g - 1) // n
+
+
+def _overlapping(
+    n_logical_shards: int, total: int, worker: int, other_total: int, names: tuple[str, str, str]
+) -> range:
+    """The workers of an ``other_total`` partition whose shards overlap those of ``worker`` of
+    ``total``: the owners of its first and last shard and every worker between them (each owns
+    at least one shard, all inside the range). ``names`` are the caller's argument names for
+    ``total``, ``worker`` and ``other_total``, quoted in errors."""
+    total_name, worker_name, other_name = names
+    n = check_int("n_logical_shards", n_logical_shards, 1)
+    total = check_int(total_name, total, 1)
+    worker = check_int(worker_name, worker, 0)
+    other_total = check_int(other_name, other_total, 1)
+    if worker >= total:
+        raise ValueError(f"{worker_name}={worker} must be < {total_name}={total}")
+    for name, value in ((total_name, total), (other_name, other_total)):
+        if n < value:
+            raise ValueError(
+                f"{n_logical_shards=} must be >= {name}={value} (every global worker owns at "
+                "least one shard); raise n_logical_shards"
+            )
+    first, stop = (worker * n) // total, ((worker + 1) * n) // total  # worker_shards
+    # shard_owner(n, other_total, s) = ((s + 1) * other_total - 1) // n for s = first, stop - 1
+    return range(((first + 1) * other_total - 1) // n, (stop * other_total - 1) // n + 1)
+
+
+def old_workers_to_read(
+    n_logical_shards: int, old_total: int, new_total: int, new_worker: int
+) -> range:
+    """The old global workers whose shards overlap new global worker ``new_worker``'s: the
+    checkpointed worker states it must read to rescale from ``old_total`` to ``new_total``
+    workers. O(1); the range holds at most ``ceil(old_total / new_total) + 1`` workers.
+    """
+    names = ("new_total", "new_worker", "old_total")
+    return _overlapping(n_logical_shards, new_total, new_worker, old_total, names)
+
+
+def count_new_readers(
+    n_logical_shards: int, old_total: int, new_total: int, old_worker: int
+) -> int:
+    """How many new global workers read old global worker ``old_worker``'s state (their shards
+    overlap its) when rescaling from ``old_total`` to ``new_total`` workers: the number of
+    parts its counters are split into. O(1)."""
+    names = ("old_total", "old_worker", "new_total")
+    return len(_overlapping(n_logical_shards, old_total, old_worker, new_total, names))

@@ -1,0 +1,339 @@
+"""Errors of remote storage and how they are retried.
+
+:func:`with_retries` runs an operation under a :class:`RetryPolicy`: exponential backoff with
+full jitter on transient errors (HTTP 5xx / 429 / ``SlowDown``, connection resets, timeouts,
+truncated bodies), a bounded number of attempts and of total time, then a :class:`RemoteError`
+naming the URL. Permanent errors are not retried: a missing bucket or bad credentials raise a
+:class:`RemoteError` at once saying what to check (:func:`explain_error`); a missing object
+raises ``FileNotFoundError``. :func:`is_transient` is the classification.
+
+No I/O here: the operations are the callers'.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = [
+    "IncompleteDownload",
+    "RemoteError",
+    "RetryPolicy",
+    "explain_error",
+    "is_transient",
+    "with_retries",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# S3 / HTTP error codes worth retrying (throttling, server-side trouble, timeouts)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "BandwidthLimitExceeded",
+        "PriorRequestNotComplete",
+        "OperationAborted",
+        "429",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+        errno.EAGAIN,
+        errno.EBUSY,  # s3fs: 503 SlowDown / ServiceUnavailable
+        getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs: 500 InternalError
+    }
+)
+_AUTH_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AccountProblem",
+        "AllAccessDisabled",
+        "403",
+    }
+)
+_CREDENTIALS_HINT = (
+    "check the credentials (storage_options key/secret/token, or the environment variables "
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN / AWS_PROFILE), the bucket's "
+    "access policy, and the endpoint (storage_options client_kwargs endpoint_url, or "
+    "AWS_ENDPOINT_URL)"
+)
+
+
+class RemoteError(OSError):
+    """Remote storage failed: transient errors that outlasted the retries, a missing bucket,
+    refused credentials, or an unreachable endpoint.
+
+    The reader never skips a file for this error (``on_error="skip"`` is for bad files, not for
+    an outage), so a checkpoint never records healthy files as skipped.
+
+    Attributes:
+        url: the URL at fault.
+        transient: True when the retries ran out (the store may work again later).
+    """
+
+    def __init__(self, url: str, message: str, *, transient: bool = False) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+        self.transient = transient
+
+    def __reduce__(self) -> Any:  # keep url and message through pickling (worker processes)
+        return _rebuild_remote_error, (self.url, str(self), self.transient)
+
+
+def _rebuild_remote_error(url: str, text: str, transient: bool) -> RemoteError:
+    err = RemoteError(url, "", transient=transient)
+    err.args = (text,)
+    return err
+
+
+class IncompleteDownload(OSError):
+    """A download ended with fewer (or more) bytes than the object has: retried."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient errors are retried: exponential backoff with full jitter, bounded.
+
+    Attempt ``k`` (from 1) that fails transiently is followed by a sleep drawn uniformly from
+    ``[0, min(max_delay_s, base_delay_s * 2 ** (k - 1))]``. The call gives up with a
+    :class:`RemoteError` after ``max_attempts`` attempts, or as soon as the next sleep would end
+    after ``total_timeout_s`` seconds from the first attempt (a single slow attempt is bounded by
+    the filesystem's own timeouts).
+
+    Args:
+        max_attempts: attempts in all (>= 1; 1 = no retry).
+        base_delay_s: the first backoff bound, seconds.
+        max_delay_s: the largest backoff bound, seconds.
+        total_timeout_s: the bound on the time spent retrying one operation, seconds.
+    """
+
+    max_attempts: int = 8
+    base_delay_s: float = 0.25
+    max_delay_s: float = 8.0
+    total_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise TypeError(f"max_attempts={self.max_attempts!r} must be an integer")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts} must be >= 1")
+        for name in ("base_delay_s", "max_delay_s", "total_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name}={v!r} must be a number >= 0")
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The sleep after failed attempt ``attempt`` (1-based): full jitter."""
+        bound = min(self.max_delay_s, self.base_delay_s * 2.0 ** min(attempt - 1, 60))
+        return (rng or random).uniform(0.0, bound)
+
+
+def with_retries(
+    fn: Callable[[], T],
+    url: str,
+    policy: RetryPolicy | None = None,
+    *,
+    what: str = "read",
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """Call ``fn()``, retrying transient errors under ``policy``.
+
+    Args:
+        fn: the operation (no arguments).
+        url: the URL it works on, named in errors and logs.
+        policy: the retry policy (default :class:`RetryPolicy()`).
+        what: a few words for messages (``"download"``, ``"list"``...).
+        on_retry: called with the error before each retry (e.g. to count retries).
+
+    Raises:
+        RemoteError: the retries ran out (``transient=True``), or a permanent error that is
+            about access or the bucket (message says what to check).
+        FileNotFoundError: the object does not exist (unchanged, so callers can handle it).
+        Exception: any other permanent error, unchanged.
+    """
+    policy = policy or RetryPolicy()
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                clear = explain_error(url, exc, what)
+                if clear is exc:
+                    raise
+                raise clear from exc
+            elapsed = time.monotonic() - start
+            pause = policy.delay(attempt)
+            if attempt >= policy.max_attempts or elapsed + pause > policy.total_timeout_s:
+                raise RemoteError(
+                    url,
+                    f"{what} failed {attempt} time(s) over {elapsed:.1f}s with transient errors "
+                    f"(last: {_describe(exc)}); the store or the network kept failing: check the "
+                    "endpoint and the network, or allow more time with "
+                    "RetryPolicy(total_timeout_s=..., max_attempts=...)",
+                    transient=True,
+                ) from exc
+            log = logger.warning if attempt == 1 else logger.debug
+            log(
+                "%s of %s failed (%s); retry %d in %.2fs",
+                what,
+                url,
+                _describe(exc),
+                attempt,
+                pause,
+            )
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(pause)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(out) < 12 and all(cur is not x for x in out):
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _client_error_info(exc: BaseException) -> tuple[str, int] | None:
+    """(code, HTTP status) of a botocore ``ClientError``-like exception, else None."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict) or "Error" not in response:
+        return None
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_transient_one(exc: BaseException) -> bool | None:
+    """True / False when ``exc`` alone decides, None to look further down the chain."""
+    if isinstance(exc, RemoteError):
+        return False
+    if isinstance(exc, IncompleteDownload):
+        return True
+    info = _client_error_info(exc)
+    if info is not None:
+        code, status = info
+        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+    if isinstance(
+        exc,
+        (
+            FileNotFoundError,
+            PermissionError,
+            IsADirectoryError,
+            NotADirectoryError,
+            FileExistsError,
+        ),
+    ):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    if module.startswith("botocore"):
+        if name in ("NoCredentialsError", "PartialCredentialsError", "NoRegionError"):
+            return False
+        if name in ("ResponseParserError", "IncompleteReadError"):
+            return True
+        mro = {c.__name__ for c in type(exc).__mro__}
+        if mro & {"HTTPClientError", "ConnectionError"}:
+            return True
+    if module.startswith("aiohttp"):
+        http_status = getattr(exc, "status", None)
+        if name == "ClientResponseError" and isinstance(http_status, int) and http_status < 500:
+            return http_status == 429
+        return True  # payload cut short, disconnected, connection reset, bad status line
+    if name in ("FSTimeoutError", "IncompleteRead", "RemoteDisconnected"):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is worth retrying.
+
+    Transient: HTTP 5xx, 429 and the S3 throttling codes (``SlowDown``...), connection resets and
+    refusals, timeouts, truncated or unparsable responses (botocore, aiohttp, ``OSError`` with
+    ``ECONNRESET``...). Permanent: missing objects or buckets, access denied, bad or missing
+    credentials, other 4xx, and anything unknown.
+    """
+    for e in _chain(exc):
+        verdict = _is_transient_one(e)
+        if verdict is not None:
+            return verdict
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().replace("\n", " ")
+    if len(text) > 200:
+        text = text[:200] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseException:
+    """A permanent error made clear: a :class:`RemoteError` for access, credentials and missing
+    buckets (saying what to check), ``exc`` itself otherwise."""
+    if isinstance(exc, RemoteError):
+        return exc
+    chain = _chain(exc)
+    codes = {info[0] for e in chain if (info := _client_error_info(e)) is not None}
+    names = {type(e).__name__ for e in chain}
+    text = " ".join(str(e) for e in chain)
+    if "NoSuchBucket" in codes or "bucket does not exist" in text:
+        return RemoteError(
+            url,
+            f"{what} failed: the bucket does not exist ({_describe(exc)}); check the bucket name "
+            "in the URL and the endpoint (storage_options client_kwargs endpoint_url)",
+        )
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return RemoteError(
+            url,
+            f"{what} failed: no credentials were found ({_describe(exc)}); pass "
+            "storage_options={'key': ..., 'secret': ...}, set AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or storage_options={'anon': True} for a "
+            "public bucket",
+        )
+    if codes & _AUTH_CODES or isinstance(exc, PermissionError):
+        return RemoteError(
+            url, f"{what} failed: access denied ({_describe(exc)}); {_CREDENTIALS_HINT}"
+        )
+    return exc
