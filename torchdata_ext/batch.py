@@ -160,8 +160,9 @@ class BatchGroup:
     def of(cls, items: Sequence[PackedBatch]) -> BatchGroup:
         first = items[0]
         tokens = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
+        dest = tokens.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
         for i, x in enumerate(items):
-            tokens[i] = x.tokens
+            dest[i] = x.tokens.numpy()
         return cls(
             tokens,
             [x.cuts for x in items],

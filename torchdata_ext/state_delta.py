@@ -28,6 +28,8 @@ Operations are tuples ``(path, kind, value)``:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ __all__ = ["DELETE", "RESIZE", "SET", "Op", "apply", "diff"]
 
 SET, DELETE, RESIZE = 0, 1, 2
 Op = tuple[tuple[Any, ...], int, Any]
+_MISSING = object()
 _SCALARS = (int, float, str, bytes, bool, type(None), np.integer, np.floating, np.bool_)
 
 
@@ -65,18 +68,21 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
         ops.append((path, SET, cur))
     elif tc is dict:
         for k, v in cur.items():
-            if k in prev:
-                _diff(prev[k], v, (*path, k), ops)
-            else:
+            p = prev.get(k, _MISSING)
+            if p is v:  # the common case, checked here: a call per unchanged entry adds up
+                continue
+            if p is _MISSING:
                 ops.append(((*path, k), SET, v))
+            else:
+                _diff(p, v, (*path, k), ops)
         for k in prev:
             if k not in cur:
                 ops.append(((*path, k), DELETE, None))
     elif tc is list:
         common = min(len(prev), len(cur))
-        for i in range(common):
-            if cur[i] is not prev[i]:
-                _diff(prev[i], cur[i], (*path, i), ops)
+        # the changed positions, found in C (a list of 2,500 cached buffer blocks each batch)
+        for i in itertools.compress(range(common), map(operator.is_not, prev, cur)):
+            _diff(prev[i], cur[i], (*path, i), ops)
         if len(cur) != len(prev):
             ops.append((path, RESIZE, (common, cur[common:])))
     elif tc is np.ndarray:

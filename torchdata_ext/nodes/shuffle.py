@@ -98,14 +98,17 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._buf: list[Any] = []
         self._draws = 0
         self._exhausted = False
-        # provenance cache: per block of _BLOCK slots, (rows per item, the narrowed rows)
+        # provenance cache: per block of _BLOCK slots, (rows per item, the narrowed rows);
+        # None where a slot changed since (listed in _dirty)
         self._blocks: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self._dirty: set[int] = set()
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._buf = []
         self._blocks = []
+        self._dirty = set()
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
             self._draws = int(initial_state["draws"])
@@ -180,7 +183,15 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             "exhausted": self._exhausted,
         }
         if self._buf and self._has_provenance():
-            state["prov_blocks"] = [self._block(b) for b in range(-(-len(self._buf) // _BLOCK))]
+            n_blocks = -(-len(self._buf) // _BLOCK)
+            for b in self._dirty:
+                if b < n_blocks:
+                    self._block(b)
+            self._dirty.clear()
+            del self._blocks[n_blocks:]
+            for b in range(len(self._blocks), n_blocks):
+                self._block(b)
+            state["prov_blocks"] = list(self._blocks)  # costs references: the blocks are cached
         else:
             state["items"] = [self._out(x) for x in self._buf]
         return state
@@ -224,6 +235,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         b = slot // _BLOCK
         if b < len(self._blocks):
             self._blocks[b] = None
+            self._dirty.add(b)
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows per item and the provenance rows (``[n, 5]``) of block ``b`` of slots, each in
