@@ -411,6 +411,9 @@ def _finalize(
             file_type="flat",
             storage_options=storage_options,
             handler_options={"eos_token": eos_token},
+            write_counts="data",  # prepare's own output: the counts go next to it
         )
     else:
-        DatasetIndex.build(out, file_type="arrow", storage_options=storage_options)
+        DatasetIndex.build(
+            out, file_type="arrow", storage_options=storage_options, write_counts="data"
+        )
