@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _corpus import arrow_dataset  # noqa: E402
+from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.loader import TokenLoader, _PipelineIterator  # noqa: E402
@@ -121,10 +121,8 @@ def main() -> None:
         args.tokens, args.steps, args.shards = 20_000_000, 40, 256
     torch.set_num_threads(1)  # the simulated step leaves the other core to the loader
 
-    root = os.path.join(args.data_dir, f"arrow_{args.tokens}")
-    shares = {"web": 0.6, "code": 0.2, "books": 0.2}
-    for i, (name, share) in enumerate(shares.items()):
-        arrow_dataset(os.path.join(root, name), int(args.tokens * share), 4, seed=i)
+    root = bamba_corpus(args.data_dir, args.tokens)
+    shares = BAMBA_SHARES
     cfg = PipelineConfig(
         data_path=root, datasets=list(shares), weights=[3, 1, 1], seq_length=4096, batch_size=8,
         shuffle_buffer=10_000, logical_shards=args.shards, eos_token=0, block_docs=256,

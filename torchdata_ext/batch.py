@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ALL_KEYS", "HF_KEYS", "BatchGroup", "PackedBatch", "layout_runs"]
+__all__ = ["ALL_KEYS", "HF_KEYS", "BatchGroup", "PackedBatch", "layout_runs", "loss_mask"]
 
 ALL_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
 HF_KEYS = ("input_ids", "labels", "position_ids")  # a causal LM with packed attention

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from torchdata_ext.batch import layout_runs, loss_mask
 from torchdata_ext.nodes._stream import _Part, _Specials, _Stream
 from torchdata_ext.provenance import LITERAL, PAD
 
@@ -250,26 +251,21 @@ class _Layout:
                 cuts.extend([c + base for c in item.cuts])
                 ids.extend(item.ids)
             total = len(items) * size
-            at = np.array(cuts, np.int32)
-            lens = np.empty(len(at), np.int32)
-            np.subtract(at[1:], at[:-1], out=lens[:-1])
-            lens[-1] = total - at[-1]
-            if "position_ids" in out:
-                if len(self._batch_arange) < total:
-                    self._batch_arange = np.arange(total, dtype=np.int32)
-                flat = at.repeat(lens)
-                np.subtract(self._batch_arange[:total], flat, out=flat)
-                out["position_ids"][...] = flat.reshape(len(items), size)[:, :n]
-            if "document_ids" in out:
-                flat = np.array(ids, np.int32).repeat(lens)
-                out["document_ids"][...] = flat.reshape(len(items), size)[:, :n]
+            if len(self._batch_arange) < total:
+                self._batch_arange = np.arange(total, dtype=np.int32)
+            layout_runs(
+                np.array(cuts, np.int32),
+                np.array(ids, np.int32),
+                len(items),
+                size,
+                n,
+                out,
+                self._batch_arange,
+            )
         if "loss_mask" in out:
-            dest = out["loss_mask"]
-            dest[...] = True
-            for i, item in enumerate(items):
-                lo, hi = item.pad
-                if hi > lo:  # with shift: where the input or the label is padding
-                    dest[i, max(lo - 1, 0) if self.shift else lo : hi] = False
+            out["loss_mask"][...] = loss_mask(
+                np.array([item.pad for item in items], np.int64).reshape(-1, 2), n, self.shift
+            )
 
     # -- from provenance -----------------------------------------------------------------------
     def assemble(self, x: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:

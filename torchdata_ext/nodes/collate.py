@@ -102,14 +102,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             self.source.reset()
 
     def next(self) -> dict[str, torch.Tensor]:
-        items: list[Any] = []
-        for _ in range(self.batch_size):
-            try:
-                items.append(self._pull())
-            except StopIteration:
-                break
-        if not items or (self.drop_last and len(items) < self.batch_size):
-            raise StopIteration
+        items = self._take()
         if self._fused and all(isinstance(it, PackedSequence) for it in items):
             return self._fill(items)
         return self._from_items(items)
@@ -150,14 +143,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         keys. A source without the packed protocol gives :meth:`next`'s dict."""
         if not self._fused:
             return self.next()
-        items: list[Any] = []
-        for _ in range(self.batch_size):
-            try:
-                items.append(self._pull())
-            except StopIteration:
-                break
-        if not items or (self.drop_last and len(items) < self.batch_size):
-            raise StopIteration
+        items = self._take()
         if not all(isinstance(it, PackedSequence) for it in items):
             return self._from_items(items)
         size = len(items[0].tokens)
@@ -186,6 +172,18 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             keys,
             _stack_provenance([it.provenance for it in items]) if "provenance" in keys else None,
         )
+
+    def _take(self) -> list[Any]:
+        """The next batch's items from the source (``StopIteration`` when there is none)."""
+        items: list[Any] = []
+        for _ in range(self.batch_size):
+            try:
+                items.append(self._pull())
+            except StopIteration:
+                break
+        if not items or (self.drop_last and len(items) < self.batch_size):
+            raise StopIteration
+        return items
 
     def _next_source(self) -> Any:
         return next(self.source)
