@@ -252,3 +252,29 @@ def _pipeline(cfg, world):
 
 def _batch_key(batch) -> tuple:
     return tuple((k, tuple(v.reshape(-1).tolist())) for k, v in batch.items())
+
+
+@pytest.mark.multiprocess
+def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_path) -> None:
+    """What the training process assembles from a worker's deltas is the graph's own state:
+    same values and same types (NumPy arrays stay arrays across the process boundary)."""
+    from test_state_delta import same
+
+    from torchdata_ext.pipeline import PipelineConfig
+
+    rng = np.random.default_rng(2)
+    for name in ("web", "code"):
+        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
+        write_arrow_batches(str(tmp_path / name / "a.arrow"), docs)
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web,code", weights="2,1", seq_length=24,
+        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3,
+    )  # fmt: skip
+    build = functools.partial(_pipeline, cfg)
+    local, remote = TokenLoader(build, num_workers=0), TokenLoader(build, num_workers=1)
+    a, b = iter(local), iter(remote)
+    for step in range(13):
+        next(a), next(b)
+        if step % 4 == 0:
+            sa, sb = local.state_dict(), remote.state_dict()
+            assert same(sa["workers"]["0"]["graph"], sb["workers"]["0"]["graph"]), step

@@ -307,7 +307,11 @@ class TokenLoader:
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            self._dl = StatefulDataLoader(self._dataset(), batch_size=None, **self._dl_kwargs)
+            # collate_fn: messages as they are (the default converts every NumPy array in the
+            # state deltas to a tensor, each then sent as its own shared-memory segment)
+            self._dl = StatefulDataLoader(
+                self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
+            )
             messages: Iterator[_Message] = iter(self._dl)
         else:
             source = iter(self._dataset())
@@ -524,6 +528,10 @@ class _Background(Iterator[_Message]):
 
 class _Raised(NamedTuple):
     exc: BaseException
+
+
+def _as_is(message: _Message) -> _Message:
+    return message
 
 
 def _pinned(item: Any) -> Any:
