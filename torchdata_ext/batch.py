@@ -11,8 +11,8 @@ Several batches travel as one :class:`BatchGroup` (one token tensor ``[G, B, L +
 dataloader message costs ~1 ms (a shared-memory segment and a file descriptor), so grouping
 spreads it over ``G`` batches.
 
-Runs: row ``i``'s runs are ``cuts[row_runs[i]:row_runs[i + 1]]`` (token offsets where a run
-starts, the first 0) with the run's document index ``ids[...]`` in the sequence (-1 for
+Runs: row ``i``'s runs are ``cuts[row_runs[i]:row_runs[i + 1]]`` (offsets into the batch's
+tokens laid end to end, ``i * size`` where row ``i`` starts, where a run starts) with the run's document index ``ids[...]`` in the sequence (-1 for
 padding and line specials); ``pad[i] = (lo, hi)`` is the padding of row ``i`` (``lo == hi``:
 none). See :class:`~torchdata_ext.nodes.pack.Pack` for what the keys mean.
 """
@@ -56,12 +56,12 @@ def layout_runs(
         arange: ``np.arange(>= rows * size, dtype=np.int32)`` if the caller keeps one.
     """
     total = rows * size
+    if arange is None:
+        arange = _arange(total)
     lens = np.empty(len(cuts), np.int32)
     np.subtract(cuts[1:], cuts[:-1], out=lens[:-1])
     lens[-1] = total - cuts[-1]
     if "position_ids" in out:
-        if arange is None or len(arange) < total:
-            arange = np.arange(total, dtype=np.int32)
         flat = cuts.repeat(lens)
         np.subtract(arange[:total], flat, out=flat)
         out["position_ids"][...] = flat.reshape(rows, size)[:, :n]
@@ -79,13 +79,28 @@ def loss_mask(pad: np.ndarray, n: int, shift: bool) -> np.ndarray:
     return mask
 
 
+_NUMPY_DTYPES = {
+    t: torch.empty(0, dtype=t).numpy().dtype
+    for t in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+}
+_ARANGE = np.arange(0, dtype=np.int32)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int32) from a shared array grown as needed (read-only use)."""
+    global _ARANGE
+    if len(_ARANGE) < n:
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int32)
+    return _ARANGE[:n]
+
+
 @dataclass
 class PackedBatch:
     """One batch of packed sequences in its compact form.
 
     Attributes:
         tokens: ``[B, size]`` token tensor (``size = seq_len + 1`` with shift).
-        cuts: run starts, per row relative to the row (int32, flat over rows).
+        cuts: run starts (int32, flat over rows): offsets into the rows laid end to end.
         ids: each run's document index in its row (int32, flat).
         row_runs: ``[B + 1]`` offsets of each row's runs in ``cuts`` / ``ids``.
         pad: ``[B, 2]`` padding range per row.
@@ -116,13 +131,14 @@ class PackedBatch:
         if "labels" in keys and self.shift:
             out["labels"] = self.tokens[:, 1:]
         arrays: dict[str, np.ndarray] = {}
-        dt = torch.empty(0, dtype=self.tokens.dtype).numpy().dtype
+        dt = _NUMPY_DTYPES.get(self.tokens.dtype)
+        if dt is None:
+            dt = torch.empty(0, dtype=self.tokens.dtype).numpy().dtype
         for key in ("position_ids", "document_ids"):
             if key in keys:
                 arrays[key] = np.empty((rows, n), dt)
         if arrays:
-            base = (np.arange(rows, dtype=np.int32) * size).repeat(np.diff(self.row_runs))
-            layout_runs(self.cuts + base, self.ids, rows, size, n, arrays)
+            layout_runs(self.cuts, self.ids, rows, size, n, arrays)
         if "loss_mask" in keys:
             arrays["loss_mask"] = loss_mask(self.pad, n, self.shift)
         for key in keys:

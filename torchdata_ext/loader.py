@@ -256,7 +256,7 @@ class TokenLoader:
         base = World.detect(rank, world_size)
         self.rank, self.world_size = base.rank, base.world_size
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.batches_per_message = batches_per_message if num_workers > 0 else 1
+        self.batches_per_message = batches_per_message
         self.pin_memory = pin_memory
         self.background = background
         self.prefetch = prefetch_factor or (2 if num_workers else 4)

@@ -163,7 +163,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         keys = tuple(k for k in self.keys if k in produced)
         return PackedBatch(
             torch.from_numpy(tokens),
-            np.fromiter((c for it in items for c in it.cuts), np.int32, int(row_runs[-1])),
+            np.fromiter(
+                (c + i * size for i, it in enumerate(items) for c in it.cuts),
+                np.int32,
+                int(row_runs[-1]),
+            ),
             np.fromiter((d for it in items for d in it.ids), np.int32, int(row_runs[-1])),
             row_runs,
             np.array([it.pad for it in items], np.int32).reshape(len(items), 2),
