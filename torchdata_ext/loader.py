@@ -21,8 +21,10 @@ until a checkpoint is taken.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -222,12 +224,14 @@ class TokenLoader:
             initial_states=self._initial,
             worker_offset=self._offset,
         )
-        self._dl = StatefulDataLoader(dataset, batch_size=None, **self._dl_kwargs)
+        with _torchdata_noise_filtered():
+            self._dl = StatefulDataLoader(dataset, batch_size=None, **self._dl_kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         if self._dl is None or self._it is not None:
             self._make()
-        self._it = iter(self._dl)
+        with _torchdata_noise_filtered():
+            self._it = iter(self._dl)
         self._yielded = 0
         return self._counting(self._it)
 
@@ -381,3 +385,20 @@ class TokenLoader:
 
 def _same(state: dict[str, Any]) -> dict[str, Any]:
     return state
+
+
+@contextlib.contextmanager
+def _torchdata_noise_filtered() -> Iterator[None]:
+    """Keep two warnings of ``StatefulDataLoader`` off the user's console while it starts:
+    ``'set_vital' is deprecated`` (torchdata's own call of a deprecated torch function) and
+    torch's advice on the worker count, both given on every start, the latter twice (on
+    construction and on ``iter``), and again after every restore. Only these messages from
+    that module are filtered; any other warning (the user's build function runs here with
+    ``num_workers=0``) shows as usual."""
+    module = r"torchdata\.stateful_dataloader"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, module)
+        warnings.filterwarnings(
+            "ignore", "This DataLoader will create .* worker processes", UserWarning, module
+        )
+        yield
