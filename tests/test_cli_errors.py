@@ -176,3 +176,34 @@ def test_inspect_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == "", err  # 128 + SIGPIPE, as `head` expects
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("pass col_name=...", "pass --text-field ..."),
+        ("rename it or pass compression=None", "rename it or pass --compression none"),
+        ("out='/a b/c' is a file", "--out '/a b/c' is a file"),
+        ("different settings (byte_offset, eos_token)", "different settings (--byte-offset, --eos-token)"),
+        ("/data/text_field/x.jsonl: bad", "/data/text_field/x.jsonl: bad"),  # a path stays
+        ("the format of the file", "the format of the file"),  # prose stays
+        ("check storage_options", "check the storage credentials (fsspec configuration)"),
+    ],
+)  # fmt: skip
+def test_cli_message_speaks_in_flags(message: str, expected: str) -> None:
+    from torchdata_ext.cli import _flags, _parser, cli_message
+
+    assert cli_message(message, _flags(_parser(), "prepare")) == expected
+
+
+def test_progress_of_an_earlier_version_still_resumes(text_in: Path, tmp_path: Path) -> None:
+    """Progress files written before encoding/compression were settings match their defaults."""
+    out = tmp_path / "out"
+    torchdata_ext.prepare(str(text_in), str(out), progress=False)
+    progress = out / "_progress_part00000.json"
+    state = json.loads(progress.read_text())
+    del state["config"]["encoding"], state["config"]["compression"]
+    progress.write_text(json.dumps(state))
+    assert torchdata_ext.prepare(str(text_in), str(out), progress=False).skipped
+    with pytest.raises(ValueError, match=r"different settings \(encoding\)"):
+        torchdata_ext.prepare(str(text_in), str(out), encoding="latin-1", progress=False)
