@@ -129,8 +129,12 @@ def _rank_name(r: int) -> str:
 def _read_rank(
     url: str, r: int, storage_options: dict[str, Any] | None, checked: bool
 ) -> dict[str, Any]:
-    """Old rank ``r``'s ``rank_*.json``."""
-    return _read_json(posixpath.join(url, _rank_name(r)), storage_options, checked)
+    """Old rank ``r``'s ``rank_*.json`` (with the sha256 of its worker files when ``checked``)."""
+    rank_url = posixpath.join(url, _rank_name(r))
+    meta = _read_json(rank_url, storage_options, checked)
+    if checked and "files" not in meta:
+        raise _corrupt(rank_url, "it records no sha256 of its worker files")
+    return meta
 
 
 def _read_worker(
