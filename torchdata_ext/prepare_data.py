@@ -277,12 +277,13 @@ def prepare(
             file=sys.stderr,
         )
     if undecodable_files:
+        n, k = result.undecodable_documents, len(undecodable_files)
+        where = f"in {k} files, the first {undecodable_files[0]}" if k > 1 else undecodable_files[0]
         warnings.warn(
-            f"{result.undecodable_documents} of {result.documents} documents (in "
-            f"{len(undecodable_files)} files, the first {undecodable_files[0]}) are not valid "
-            f"{encoding}: their undecodable bytes became U+FFFD; if the files use another "
-            "encoding, prepare them into a new folder with encoding=... (e.g. "
-            "encoding='latin-1' or encoding='cp1252')",
+            f"{n} of {result.documents} documents ({where}) {'are' if n > 1 else 'is'} not valid "
+            f"{encoding}: {'their' if n > 1 else 'its'} undecodable bytes became U+FFFD; if the "
+            "files use another encoding, prepare them into a new folder with encoding=... "
+            "(e.g. encoding='latin-1' or encoding='cp1252')",
             UnicodeWarning,
             stacklevel=2,
         )
