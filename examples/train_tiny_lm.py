@@ -64,7 +64,6 @@ from torchdata_ext.pipeline import build_datasets
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
 
-warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 VOCAB = 257  # byte tokenizer with offset 1 (ids 1..256) plus EOS = 0

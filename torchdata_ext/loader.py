@@ -22,10 +22,12 @@ several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`)
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import pickle
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -309,10 +311,11 @@ class TokenLoader:
 
             # collate_fn: messages as they are (the default converts every NumPy array in the
             # state deltas to a tensor, each then sent as its own shared-memory segment)
-            self._dl = StatefulDataLoader(
-                self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
-            )
-            messages: Iterator[_Message] = iter(self._dl)
+            with _torchdata_noise_filtered():
+                self._dl = StatefulDataLoader(
+                    self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
+                )
+                messages: Iterator[_Message] = iter(self._dl)
         else:
             source = iter(self._dataset())
             messages = _Background(source, self.prefetch) if self.background else source
@@ -538,3 +541,20 @@ def _pinned(item: Any) -> Any:
     if isinstance(item, dict):
         return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
     return item
+
+
+@contextlib.contextmanager
+def _torchdata_noise_filtered() -> Iterator[None]:
+    """Keep two warnings of ``StatefulDataLoader`` off the user's console while it starts:
+    ``'set_vital' is deprecated`` (torchdata's own call of a deprecated torch function) and
+    torch's advice on the worker count, both given on every start, the latter twice (on
+    construction and on ``iter``), and again after every restore. Only these messages from
+    that module are filtered; any other warning (the user's build function runs here with
+    ``num_workers=0``) shows as usual."""
+    module = r"torchdata\.stateful_dataloader"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, module)
+        warnings.filterwarnings(
+            "ignore", "This DataLoader will create .* worker processes", UserWarning, module
+        )
+        yield

@@ -173,7 +173,12 @@ class PipelineConfig:
 
     @classmethod
     def from_file(cls, url: str, storage_options: dict[str, Any] | None = None) -> PipelineConfig:
-        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL)."""
+        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL).
+
+        Raises:
+            ValueError: the file is not valid YAML/JSON (naming the file, line and column), or
+                not a mapping of known keys.
+        """
         fs, path = filesystem(url, storage_options)
         with fs.open(path, "rt") as f:
             text = f.read()
@@ -182,9 +187,20 @@ class PipelineConfig:
                 import yaml
             except ImportError:
                 raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml") from None
-            data = yaml.safe_load(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ValueError(
+                    f"{url}: not valid YAML{_yaml_where(exc)}; fix the config file"
+                ) from None
         elif url.endswith(".json"):
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{url}: not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
+                    "fix the config file"
+                ) from None
         else:
             raise ValueError(f"{url}: config files must end in .yaml, .yml or .json")
         if not isinstance(data, dict):
@@ -202,6 +218,23 @@ class PipelineConfig:
 
     def _single_name(self) -> str:
         return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+def _yaml_where(exc: Exception) -> str:
+    """Where and what a PyYAML error is, in the file's lines (PyYAML names the text it was
+    given, ``"<unicode string>"``, not the file)."""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f" ({exc})"
+    out = f" at {at(mark)} ({problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        out += f", {context} that starts at {at(context_mark)}"
+    return out + ")"
 
 
 def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
@@ -249,6 +282,8 @@ def build_pipeline(
     from torchdata_ext.nodes.tokenize import Tokenize
 
     datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
+    if cfg.tokenizer is None:
+        _check_tokens(cfg, datasets)
     # the pipeline's byte tokenizer maps byte b to id b (prepare's default is b + 1)
     tokenizer = None if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, byte_offset=0)
     sources: dict[str, BaseNode] = {}
@@ -294,3 +329,27 @@ def build_pipeline(
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
+
+
+def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:
+    """Refuse text data in a config without a tokenizer. A text format is known by its handler;
+    a table (Arrow/Parquet) by its column, read from the first file only where the index does
+    not already count tokens (it counts none for text)."""
+    for name, index in datasets.items():
+        if not index.files:
+            continue
+        handler = index.handler()
+        text = handler.produces == "text"
+        if not text and index.total_tokens < 0:
+            reader = handler.open(index.files[0])
+            try:
+                text = handler.produces_for(reader) == "text"
+            finally:
+                handler.close(reader)
+        if text:
+            raise ValueError(
+                f"dataset {name!r} holds text ({index.files[0]}, col_name={cfg.col_name!r}) but "
+                "the config has no tokenizer: set tokenizer to 'byte' or the path of a "
+                "tokenizer.json, or point col_name at a column of token ids (torchdata-ext "
+                "prepare tokenizes text into token shards ahead of time)"
+            )
