@@ -1,6 +1,6 @@
 """Train a tiny causal LM on the Python standard library with torchdata-ext, end to end.
 
-Run with no arguments (CPU, about a minute)::
+Run with no arguments (CPU, about 25 s on 2 cores)::
 
     python examples/train_tiny_lm.py                # 1 process
     python examples/train_tiny_lm.py --nproc 2      # 2 ranks under torchrun (gloo)
