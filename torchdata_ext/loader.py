@@ -202,7 +202,7 @@ class TokenLoader:
     Args:
         build: function from a :class:`World` to the graph's root node (picklable).
         num_workers: ``StatefulDataLoader`` worker processes; 0 runs the graph in this
-            process, in a background thread unless ``background=False``.
+            process (in the background thread, see ``background``).
         rank / world_size: override ``torch.distributed`` (default: detected).
         snapshot_every_n_steps: 1 (default): ``state_dict()`` is exact at every step. ``n > 1``:
             it is the state of the last multiple of ``n`` steps plus the number of batches
@@ -213,12 +213,14 @@ class TokenLoader:
             Batches are still delivered one worker after the other, as with one batch per
             message.
         prefetch_factor: messages each worker prepares ahead (default 2), or with
-            ``num_workers=0`` batches the background thread prepares ahead (default 4).
+            ``num_workers=0`` messages the graph prepares ahead (default 4).
         pin_memory: pin batch tensors (for fast host-to-GPU copies).
         multiprocessing_context: e.g. ``"spawn"`` or ``"forkserver"`` (default: torch's).
         persistent_workers: keep workers alive between iterations.
-        background: with ``num_workers=0``, run the graph in a background thread (default) so
-            the training thread only takes finished batches; False runs it in ``next()``.
+        background: a background thread of this process (default) takes the workers' messages
+            (or runs the graph, with ``num_workers=0``), applies the state deltas and builds the
+            batch keys, so the training thread only takes finished batches; False does that
+            work in ``next()``.
 
     With worker processes a worker sends with each batch only what changed in its graph's
     state (:mod:`torchdata_ext.state_delta`: a few kilobytes), and this process keeps every
@@ -317,10 +319,12 @@ class TokenLoader:
                 )
                 messages: Iterator[_Message] = iter(self._dl)
         else:
-            source = iter(self._dataset())
-            messages = _Background(source, self.prefetch) if self.background else source
-        self._it = messages
-        return self._deliver(messages)
+            messages = iter(self._dataset())
+        produced = self._produce(messages)
+        if self.background:  # the training thread only takes finished batches
+            produced = _Background(produced, self.prefetch * self.batches_per_message)
+        self._it = produced
+        return self._deliver(produced)
 
     def _close(self) -> None:
         it, self._it = self._it, None
@@ -331,16 +335,35 @@ class TokenLoader:
         if isinstance(getattr(self, "_it", None), _Background):
             self._it.close()
 
-    def _deliver(self, messages: Iterator[_Message]) -> Iterator[Any]:
-        """Batches one worker after the other (each worker's message holds several), the
-        worker's state brought up to each batch as it is delivered."""
-        W, every = self.logical_workers, self.snapshot_every_n_steps
+    def _deliver(self, produced: Iterator[_Delivery]) -> Iterator[Any]:
+        """On the training thread: take each ready batch and make its worker's state the
+        current one (the work is done in :meth:`_produce`)."""
+        every = self.snapshot_every_n_steps
+        for d in produced:
+            self._states[d.worker] = d.state
+            self._io[d.worker] = d.io
+            self._next = d.next_worker
+            self._yielded += 1
+            if self._yielded % every == 0:
+                self._snap = self._live_snapshot()
+            if self._skip:  # delivered before the checkpoint, after its state
+                self._skip -= 1
+                continue
+            yield d.item
+
+    def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
+        """Batches one worker after the other (each worker's message holds several), each
+        with its worker's state after it (deltas applied: every state stays valid) and its
+        other keys built: all of it off the training thread when ``background``."""
+        W = self.logical_workers
+        states: dict[int, Any] = dict(self._initial)
         pending: dict[int, collections.deque[tuple[Any, Any, bool]]] = {
             w: collections.deque() for w in range(W)
         }
+        io: dict[int, dict[str, float]] = {}
         live = set(range(W))  # workers whose stream has not ended
+        w = self._offset
         while True:
-            w = self._next
             while not pending[w] and w in live:
                 try:
                     msg = next(messages)
@@ -351,28 +374,22 @@ class TokenLoader:
                 pending[msg.worker].extend(
                     (item, st, msg.delta) for item, st in zip(items, msg.states, strict=True)
                 )
-                self._io[msg.worker] = msg.io
+                io[msg.worker] = msg.io
                 if msg.ended:
                     live.discard(msg.worker)
             if not pending[w]:  # w has ended: the next worker that has not
                 if not live and not any(pending.values()):
                     return
-                self._next = (w + 1) % W
+                w = (w + 1) % W
                 continue
             item, st, delta = pending[w].popleft()
-            self._states[w] = apply(self._states.get(w), st) if delta else st
-            self._next = (w + 1) % W
-            self._yielded += 1
-            if self._yielded % every == 0:
-                self._snap = self._live_snapshot()
-            if self._skip:  # delivered before the checkpoint, after its state
-                self._skip -= 1
-                continue
+            states[w] = apply(states.get(w), st) if delta else st
             if isinstance(item, PackedBatch):
                 item = item.to_tensors()
             if self.pin_memory and self.num_workers == 0:
                 item = _pinned(item)
-            yield item
+            yield _Delivery(item, w, states[w], io.get(w, {}), (w + 1) % W)
+            w = (w + 1) % W
 
     def _live_snapshot(self) -> tuple[dict[int, Any], int, int]:
         return dict(self._states), self._next, self._yielded
@@ -479,13 +496,13 @@ class TokenLoader:
         self._reset_live()
 
 
-class _Background(Iterator[_Message]):
+class _Background(Iterator[Any]):
     """Run an iterator in a daemon thread, ``depth`` items ahead; its exceptions are raised
     in the consumer."""
 
     _END = object()
 
-    def __init__(self, source: Iterator[_Message], depth: int) -> None:
+    def __init__(self, source: Iterator[Any], depth: int) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -494,7 +511,7 @@ class _Background(Iterator[_Message]):
         )
         self._thread.start()
 
-    def _run(self, source: Iterator[_Message]) -> None:
+    def _run(self, source: Iterator[Any]) -> None:
         try:
             for item in source:
                 if not self._put(item):
@@ -512,7 +529,7 @@ class _Background(Iterator[_Message]):
                 continue
         return False
 
-    def __next__(self) -> _Message:
+    def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         item = self._queue.get()
@@ -526,7 +543,17 @@ class _Background(Iterator[_Message]):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=2)  # a daemon: it ends at its next item or exit
+
+
+class _Delivery(NamedTuple):
+    """A batch ready for the training thread, with its worker's state after it."""
+
+    item: Any
+    worker: int
+    state: Any
+    io: dict[str, float]
+    next_worker: int
 
 
 class _Raised(NamedTuple):
