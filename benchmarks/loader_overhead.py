@@ -131,6 +131,7 @@ def main() -> None:
     datasets = build_datasets(cfg)
     build = functools.partial(_build, cfg, datasets)
 
+    steps = {ms: Step(ms) for ms in (50.0, 5.0)}  # calibrated before any loader runs
     size, cost, full = state_traffic(cfg, datasets, 100)
     print(
         f"state per batch through a worker ({args.shards} shards x 3 datasets, 10,000-sequence "
@@ -151,8 +152,7 @@ def main() -> None:
             f"TokenLoader, {label}, state every step, no training step: "
             f"{rate / 1e6:6.1f}M tokens/s = {rate / bare:.2f}x the bare pipeline"
         )
-    for ms in (50.0, 5.0):
-        step = Step(ms)
+    for ms, step in steps.items():
         for label, kw in paths.items():
             per, share, rate = run_loop(lambda kw=kw: TokenLoader(build, **kw), step, args.steps)
             print(
