@@ -25,8 +25,6 @@ import collections
 import contextlib
 import logging
 import pickle
-import queue
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -35,6 +33,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._background import Background as _Background
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.graph import graph_nodes
 from torchdata_ext.state_delta import apply, diff
@@ -496,56 +495,6 @@ class TokenLoader:
         self._reset_live()
 
 
-class _Background(Iterator[Any]):
-    """Run an iterator in a daemon thread, ``depth`` items ahead; its exceptions are raised
-    in the consumer."""
-
-    _END = object()
-
-    def __init__(self, source: Iterator[Any], depth: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(
-            target=self._run, args=(source,), name="TokenLoader", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, source: Iterator[Any]) -> None:
-        try:
-            for item in source:
-                if not self._put(item):
-                    return
-            self._put(self._END)
-        except BaseException as exc:  # handed to the consumer
-            self._put(_Raised(exc))
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        item = self._queue.get()
-        if item is self._END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, _Raised):
-            self._done = True
-            raise item.exc
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)  # a daemon: it ends at its next item or exit
-
-
 class _Delivery(NamedTuple):
     """A batch ready for the training thread, with its worker's state after it."""
 
@@ -554,10 +503,6 @@ class _Delivery(NamedTuple):
     state: Any
     io: dict[str, float]
     next_worker: int
-
-
-class _Raised(NamedTuple):
-    exc: BaseException
 
 
 def _as_is(message: _Message) -> _Message:
