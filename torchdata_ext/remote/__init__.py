@@ -5,7 +5,8 @@ Three pieces, usable on their own and wired into :class:`~torchdata_ext.nodes.Sh
 * :class:`RetryPolicy` and :func:`with_retries`: exponential backoff with full jitter on
   transient errors (HTTP 5xx / 429 / ``SlowDown``, connection resets, timeouts, truncated
   bodies), a bounded number of attempts and of total time, then a :class:`RemoteError` naming the
-  URL. Permanent errors are not retried: a missing bucket or bad credentials raise a
+  URL. Permanent errors are not retried: a missing bucket, bad credentials or an endpoint that
+  cannot be reached (connection refused, unknown host, invalid URL) raise a
   :class:`RemoteError` at once saying what to check; a missing object raises
   ``FileNotFoundError``.
 * :class:`ShardCache`: whole-file downloads of remote shard files into a local directory shared
