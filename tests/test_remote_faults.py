@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import re
 import socket
 import threading
 import time
@@ -21,10 +22,13 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import FaultProxy, S3Endpoint
+from harness import check_exactly_once
 from test_remote_pipeline import _cfg, _write_corpus, build
+from test_rescale import NAMES, cover, expected_lengths
 
 from torchdata_ext import DatasetIndex
-from torchdata_ext.checkpoint import save_checkpoint
+from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.loader import TokenLoader
 from torchdata_ext.remote import (
     RemoteError,
@@ -65,11 +69,7 @@ def web_server() -> Iterator[str]:
 
 
 def _options(endpoint: str) -> dict:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
+    return S3Endpoint(endpoint, "").options_via(endpoint)
 
 
 def _tiny_loader(tmp_path) -> TokenLoader:
@@ -207,3 +207,51 @@ def test_a_store_that_answered_before_is_waited_for_when_it_goes_away() -> None:
 
     assert with_retries(restarting, url, policy, on_retry=retried.append) == "back"
     assert len(retried) == 2
+
+
+# ----------------------------------------------------------------- the full pipeline under faults
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "kinds, share",
+    [(("503",), 0.1), (("truncate",), 0.2)],
+    ids=["10%-503-SlowDown", "connections-dropped-mid-download"],
+)
+def test_full_pipeline_under_faults_delivers_every_token_exactly_once(
+    s3, s3_proxy: FaultProxy, tmp_path, monkeypatch, caplog, capfd, kinds, share
+) -> None:
+    """Interleave + pack + shuffle buffer through 2 worker processes, reading through the
+    fault-injecting proxy with the default retry policy; a checkpoint written through it after 6
+    steps restores onto 1 worker (a fresh shard cache), and the rest of the epoch comes through
+    the same faults: every token of every document exactly once, by provenance."""
+    data = s3.url("data")
+    _write_corpus(data, s3.storage_options)
+    for name in NAMES:  # count the documents once, without faults (meta/ counts file)
+        DatasetIndex.build(f"{data}/{name}", storage_options=s3.storage_options)
+    s3_proxy.share, s3_proxy.kinds = share, kinds
+    so = s3.options_via(s3_proxy.endpoint_url)
+    cfg = _cfg(data, so)
+    ckpt = s3.url("ckpt", "step_6")
+    coverage: dict = {}
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext"):
+        loader = TokenLoader(functools.partial(build, cfg), num_workers=2)
+        seqs = []
+        for seq in loader:
+            seqs.append(seq)
+            if len(seqs) >= 6:
+                break
+        cover(coverage, seqs, NAMES)
+        save_checkpoint(loader, ckpt, storage_options=so)
+        retries = loader.io_stats()["retries"]
+        del loader
+        monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "fresh_cache"))
+        loader = TokenLoader(functools.partial(build, cfg), num_workers=1)
+        load_checkpoint(loader, ckpt, storage_options=so)
+        cover(coverage, list(loader), NAMES)
+        retries += loader.io_stats()["retries"]
+    check_exactly_once(coverage, expected_lengths(_cfg(data, s3.storage_options)))
+    assert s3_proxy.faults[kinds[0]] > 0, s3_proxy.faults
+    assert retries > 0
+    # retries in this process (restoring old workers' graphs reads data too): a line each
+    for r in caplog.records:
+        assert r.exc_info is None and re.match(r"s3://\S+: \w+ failed .*retrying in", r.message)
+    assert "Traceback" not in capfd.readouterr().err  # nor from the worker processes
