@@ -16,7 +16,6 @@ import io
 import logging
 import os
 import posixpath
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,7 +31,7 @@ from torchdata_ext.handlers.base import (
     registered_formats,
 )
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
-from torchdata_ext.remote import RemoteError, check_access, with_retries
+from torchdata_ext.remote import RemoteError, check_access, with_retries, write_bytes_atomic
 from torchdata_ext.urls import expand_urls, filesystem
 
 __all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
@@ -250,13 +249,8 @@ class DatasetIndex:
         for r, n, t, b in zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes):
             w.writerow([r, n, t, b])
         url = posixpath.join(root, "meta", COUNTS_FILE)
-        try:
-            fs, path = filesystem(url, self.storage_options)
-            fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with fs.open(tmp, "w") as f:
-                f.write(buf.getvalue())
-            fs.mv(tmp, path)
+        try:  # atomic, and a failed write (a full disk) leaves no temporary file
+            write_bytes_atomic(url, buf.getvalue().encode(), self.storage_options)
         except Exception as exc:  # read-only data is normal on shared storage
             logger.warning("could not write document counts to %s (%s); continuing", url, exc)
 
