@@ -1,7 +1,8 @@
 """Whole-object helpers on any URL, and the filesystem clients this package does remote I/O with.
 
 :func:`is_remote` tells object stores from local paths; :func:`read_bytes` and
-:func:`write_bytes_atomic` read and write a whole object with retries (the write is atomic);
+:func:`write_bytes_atomic` read and write a whole object with retries (the write is atomic),
+:func:`remove_file` deletes one;
 :func:`check_access` explains an empty listing (wrong bucket, credentials or endpoint);
 :func:`default_cache_dir` is where a :class:`~torchdata_ext.remote.ShardCache` lives by default;
 :func:`private_filesystem` makes the fsspec clients the helpers and the caches use (the S3
@@ -13,6 +14,7 @@ bucket: :mod:`.retry` does no I/O and imports nothing from this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -30,6 +32,7 @@ __all__ = [
     "is_remote",
     "private_filesystem",
     "read_bytes",
+    "remove_file",
     "write_bytes_atomic",
 ]
 
@@ -102,6 +105,19 @@ def write_bytes_atomic(
                 os.unlink(tmp)
         return
     with_retries(lambda: fs.pipe_file(path, data), url, retry, what="write")
+
+
+def remove_file(
+    url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> None:
+    """Delete the file or object ``url`` if it exists (retried on object stores)."""
+    fs, path = _client(url, storage_options)
+    if is_local(fs):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        with_retries(lambda: fs.rm_file(path), url, retry, what="delete")
 
 
 def check_access(url: str, storage_options: dict[str, Any] | None = None) -> None:
