@@ -56,3 +56,15 @@ def jsonl_dataset(folder: str, total_bytes: int, n_files: int, seed: int) -> Non
         texts = [" ".join(words[rng.integers(0, len(words), n)]) for n in lengths]
         write_jsonl(path + ".tmp.jsonl", texts)
         os.replace(path + ".tmp.jsonl", path)
+
+
+BAMBA_SHARES = {"web": 0.6, "code": 0.2, "books": 0.2}  # weighted 3:1:1
+
+
+def bamba_corpus(data_dir: str, total_tokens: int) -> str:
+    """The benchmark corpus of three sub-datasets (``BAMBA_SHARES`` of ``total_tokens``, 4
+    uint32 Arrow files each), made once under ``data_dir``; returns its folder."""
+    root = os.path.join(data_dir, f"arrow_{total_tokens}")
+    for i, (name, share) in enumerate(BAMBA_SHARES.items()):
+        arrow_dataset(os.path.join(root, name), int(total_tokens * share), 4, seed=i)
+    return root

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _corpus import arrow_dataset  # noqa: E402
+from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -42,10 +42,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args()
 
-    root = os.path.join(args.data_dir, f"arrow_{args.tokens}")
-    shares = {"web": 0.6, "code": 0.2, "books": 0.2}
-    for i, (name, share) in enumerate(shares.items()):
-        arrow_dataset(os.path.join(root, name), int(args.tokens * share), 4, seed=i)
+    root = bamba_corpus(args.data_dir, args.tokens)
+    shares = BAMBA_SHARES
     cfg = PipelineConfig(
         data_path=root, datasets=list(shares), weights=[3, 1, 1], seq_length=4096, batch_size=8,
         shuffle_buffer=args.shuffle_buffer, logical_shards=args.logical_shards, eos_token=0,

@@ -9,8 +9,10 @@ and the same for JSONL text through the byte tokenizer.
     python benchmarks/pipeline_throughput.py [--tokens 150_000_000] [--text-bytes 20_000_000]
         [--repeat 3] [--loader-batches 1000]
 
-It also runs the pipeline through ``TokenLoader``: in process and in 1 or 2 dataloader worker
-processes, with a state snapshot every step or every 100 steps.
+It also runs the pipeline through ``TokenLoader`` as a training loop does, with
+``state_dict()`` at every step: in a background thread and in 1 or 2 dataloader worker
+processes, each next to the bare pipeline's rate after its buffer fill (``benchmarks/
+loader_overhead.py`` adds a simulated training step).
 
 The machine may be shared: ``--repeat`` runs the raw limit and the pipeline alternately that
 many times and reports the best and the median of each, and the ratio of the bests (compare
@@ -29,7 +31,7 @@ import time
 import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _corpus import arrow_dataset, jsonl_dataset  # noqa: E402
+from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
@@ -69,32 +71,34 @@ def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int
     return tokens, time.perf_counter() - t0, batches, time.process_time() - c0, first
 
 
-def loader_rates(cfg: PipelineConfig, n_batches: int) -> None:
-    """The same pipeline through ``TokenLoader``: in this process and in StatefulDataLoader
-    worker processes, with a state snapshot every step and every 100 steps (after the first
-    batches, so the buffer fill is left out). The ratio is against the in-process loader."""
+def loader_rates(cfg: PipelineConfig, n_batches: int, bare: float) -> None:
+    """The same pipeline through ``TokenLoader`` as a training loop takes it, with
+    ``state_dict()`` called at every step: in a background thread of this process and in 1 or 2
+    StatefulDataLoader worker processes (after the first batches, so the buffer fill is left
+    out). The ratio is against the bare pipeline's rate measured in this run."""
     import functools
 
     from torchdata_ext.loader import TokenLoader
 
     datasets = build_datasets(cfg)
-    ref = 0.0
-    for workers, every in ((0, 1), (1, 100), (1, 1), (2, 100), (2, 1)):
-        loader = TokenLoader(
-            functools.partial(_build, cfg, datasets),
-            num_workers=workers,
-            snapshot_every_n_steps=every,
-        )
+    for label, workers in (
+        ("in-process thread", 0),
+        ("1 worker process", 1),
+        ("2 worker processes", 2),
+    ):
+        loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
         it = iter(loader)
         for _ in range(5 * max(1, workers)):
             next(it)
         t0 = time.perf_counter()
-        tokens = sum(next(it)["input_ids"].numel() for _ in range(n_batches))
+        tokens = 0
+        for _ in range(n_batches):
+            tokens += next(it)["input_ids"].numel()
+            loader.state_dict()
         rate = tokens / (time.perf_counter() - t0)
-        ref = ref or rate
         print(
-            f"TokenLoader, {workers} worker process(es), snapshot every {every:>3} step(s): "
-            f"{rate / 1e6:6.1f}M tokens/s (ratio to in-process {rate / ref:.2f})"
+            f"TokenLoader, {label}, state every step: {rate / 1e6:6.1f}M tokens/s "
+            f"(ratio to the bare pipeline {rate / bare:.2f})"
         )
         del it, loader
 
@@ -127,10 +131,8 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
 
-    root = os.path.join(args.data_dir, f"arrow_{args.tokens}")
-    shares = {"web": 0.6, "code": 0.2, "books": 0.2}
-    for i, (name, share) in enumerate(shares.items()):
-        arrow_dataset(os.path.join(root, name), int(args.tokens * share), 4, seed=i)
+    root = bamba_corpus(args.data_dir, args.tokens)
+    shares = BAMBA_SHARES
     cfg = PipelineConfig(
         data_path=root, datasets=list(shares), weights=[3, 1, 1], seq_length=4096, batch_size=8,
         shuffle_buffer=args.shuffle_buffer, logical_shards=256, eos_token=0, block_docs=256,
@@ -166,7 +168,7 @@ def main() -> None:
     print(f"ratio pipeline / raw (bests): {pipe_rate / raw_rate:.2f}")
 
     if args.loader_batches:
-        loader_rates(cfg, args.loader_batches)
+        loader_rates(cfg, args.loader_batches, max(steady_rates))
 
     troot = os.path.join(args.data_dir, f"jsonl_{args.text_bytes}")
     jsonl_dataset(os.path.join(troot, "prose"), args.text_bytes, 4, seed=7)

@@ -21,15 +21,12 @@ import os
 import pickle
 import tempfile
 import time
-import warnings
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
 from torchdata_ext.testing import write_arrow_batches
-
-warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 
 def bamba_config(data_path: str) -> PipelineConfig:

@@ -26,6 +26,15 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir_of_the_test_run(tmp_path_factory) -> Iterator[None]:
+    """Counts and shard caches the library writes go into the run's temporary folder, not the
+    machine's shared cache folder."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path_factory.mktemp("library_cache")))
+        yield
+
+
 @dataclass
 class S3Endpoint:
     """A bucket on the test S3 endpoint.

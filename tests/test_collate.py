@@ -9,7 +9,7 @@ from harness import check_loader_restore, check_restore_at_every_step, item_key,
 from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.nodes.collate import Collate
+from torchdata_ext.nodes.collate import DEFAULT_KEYS, Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import ShuffleBuffer
 from torchdata_ext.testing import write_arrow_batches
@@ -194,3 +194,42 @@ def test_a_batch_is_one_storage_in_a_worker(index, fused, in_worker, monkeypatch
         for row, s in zip(prov, group):
             assert np.array_equal(row[: len(s["provenance"])], s["provenance"])
             assert (row[len(s["provenance"]) :, 4] == 0).all()  # padding rows cover nothing
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("mode", ["concat", "pad", "best_fit"])
+@pytest.mark.parametrize(
+    "keys", [DEFAULT_KEYS, ("input_ids", "labels", "position_ids"), (*DEFAULT_KEYS, "provenance")]
+)
+def test_packed_batch_to_tensors_equals_next(index, shift, mode, keys) -> None:
+    """What a worker ships (tokens + document runs) becomes exactly the batch ``next`` makes."""
+    from torchdata_ext.batch import BatchGroup
+
+    def make():
+        reader = ShardReader(index, 4, world=World(), epochs=1, block_docs=3, seed=2)
+        pack = Pack(reader, 16, mode=mode, eos_token=0, bos_token=1, shift=shift, window=7)
+        return Collate(ShuffleBuffer(pack, 5, seed=3), 3, keys=keys)
+
+    a, b = make(), make()
+    a.reset()
+    b.reset()
+    wire = []
+    while True:
+        try:
+            want = next(a)
+        except StopIteration:
+            with pytest.raises(StopIteration):
+                b.next_packed_batch()
+            break
+        got = b.next_packed_batch()
+        wire.append(got)
+        out = got.to_tensors()
+        assert list(out) == list(want)
+        for k in want:
+            assert out[k].dtype == want[k].dtype and torch.equal(out[k], want[k]), k
+    # grouped for transport and split again: the same batches
+    same = [w for w in wire if w.tokens.shape == wire[0].tokens.shape]
+    group = BatchGroup.of(same)
+    for x, y in zip(group.split(), same, strict=True):
+        for k, v in y.to_tensors().items():
+            assert torch.equal(x.to_tensors()[k], v)

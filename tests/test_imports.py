@@ -20,13 +20,18 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the package modules it names in an import statement (at any depth).
 
     ``from a.b import c`` counts as importing ``a.b.c`` when that is a module, else ``a.b``;
-    the implicit import of parent packages is not counted (every module would import the root).
+    the implicit import of parent packages is not counted (every module would import the root),
+    nor are imports under ``if TYPE_CHECKING:`` (type annotations only, never run).
     """
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+                node.body = []  # ast.walk visits the children after this: drop them
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name in files)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

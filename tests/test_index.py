@@ -48,7 +48,7 @@ def test_files_sorted_counts_written_and_reused(dataset, monkeypatch) -> None:
     assert [f.rsplit("/", 1)[1] for f in index.files] == [f"shard_{i:02d}.arrow" for i in range(4)]
     assert index.doc_counts.tolist() == sizes and index.name == "web"
     assert opens.n == 4
-    assert (root / "meta" / COUNTS_FILE).exists()
+    assert not (root / "meta").exists()  # kept in the local cache, not in the data folder
     again = DatasetIndex.build(str(root))
     assert opens.n == 4  # counts came from the metadata file, no file opened
     assert (
@@ -167,3 +167,116 @@ def test_errors_name_the_path_and_fix(tmp_path) -> None:
     write_arrow_batches(str(only_empty / "a.arrow"), [])
     with pytest.raises(ValueError, match="no documents"):
         DatasetIndex.build(str(only_empty))
+
+
+# -- counts as fms-fsdp writes them; nothing written into the data folder -------------------------
+def _tree(path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def _no_counting(monkeypatch) -> None:
+    """Fail if any arrow file is opened to count its documents."""
+
+    def refuse(this, reader):
+        raise AssertionError("a file was opened to count its documents")
+
+    monkeypatch.setattr(handler_base._resolve("arrow"), "length", refuse)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        "/web/{name}",  # fms-fsdp's own tests
+        "{root}/{name}",  # the absolute path where it was counted
+        "/mnt/elsewhere/data/web/{name}",  # counted on another mount
+        "s3://bucket/data/web/{name}",  # counted from an object store
+    ],
+)
+@pytest.mark.parametrize("meta_in", ["parent", "data"])
+def test_counts_rows_with_leading_slash_or_absolute_paths_are_used(
+    dataset, monkeypatch, tmp_path, row, meta_in
+) -> None:
+    root, sizes = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    meta = (root.parent if meta_in == "parent" else root) / "meta"
+    meta.mkdir()
+    rows = ["dataset/filename,documents,tokens"]
+    rows += [
+        f"{row.format(root=root, name=f'shard_{i:02d}.arrow')},{n},{n * 10}"
+        for i, n in enumerate(sizes)
+    ]
+    (meta / "bamba_counts.csv").write_text("\n".join(rows) + "\n")
+    before = _tree(tmp_path / "data")
+    _no_counting(monkeypatch)
+    opens = _CountingOpens(monkeypatch)
+    index = DatasetIndex.build(str(root))
+    assert opens.n == 0
+    assert index.doc_counts.tolist() == sizes
+    assert index.token_counts.tolist() == [n * 10 for n in sizes]
+    assert _tree(tmp_path / "data") == before  # no counts file written
+    assert not (tmp_path / "cache").exists()  # nothing counted, nothing cached
+
+
+def test_a_leading_slash_row_of_another_dataset_is_not_taken(dataset, monkeypatch, tmp_path):
+    """``/code/shard_00.arrow`` names code's file, not web's file of the same name."""
+    root, sizes = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    (root.parent / "meta").mkdir()
+    rows = ["dataset/filename,documents,tokens", "/code/shard_00.arrow,999,9990"]
+    (root.parent / "meta" / "counts.csv").write_text("\n".join(rows) + "\n")
+    assert DatasetIndex.build(str(root)).doc_counts.tolist() == sizes
+
+
+def test_the_loader_writes_nothing_into_the_data_folder_and_reuses_cached_counts(
+    dataset, monkeypatch, tmp_path
+) -> None:
+    from torchdata_ext import ShardReader, World
+
+    root, sizes = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    before = _tree(tmp_path / "data")
+    opens = _CountingOpens(monkeypatch)
+    index = DatasetIndex.build(str(root))
+    assert opens.n == 4 and index.doc_counts.tolist() == sizes
+    docs = sum(len(b) for b in ShardReader(index, 4, world=World(), epochs=1))
+    assert docs == sum(sizes)
+    assert _tree(tmp_path / "data") == before  # no meta/ folder, no counts file
+    assert len(list((tmp_path / "cache" / "counts").iterdir())) == 1
+    opens.n = 0
+    again = DatasetIndex.build(str(root))
+    assert opens.n == 0  # the cached counts, no file opened
+    assert again.doc_counts.tolist() == sizes
+    assert again.token_counts.tolist() == index.token_counts.tolist()
+    assert again.fingerprint() == index.fingerprint()
+    # a subset of the folder reads the same cache; a rewritten file is counted again
+    assert DatasetIndex.build(str(root / "shard_0[13].arrow")).doc_counts.tolist() == [0, 7]
+    assert opens.n == 0
+    write_arrow_batches(str(root / "shard_02.arrow"), _docs(3, 5))
+    assert DatasetIndex.build(str(root)).doc_counts.tolist() == [5, 0, 3, 7]
+    assert opens.n == 1
+    assert _tree(tmp_path / "data") == before
+
+
+def test_write_counts_data_keeps_them_next_to_the_data(dataset, monkeypatch, tmp_path) -> None:
+    """What ``prepare`` asks for its output: ``meta/torchdata_ext_counts.csv``, read back by
+    any later build (also with another cache folder)."""
+    root, sizes = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    DatasetIndex.build(str(root), write_counts="data")
+    assert (root / "meta" / COUNTS_FILE).exists() and not (tmp_path / "cache").exists()
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "other"))
+    _no_counting(monkeypatch)
+    assert DatasetIndex.build(str(root), write_counts=False).doc_counts.tolist() == sizes
+    with pytest.raises(ValueError, match="write_counts='meta' must be 'cache', 'data' or False"):
+        DatasetIndex.build(str(root), write_counts="meta")  # type: ignore[arg-type]
+
+
+def test_a_damaged_cache_file_is_counted_again(dataset, monkeypatch, tmp_path) -> None:
+    root, sizes = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    DatasetIndex.build(str(root))
+    (cached,) = (tmp_path / "cache" / "counts").iterdir()
+    cached.write_text("url,documents,tokens,bytes,version\nnot,a,row\n")
+    opens = _CountingOpens(monkeypatch)
+    assert DatasetIndex.build(str(root)).doc_counts.tolist() == sizes
+    assert opens.n == 4

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import check_loader_restore, check_restore_at_every_step, run
+from harness import check_loader_restore, check_restore_at_every_step, item_key, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchdata.nodes import BaseNode
@@ -449,3 +449,233 @@ def test_quantum_takes_longer_runs_and_keeps_the_mix() -> None:
 
     exact, coarse = run_mix(0), run_mix(2000)
     assert coarse < exact / 10
+
+
+# -- documents cut into pieces (max_chunksize): each is finished before the next decision -------
+class PieceSource(BaseNode[DocumentBlock]):
+    """Documents of given lengths cut into pieces of at most ``chunk`` tokens, ``block_docs``
+    pieces a block, so a block may end inside a document; endless sources repeat with the epoch
+    counting up. State: ``{"i": blocks delivered}``."""
+
+    def __init__(self, name: str, lengths: list[int], chunk: int, block_docs: int, endless: bool):
+        super().__init__()
+        self.name, self.endless = name, endless
+        cut = [(d, a, min(n - a, chunk), a + chunk >= n) for d, n in enumerate(lengths)
+               for a in range(0, n, chunk)]  # fmt: skip
+        self.pieces = cut  # (doc, start, length, last)
+        self.blocks = [cut[i : i + block_docs] for i in range(0, len(cut), block_docs)]
+        self.i = 0
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.i = 0 if initial_state is None else initial_state["i"]
+
+    def next(self) -> DocumentBlock:
+        if not self.blocks or (not self.endless and self.i >= len(self.blocks)):
+            raise StopIteration
+        epoch, j = divmod(self.i, len(self.blocks))
+        self.i += 1
+        doc, start, length, last = zip(*self.blocks[j])
+        data = [np.full(n, d, np.int32) for d, n in zip(doc, length)]
+        return DocumentBlock.from_pieces(
+            self.name, data, [0] * len(doc), doc, start, last, epoch=epoch
+        )
+
+    def get_state(self) -> dict:
+        return {"i": self.i}
+
+
+def piece_reference(
+    sources: dict[str, PieceSource],
+    weights: dict[str, float],
+    mode: str,
+    seed: int,
+    max_pieces: int,
+) -> list[tuple[str, int, int, int]]:
+    """The mix one piece at a time, in plain Python: a document in progress goes on, else the
+    mode's rule decides (one draw per document). ``(dataset, epoch, doc, start)`` per piece."""
+    names = list(sources)
+    pos = dict.fromkeys(names, 0)
+    delivered = dict.fromkeys(names, 0)
+    ended = dict.fromkeys(names, False)
+    key = mix_seed(seed, _SAMPLES_TAG)
+    counter, open_ = 0, None
+    out: list[tuple[str, int, int, int]] = []
+    while len(out) < max_pieces:
+        active = [n for n in names if not ended[n]]
+        if not active:
+            break
+        drawn = open_ is None
+        if open_ is not None:
+            s = open_
+        elif mode == "tokens":
+            s = min(active, key=lambda n: delivered[n] / weights[n])
+        else:
+            u = float(_counter_uniforms(key, counter, 1)[0])
+            cum = np.cumsum([weights[n] for n in active])
+            s = active[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(active) - 1)]
+        pieces = sources[s].pieces
+        if not pieces or (not sources[s].endless and pos[s] >= len(pieces)):
+            ended[s], open_ = True, None
+            continue
+        epoch, j = divmod(pos[s], len(pieces))
+        doc, start, length, last = pieces[j]
+        out.append((s, epoch, doc, start))
+        delivered[s] += length
+        pos[s] += 1
+        counter += drawn
+        open_ = None if last else s
+    return out
+
+
+piece_mixes = st.dictionaries(
+    st.sampled_from(["a", "b", "c"]),
+    st.tuples(
+        st.lists(st.integers(1, 40), max_size=8),
+        st.sampled_from([1, 2, 3, 7, 100]),  # chunk
+        st.sampled_from([1, 2, 3, 5]),  # block_docs
+        st.sampled_from([0.2, 1.0, 2.0, 5.0]),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def build_pieces(mix, mode: str, seed: int, endless: bool) -> Interleave:
+    return Interleave(
+        {n: PieceSource(n, lens, c, b, endless) for n, (lens, c, b, _) in mix.items()},
+        {n: w for n, (*_, w) in mix.items()},
+        mode=mode,
+        seed=seed,
+    )
+
+
+def piece_keys(blocks) -> list[tuple[str, int, int, int]]:
+    return [(b.dataset, b.epoch, int(d), int(a)) for b in blocks for d, a in zip(b.doc, b.start)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(piece_mixes, st.sampled_from(["tokens", "samples"]), st.integers(0, 3), st.booleans())
+def test_cut_documents_are_finished_before_the_next_decision(mix, mode, seed, endless) -> None:
+    if endless:
+        mix = {n: (lens or [1], c, b, w) for n, (lens, c, b, w) in mix.items()}
+    node = build_pieces(mix, mode, seed, endless)
+    want = piece_reference(
+        {n: PieceSource(n, lens, c, b, endless) for n, (lens, c, b, _) in mix.items()},
+        {n: w for n, (*_, w) in mix.items()},
+        mode,
+        seed,
+        200,
+    )
+    got = piece_keys(take_blocks(node, 200))[:200]
+    assert got == want
+    # hence each document's pieces come together, in order
+    runs = [(s, e, d) for i, (s, e, d, a) in enumerate(got) if a == 0 or i == 0]
+    assert len(runs) == len(set(runs))
+    for prev, cur in zip(got, got[1:]):
+        if cur[3] > 0:
+            assert cur[:3] == prev[:3] and prev[3] < cur[3]
+
+
+def take_blocks(node: BaseNode, max_pieces: int) -> list[DocumentBlock]:
+    out, n = [], 0
+    for block in node:
+        out.append(block)
+        n += len(block)
+        if n >= max_pieces:
+            break
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(piece_mixes, st.sampled_from(["tokens", "samples"]), st.booleans())
+def test_restore_at_every_step_with_cut_documents(mix, mode, endless) -> None:
+    if endless:
+        mix = {n: (lens or [1], c, b, w) for n, (lens, c, b, w) in mix.items()}
+    check_restore_at_every_step(
+        lambda: build_pieces(mix, mode, 2, endless), max_steps=30 if endless else None
+    )
+
+
+@pytest.mark.parametrize("mode", ["tokens", "samples"])
+def test_restore_at_every_step_with_readers_cutting_documents(data, mode) -> None:
+    weights = {"books": 1.0, "code": 1.0, "tiny": 0.5}
+    items = check_restore_at_every_step(
+        lambda: Interleave(
+            readers(data, weights, block_docs=3, max_chunksize=150), weights, mode=mode, seed=4
+        ),
+        max_steps=80,
+    )
+    assert any(not b.last[-1] for b in items)  # restores right after a document left open
+
+
+def test_token_shares_on_target_with_max_chunksize(data) -> None:
+    """Whole documents count, so a share stays within (longest document) / total of its target,
+    and every document comes in one run."""
+    weights = {"web": 3.0, "books": 1.0, "code": 1.0}
+    node = Interleave(readers(data, weights, max_chunksize=64), weights)
+    target = {n: w / 5 for n, w in weights.items()}
+    bound = sum(SPEC[n][1][1] for n in weights)
+    got = dict.fromkeys(weights, 0)
+    total = 0
+    open_doc = None
+    while total < 1_000_000:
+        block = next(node)
+        for d in block:
+            assert open_doc is None or open_doc == (d.dataset, d.file, d.doc)
+            open_doc = None if d.last else (d.dataset, d.file, d.doc)
+        got[block.dataset] += block.num_tokens
+        total += block.num_tokens
+        if total > 50_000:
+            for n in weights:
+                assert abs(got[n] / total - target[n]) <= bound / total
+    for n in weights:
+        assert abs(got[n] / total - target[n]) <= 0.005, (n, got[n] / total)
+
+
+def test_sample_shares_count_documents_with_max_chunksize(data) -> None:
+    """One draw per document: the document shares follow the weights however long the
+    documents (the pieces of a long one take no draw of their own)."""
+    weights = {"web": 3.0, "books": 1.0, "code": 1.0}
+    node = Interleave(readers(data, weights, max_chunksize=32), weights, mode="samples", seed=2)
+    docs = collections.Counter()
+    while sum(docs.values()) < 20_000:
+        block = next(node)
+        docs[block.dataset] += int(block.last.sum())
+    draws = sum(docs.values())
+    for n, w in weights.items():
+        p = w / 5
+        assert abs(docs[n] / draws - p) <= 5 * math.sqrt(p * (1 - p) / draws), (n, docs[n] / draws)
+    assert node.state_dict()["counter"] == draws + (not block.last[-1])
+
+
+@pytest.mark.parametrize("mode", ["tokens", "samples"])
+def test_inflight_reads_open_documents_to_their_end_and_changes_nothing(data, mode) -> None:
+    """At a rescale cut no reader is left inside a document: inflight() reads on to a document
+    end and reports those pieces too; the node's state and what it emits next stay the same."""
+    weights = {"books": 1.0, "code": 1.0}
+
+    def make() -> Interleave:
+        return Interleave(
+            readers(data, weights, block_docs=2, max_chunksize=40), weights, mode=mode, seed=1
+        )
+
+    cuts = 0
+    for steps in range(1, 40):
+        node = make()
+        run(node, steps)
+        state = node.state_dict()
+        pieces = node.inflight()
+        assert node.state_dict() == state
+        for name in weights:  # every reader's cursor lies between documents
+            shards = node.sources[node.names.index(name)].state_dict()["shards"]
+            assert all(c["offset"] == 0 for c in shards.values())
+        held = {(ds, f, d): b for ds, f, d, _, b in pieces}
+        for ds, f, d in held:  # each document reported runs to its end
+            assert held[(ds, f, d)] == len(node.fetch_document(ds, f, d))
+        cuts += bool(pieces)
+        rest = [item_key(b) for b in run(node, 10)]
+        again = make()
+        again.reset(state)
+        assert rest == [item_key(b) for b in run(again, 10)]
+    assert cuts > 10

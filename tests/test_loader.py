@@ -193,3 +193,88 @@ def test_dcp_round_trip(corpus, tmp_path) -> None:
     fresh = TokenLoader(build)
     dcp.load({"data": DCPLoaderState(fresh)}, checkpoint_id=str(tmp_path / "dcp"))
     assert first + [item_key(b) for b in take(iter(fresh), 18)] == ref
+
+
+def _as_format_1(graph):
+    """A graph state as the previous version wrote it: shuffle-buffer provenance as one
+    concatenation per column (``prov_counts`` / ``prov_rows``) instead of blocks."""
+    if isinstance(graph, dict):
+        out = {k: _as_format_1(v) for k, v in graph.items() if k != "prov_blocks"}
+        if "prov_blocks" in graph:
+            blocks = graph["prov_blocks"]
+            rows = np.concatenate([np.asarray(r, np.int64) for _, r in blocks])
+            out["prov_counts"] = np.concatenate([c for c, _ in blocks])
+            out["prov_rows"] = [rows[:, c] for c in range(5)]
+        return out
+    return graph
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_written_by_the_previous_version_still_restores(tmp_path, workers) -> None:
+    """States of the previous format (worker graphs pickled as ``graph_pickle``, shuffle
+    provenance concatenated) restore and continue with exactly the uninterrupted stream."""
+    from torchdata_ext.pipeline import PipelineConfig
+
+    rng = np.random.default_rng(1)
+    for name in ("web", "code"):
+        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
+        write_arrow_batches(str(tmp_path / name / "a.arrow"), docs)
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web,code", weights="2,1", seq_length=24,
+        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3,
+        output_keys="input_ids,labels,position_ids,loss_mask",
+    )  # fmt: skip
+    build = functools.partial(_pipeline, cfg)
+    ref = [_batch_key(b) for b in take(TokenLoader(build, num_workers=workers), 24)]
+    loader = TokenLoader(build, num_workers=workers)
+    head = [_batch_key(b) for b in take(iter(loader), 9)]
+    state = loader.state_dict()
+    old = dict(state)
+    old["workers"] = {
+        g: {
+            "world": st["world"],
+            "graph_pickle": pickle.dumps(_as_format_1(st["graph"])),
+            "io": st["io"],
+        }
+        for g, st in state["workers"].items()
+    }
+    resumed = TokenLoader(build, num_workers=workers)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(old)))
+    assert head + [_batch_key(b) for b in take(iter(resumed), 15)] == ref
+
+
+def _pipeline(cfg, world):
+    from torchdata_ext.pipeline import build_pipeline
+
+    return build_pipeline(cfg, world)
+
+
+def _batch_key(batch) -> tuple:
+    return tuple((k, tuple(v.reshape(-1).tolist())) for k, v in batch.items())
+
+
+@pytest.mark.multiprocess
+def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_path) -> None:
+    """What the training process assembles from a worker's deltas is the graph's own state:
+    same values and same types (NumPy arrays stay arrays across the process boundary)."""
+    from test_state_delta import same
+
+    from torchdata_ext.pipeline import PipelineConfig
+
+    rng = np.random.default_rng(2)
+    for name in ("web", "code"):
+        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
+        write_arrow_batches(str(tmp_path / name / "a.arrow"), docs)
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web,code", weights="2,1", seq_length=24,
+        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3,
+    )  # fmt: skip
+    build = functools.partial(_pipeline, cfg)
+    local, remote = TokenLoader(build, num_workers=0), TokenLoader(build, num_workers=1)
+    a, b = iter(local), iter(remote)
+    for step in range(13):
+        next(a), next(b)
+        if step % 4 == 0:
+            sa, sb = local.state_dict(), remote.state_dict()
+            assert same(sa["workers"]["0"]["graph"], sb["workers"]["0"]["graph"]), step

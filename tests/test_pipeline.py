@@ -50,9 +50,18 @@ def config(data_path: str, **kw) -> PipelineConfig:
 
 
 def test_batches_have_the_promised_shape(data_path) -> None:
-    node = build_pipeline(config(data_path), World())
+    every = "input_ids,labels,position_ids,document_ids,loss_mask"
+    node = build_pipeline(config(data_path, output_keys=every), World())
     batch = next(node)
-    assert set(batch) >= {"input_ids", "labels", "position_ids", "document_ids", "loss_mask"}
+    assert list(batch) == every.split(",")
+    # by default what a Hugging Face causal LM with packed attention takes
+    assert list(next(build_pipeline(config(data_path), World()))) == [
+        "input_ids",
+        "labels",
+        "position_ids",
+    ]
+    with pytest.raises(ValueError, match="output_keys.*unknown.*attention_mask"):
+        config(data_path, output_keys="input_ids,attention_mask")
     assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == torch.int64
     assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
 

@@ -330,3 +330,43 @@ def test_fetch_document_rebuilds_any_piece_from_provenance(small) -> None:
             assert np.array_equal(sub.tokens, d.data) and sub.doc[0] == d.doc
     with pytest.raises(KeyError, match="not 'web'"):
         reader.fetch_document("web", 0, 0)
+
+
+@pytest.mark.parametrize("min_length", [1, 3])
+@pytest.mark.parametrize("block_docs", [1, 5, 64])
+def test_strip_tokens_in_whole_document_blocks(tmp_path, min_length, block_docs) -> None:
+    """The vectorised whole-document path strips runs of strip tokens at both ends exactly as
+    the per-document rule does (all-strip documents become empty and are dropped), and
+    ``fetch_document`` agrees."""
+    from torchdata_ext.nodes.reader import _strip
+
+    rng = np.random.default_rng(11)
+    docs = []
+    for _ in range(120):
+        core = rng.integers(3, 50, int(rng.integers(0, 8)))
+        head = rng.choice([0, 7], int(rng.integers(0, 3)))
+        tail = rng.choice([0, 7], int(rng.integers(0, 4)))
+        docs.append(np.concatenate([head, core, tail]).astype(np.uint32))
+    docs.append(np.array([0, 7, 0], np.uint32))  # all strip tokens
+    write_arrow_batches(str(tmp_path / "a.arrow"), docs[:70])
+    write_arrow_batches(str(tmp_path / "b.arrow"), docs[70:])
+    index = DatasetIndex.build(str(tmp_path))
+    reader = ShardReader(
+        index, 3, world=World(), epochs=1, block_docs=block_docs, strip_tokens=(0, 7),
+        min_length=min_length,
+    )  # fmt: skip
+    strip = np.array([0, 7])
+    want = {}
+    for f, part in enumerate((docs[:70], docs[70:])):
+        for d, doc in enumerate(part):
+            kept = _strip(doc.astype(np.int64), strip)
+            if len(kept) >= max(min_length, 1):
+                want[(f, d)] = kept.tolist()
+    got = {}
+    for block in reader:
+        for doc in block:
+            assert doc.start == 0 and doc.last
+            got[(doc.file, doc.doc)] = doc.data.tolist()
+    assert got == want
+    for (f, d), tokens in list(want.items())[:20]:
+        assert np.asarray(reader.fetch_document(index.name, f, d)).tolist() == tokens

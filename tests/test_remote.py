@@ -207,13 +207,34 @@ def test_rescale_with_states_saved_on_s3(s3, s3_corpus, local_corpus, tmp_path) 
 
 
 def test_index_over_s3_with_counts_opens_no_data_object(s3, s3_proxy, s3_corpus) -> None:
-    first = build(s3_corpus, "web", s3.storage_options)  # counts every file, writes meta/
+    first = build(s3_corpus, "web", s3.storage_options)  # counts every file, in the local cache
     so = s3.options_via(s3_proxy.endpoint_url)
     again = build(s3_corpus, "web", so)
     assert again.doc_counts.tolist() == first.doc_counts.tolist() == [60] * 4
     assert again.fingerprint() == first.fingerprint()
     assert s3_proxy.gets(".arrow") == 0  # no GET or HEAD of any data object
-    assert s3_proxy.gets("torchdata_ext_counts.csv") == 1
+    assert s3_proxy.gets("torchdata_ext_counts.csv") == 0  # nothing was written to the bucket
+
+
+def test_fms_fsdp_counts_in_a_bucket_are_used_and_nothing_is_written(s3, s3_proxy) -> None:
+    """Counts rows as fms-fsdp writes them (``/web/part_0.arrow``, or absolute paths) match the
+    objects: none is downloaded to count it, and nothing is written into the bucket."""
+    import s3fs
+
+    so = s3.storage_options
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    for i in range(3):
+        docs = [np.arange(i, i + 4 + j) for j in range(5 + i)]
+        write_arrow_batches(s3.url("data", "web", f"part_{i}.arrow"), docs, storage_options=so)
+    rows = ["dataset/filename,documents,tokens", "/web/part_0.arrow,5,30"]
+    rows += ["/lustre/datasets/web/part_1.arrow,6,39", f"{s3.url('data', 'web')}/part_2.arrow,7,49"]
+    fs.pipe(s3.url("data", "meta", "combined_counts.csv"), ("\n".join(rows) + "\n").encode())
+    objects = sorted(fs.find(s3.url("data")))
+    index = build(s3.url("data"), "web", s3.options_via(s3_proxy.endpoint_url))
+    assert index.doc_counts.tolist() == [5, 6, 7] and index.token_counts.tolist() == [30, 39, 49]
+    assert s3_proxy.gets(".arrow") == 0
+    fs.invalidate_cache()
+    assert sorted(fs.find(s3.url("data"))) == objects
 
 
 # ------------------------------------------------------------------------------------ faults

@@ -105,11 +105,20 @@ def test_state_holds_provenance_not_tokens(index) -> None:
     for _ in range(30):
         next(node)
     state = node.state_dict()
-    assert "items" not in state and sum(state["prov_counts"]) == 50
-    assert all(c.dtype.itemsize <= 4 for c in state["prov_rows"])
+    assert "items" not in state and sum(int(c.sum()) for c, _ in state["prov_blocks"]) == 50
+    assert all(r.dtype.itemsize <= 4 for _, r in state["prov_blocks"])
+    # format 1 (all items concatenated, one array per column), as written before format 2
+    v1 = {k: v for k, v in state.items() if k != "prov_blocks"}
+    rows = np.concatenate([r for _, r in state["prov_blocks"]])
+    v1["prov_counts"] = np.concatenate([c for c, _ in state["prov_blocks"]])
+    v1["prov_rows"] = [rows[:, c] for c in range(5)]
+    old = make(idx, 50, epochs=None)
+    old.reset(pickle.loads(pickle.dumps(v1)))
     fresh = make(idx, 50, epochs=None)
     fresh.reset(pickle.loads(pickle.dumps(state)))
-    assert [item_key(x) for x in run(fresh, 40)] == [item_key(x) for x in run(node, 40)]
+    rest = [item_key(x) for x in run(node, 40)]
+    assert [item_key(x) for x in run(fresh, 40)] == rest
+    assert [item_key(x) for x in run(old, 40)] == rest
 
 
 def test_plain_items_without_provenance_and_loader(index) -> None:
@@ -149,12 +158,15 @@ def _packed(index, size: int, epochs: int | None = 1, seq_len: int = 24) -> Shuf
     return ShuffleBuffer(Pack(reader, seq_len, eos_token=0, shift=True), size, seed=5)
 
 
-def _reference_state(node: ShuffleBuffer) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The provenance part of the state as one concatenation of all buffered tables."""
+def _reference_state(node: ShuffleBuffer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The provenance part of the state: per block of 4 slots, rows per item and the rows."""
     tables = [np.asarray(node.materialize(x)["provenance"]) for x in node._buf]
-    rows = np.concatenate(tables).reshape(-1, 5)
-    counts = np.array([len(t) for t in tables], np.int64)
-    return _narrow(counts), [_narrow(rows[:, c]) for c in range(5)]
+    out = []
+    for b in range(0, len(tables), 4):
+        part = tables[b : b + 4]
+        counts = np.array([len(t) for t in part], np.int64)
+        out.append((_narrow(counts), _narrow(np.concatenate(part).reshape(-1, 5))))
+    return out
 
 
 def test_packed_items_same_stream_and_state(index) -> None:
@@ -169,11 +181,10 @@ def test_packed_items_same_stream_and_state(index) -> None:
         state = node.state_dict()
         if node._buf:
             assert isinstance(node._buf[0], PackedSequence)
-            counts, cols = _reference_state(node)
-            assert state["prov_counts"].dtype == counts.dtype
-            assert np.array_equal(state["prov_counts"], counts)
-            for got, want in zip(state["prov_rows"], cols, strict=True):
-                assert got.dtype == want.dtype and np.array_equal(got, want)
+            want = _reference_state(node)
+            for (counts, rows), (c, r) in zip(state["prov_blocks"], want, strict=True):
+                assert counts.dtype == c.dtype and np.array_equal(counts, c)
+                assert rows.dtype == r.dtype and np.array_equal(rows, r)
         try:
             next(node)
         except StopIteration:

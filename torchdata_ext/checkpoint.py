@@ -3,7 +3,8 @@
 Folder layout (``url/``)::
 
     manifest.json            format, topology (ranks, workers), logical shards, fingerprints
-    rank_00000.json          per rank: which logical worker produces the next batch
+    rank_00000.json          per rank: which logical worker produces the next batch, and the
+                             sha256 of each of the rank's worker files
     worker_000000.pkl        per global worker: its graph state (pickled plain data)
 
 Every file is written atomically (:func:`torchdata_ext.remote.write_bytes_atomic`), so a kill
@@ -14,6 +15,13 @@ manifest, so a save that fails or is killed half-way never leaves the old manife
 of old and new files (the old checkpoint is lost then: save each step into its own folder to
 always keep the last complete one).
 
+Checksums: a file damaged after the save is refused, naming it, before anything is restored.
+Each rank hashes the worker files it writes and records the digests in its ``rank_*.json``
+(no rank reads another's files at save time); each JSON file carries the sha256 of its own
+content (the canonical JSON without that key) under ``"sha256"``; the manifest says
+``"checksums": "sha256"``. A load checks exactly the files it reads. Checkpoints written before
+checksums (no ``"checksums"`` in the manifest) still load, unchecked.
+
 Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
 reads only the old workers' files it needs (the old owners of its logical shards) and
 :mod:`torchdata_ext.rescale` plans its state from them (merged reader cursors of its shards,
@@ -23,6 +31,7 @@ nothing repeated and nothing lost.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -56,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 _MANIFEST = "manifest.json"
+_CHECKSUMS = "sha256"  # the manifest's "checksums": the hash of every file of the checkpoint
 
 
 # -- file I/O -----------------------------------------------------------------------------------
@@ -69,6 +79,88 @@ def _read(url: str, storage_options: dict[str, Any] | None) -> bytes:
             f"checkpoint file {url} is missing: the checkpoint is incomplete or from another "
             "topology; pass the folder of a complete checkpoint"
         ) from None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj: dict[str, Any]) -> str:
+    """``obj`` as the JSON text that is written and hashed (keys sorted)."""
+    return json.dumps(obj, indent=1, sort_keys=True)
+
+
+def _sealed_json(obj: dict[str, Any]) -> bytes:
+    """``obj`` as JSON with the sha256 of its own canonical JSON under ``"sha256"``."""
+    body = json.loads(_canonical(obj))  # as it reads back (keys as strings, tuples as lists)
+    return _canonical({**body, "sha256": _sha256(_canonical(body).encode())}).encode()
+
+
+def _corrupt(url: str, why: str) -> ValueError:
+    return ValueError(
+        f"checkpoint file {url} is corrupt ({why}): it was damaged or changed after the save; "
+        "restore from another checkpoint"
+    )
+
+
+def _read_json(url: str, storage_options: dict[str, Any] | None, checked: bool) -> dict[str, Any]:
+    """A checkpoint JSON file, checked against its own sha256 (required when ``checked``, or
+    when the file says the checkpoint has checksums)."""
+    raw = _read(url, storage_options)
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise _corrupt(url, f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _corrupt(url, f"a JSON {type(obj).__name__}, not an object")
+    digest = obj.pop("sha256", None)
+    if digest is None and (checked or "checksums" in obj):
+        raise _corrupt(url, "its sha256 is missing")
+    if digest is not None and digest != _sha256(_canonical(obj).encode()):
+        raise _corrupt(url, "its content does not match its sha256")
+    return obj
+
+
+def _worker_name(g: int) -> str:
+    return f"worker_{g:06d}.pkl"
+
+
+def _rank_name(r: int) -> str:
+    return f"rank_{r:05d}.json"
+
+
+def _read_rank(
+    url: str, r: int, storage_options: dict[str, Any] | None, checked: bool
+) -> dict[str, Any]:
+    """Old rank ``r``'s ``rank_*.json`` (with the sha256 of its worker files when ``checked``)."""
+    rank_url = posixpath.join(url, _rank_name(r))
+    meta = _read_json(rank_url, storage_options, checked)
+    if checked and "files" not in meta:
+        raise _corrupt(rank_url, "it records no sha256 of its worker files")
+    return meta
+
+
+def _read_worker(
+    url: str, g: int, rank_meta: dict[str, Any], storage_options: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Global worker ``g``'s graph state, checked against the sha256 its rank recorded (when
+    the checkpoint has checksums: ``rank_meta`` is that rank's file)."""
+    file_url = posixpath.join(url, _worker_name(g))
+    raw = _read(file_url, storage_options)
+    if "files" in rank_meta:
+        expected = rank_meta["files"].get(_worker_name(g))
+        if expected is None:
+            raise _corrupt(file_url, "its rank file records no sha256 for it")
+        if expected != _sha256(raw):
+            raise _corrupt(file_url, "its sha256 differs from the one its rank file recorded")
+    try:
+        graph: dict[str, Any] = pickle.loads(raw)["graph"]
+        return graph
+    except Exception as exc:  # a truncated pickle fails in many ways
+        raise ValueError(
+            f"checkpoint file {file_url} cannot be unpickled ({type(exc).__name__}: {exc}): it "
+            "is truncated or corrupt; restore from another checkpoint"
+        ) from exc
 
 
 # -- folder checkpoints -------------------------------------------------------------------------------
@@ -88,18 +180,18 @@ def save_checkpoint(
     """
     state = loader.state_dict()
     _start_save(url, loader.rank, storage_options)
+    files = {}
     for g, st in state["workers"].items():
-        write_bytes_atomic(
-            posixpath.join(url, f"worker_{int(g):06d}.pkl"),
-            pickle.dumps(st, protocol=pickle.HIGHEST_PROTOCOL),
-            storage_options,
-        )
+        data = pickle.dumps(st, protocol=pickle.HIGHEST_PROTOCOL)
+        write_bytes_atomic(posixpath.join(url, _worker_name(int(g))), data, storage_options)
+        files[_worker_name(int(g))] = _sha256(data)
+    meta = {
+        "next_worker": state["next_worker"],
+        "skip_batches": state["skip_batches"],
+        "files": files,
+    }
     write_bytes_atomic(
-        posixpath.join(url, f"rank_{loader.rank:05d}.json"),
-        json.dumps(
-            {"next_worker": state["next_worker"], "skip_batches": state["skip_batches"]}
-        ).encode(),
-        storage_options,
+        posixpath.join(url, _rank_name(loader.rank)), _sealed_json(meta), storage_options
     )
     _barrier()
     if loader.rank == 0:
@@ -117,12 +209,9 @@ def save_checkpoint(
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
             "datasets": datasets,
+            "checksums": _CHECKSUMS,
         }
-        write_bytes_atomic(
-            posixpath.join(url, _MANIFEST),
-            json.dumps(manifest, indent=1, sort_keys=True).encode(),
-            storage_options,
-        )
+        write_bytes_atomic(posixpath.join(url, _MANIFEST), _sealed_json(manifest), storage_options)
     _barrier()
 
 
@@ -147,10 +236,10 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
 
     Raises:
         FileNotFoundError: no manifest (not a checkpoint, or its save did not finish).
-        ValueError: a checkpoint format this version does not read.
+        ValueError: a checkpoint format this version does not read, or a corrupt manifest.
     """
     try:
-        manifest = json.loads(_read(posixpath.join(url, _MANIFEST), storage_options))
+        manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
@@ -186,18 +275,15 @@ def load_checkpoint(
             other datasets already delivered stay delivered.
     """
     manifest = read_manifest(url, storage_options)
+    checked = manifest.get("checksums") == _CHECKSUMS
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
     added, reweighted = _check_datasets(loader, manifest, allow_weight_changes, allow_new_datasets)
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
-        graphs = {}
-        for w in range(W):
-            g = loader.rank * W + w
-            st = pickle.loads(_read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options))
-            graphs[w] = st["graph"]
-        meta = json.loads(
-            _read(posixpath.join(url, f"rank_{loader.rank:05d}.json"), storage_options)
-        )
+        meta = _read_rank(url, loader.rank, storage_options, checked)
+        graphs = {
+            w: _read_worker(url, loader.rank * W + w, meta, storage_options) for w in range(W)
+        }
         if reweighted and int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"checkpoint {url} was taken {meta['skip_batches']} batches after the workers' "
@@ -213,18 +299,15 @@ def load_checkpoint(
         )
         return
     old_total = old_ranks * old_workers
-    cache: dict[int, dict[str, Any]] = {}
-    new_graphs = {}
     n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
-    needed_ranks = sorted(
-        {
-            g // old_workers
-            for w in range(W)
-            for g in old_workers_needed(n, old_total, World(loader.rank, loader.world_size, w, W))
-        }
-    )
-    for r in needed_ranks:  # each old rank that owned a needed worker must be at a snapshot
-        meta = json.loads(_read(posixpath.join(url, f"rank_{r:05d}.json"), storage_options))
+    worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
+    needed = {w.worker_id: old_workers_needed(n, old_total, w) for w in worlds}
+    # every file this rank needs is read (and checked) before any state is planned
+    metas = {
+        r: _read_rank(url, r, storage_options, checked)
+        for r in sorted({g // old_workers for gs in needed.values() for g in gs})
+    }
+    for r, meta in metas.items():  # each old rank that owned a needed worker must be at a snapshot
         if int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"checkpoint {url}: rank {r} saved its state {meta['skip_batches']} batches after "
@@ -233,19 +316,16 @@ def load_checkpoint(
                 "rescale, take checkpoints at multiples of snapshot_every_n_steps (or use "
                 "snapshot_every_n_steps=1)"
             )
-    for w in range(W):
-        world = World(loader.rank, loader.world_size, w, W)
-        for g in old_workers_needed(n, old_total, world):
-            if g not in cache:
-                raw = _read(posixpath.join(url, f"worker_{g:06d}.pkl"), storage_options)
-                cache[g] = pickle.loads(raw)["graph"]
-        new_graphs[w] = rescale_worker_states(
-            cache,
-            (old_ranks, old_workers),
-            world,
-            loader.build,
-            allow_new_datasets=bool(added),
+    cache = {
+        g: _read_worker(url, g, metas[g // old_workers], storage_options)
+        for g in sorted({g for gs in needed.values() for g in gs})
+    }
+    new_graphs = {
+        w.worker_id: rescale_worker_states(
+            cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
         )
+        for w in worlds
+    }
     logger.info(
         "rescaled loader checkpoint %s from %dx%d to %dx%d (read %d of %d worker states)",
         url, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,

@@ -12,15 +12,24 @@ flat ``.npy`` token shards; each option is the keyword argument of the same name
 
 ``torchdata-ext inspect PATH`` prints files, documents, tokens and a length histogram of a
 dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), decoded with
-``--tokenizer``.
+``--tokenizer``, cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
+
+Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
+own terms: the library names its Python parameters (``col_name=...``), which
+:func:`cli_message` rewrites as this command's flags (``--text-field ...``). Output into a pipe
+closed early (``| head``) stops quietly with exit code 141, as a tool killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import shlex
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -28,7 +37,13 @@ from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.prepare_data import PrepareResult, prepare
 from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
 
-__all__ = ["PrepareResult", "inspect_dataset", "main", "prepare"]
+__all__ = ["PrepareResult", "cli_message", "inspect_dataset", "main", "prepare"]
+
+_COMPRESSIONS = ("infer", "none", "gzip", "zstd")
+# library parameters that a command takes under another flag's name, and words for what the
+# command line sets outside its flags
+_ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}}
+_WORDS = {"storage_options": "the storage credentials (fsspec configuration)"}
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -50,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--byte-offset", type=int, default=1, help="byte tokenizer id offset")
     pp.add_argument("--text-field", default="text", help="JSONL field / Parquet text column")
     pp.add_argument("--eos-token", type=int, default=None, help="appended to each document")
+    pp.add_argument("--encoding", default="utf-8", help=".txt inputs' text encoding")
+    pp.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL inputs")
     pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000)
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
@@ -66,51 +83,132 @@ def _parser() -> argparse.ArgumentParser:
     ip.add_argument("--file", default=None, help="with --doc: index within this file")
     ip.add_argument("--tokenizer", default=None, help="'byte' or tokenizer.json, to decode")
     ip.add_argument("--byte-offset", type=int, default=1)
+    ip.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL files")
+    ip.add_argument(
+        "--all",
+        dest="full",
+        action="store_true",
+        help="with --doc: the whole document (default: 1,000 tokens, 10,000 characters)",
+    )
     return p
+
+
+def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """Library parameter name -> the flag of ``command`` that sets it."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        command
+    ]
+    flags = {
+        a.dest: max(a.option_strings, key=len)
+        for a in sub._actions
+        if a.option_strings and a.dest != "help"
+    }
+    return {**flags, **_ALIASES[command]}
+
+
+_VALUE = r"""'[^']*'|"[^"]*"|\.\.\.|[^\s,;:)\]]+"""
+
+
+def cli_message(message: str, flags: dict[str, str]) -> str:
+    """``message`` of the library with its parameter names as command-line flags.
+
+    ``name=value`` becomes ``--flag value`` (``None`` becomes ``none``, quotes are dropped
+    where the shell needs none) for every name in ``flags``; a bare name becomes the flag only
+    when it has an underscore (``text_field``: not a word of prose) and is not part of a path.
+    """
+    if not flags:
+        return message
+
+    def with_value(m: re.Match[str]) -> str:
+        value = m.group(2)
+        if value[:1] in "'\"":
+            value = shlex.quote(value[1:-1])
+        elif value == "None":
+            value = "none"
+        return f"{flags[m.group(1)]} {value}"
+
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    message = re.sub(rf"\b({names})=({_VALUE})", with_value, message)
+    bare = {**{k: v for k, v in flags.items() if "_" in k}, **_WORDS}
+    names = "|".join(sorted(map(re.escape, bare), key=len, reverse=True))
+    return re.sub(rf"(?<![\w/.-])({names})(?![\w/.-])", lambda m: bare[m.group(1)], message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``torchdata-ext`` / ``python -m torchdata_ext``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    flags = _flags(parser, args.command)
+    caught: list[warnings.WarningMessage] = []
     try:
-        if args.command == "prepare":
-            shard_id, num_shards = args.shard_id, args.num_shards
-            if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-                shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
-                num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
-            res = prepare(
-                args.inputs,
-                args.out,
-                format=args.format,
-                tokenizer=args.tokenizer,
-                byte_offset=args.byte_offset,
-                text_field=args.text_field,
-                eos_token=args.eos_token,
-                max_tokens_per_file=args.max_tokens_per_file,
-                num_proc=args.num_proc,
-                shard_id=shard_id or 0,
-                num_shards=num_shards or 1,
-                progress=args.progress,
-                slow_for_tests=args.slow_for_tests,
-            )
-            what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
-            print(json.dumps({"status": what, **asdict(res)}, indent=1))
-        else:
-            inspect_dataset(
-                args.path,
-                file_type=args.file_type,
-                col_name=args.col_name,
-                eos_token=args.eos_token,
-                doc=args.doc,
-                file=args.file,
-                tokenizer=args.tokenizer,
-                byte_offset=args.byte_offset,
-                out=sys.stdout,
-            )
-    except (ValueError, FileNotFoundError, ImportError) as exc:
-        print(f"torchdata-ext {args.command}: error: {exc}", file=sys.stderr)
+        with warnings.catch_warnings(record=True) as caught:
+            _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, as a tool killed by SIGPIPE does
+        with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+    except (ValueError, OSError, ImportError) as exc:
+        _report(args.command, caught, flags)
+        print(
+            f"torchdata-ext {args.command}: error: {cli_message(str(exc), flags)}", file=sys.stderr
+        )
         return 2
+    _report(args.command, caught, flags)
     return 0
+
+
+def _report(command: str, caught: list[warnings.WarningMessage], flags: dict[str, str]) -> None:
+    """Print the warnings the command caught, one line each, in the command line's terms."""
+    for w in caught:
+        print(
+            f"torchdata-ext {command}: warning: {cli_message(str(w.message), flags)}",
+            file=sys.stderr,
+        )
+
+
+def _run(args: argparse.Namespace) -> None:
+    """Do the parsed command."""
+    compression = None if args.compression == "none" else args.compression
+    if args.command == "prepare":
+        shard_id, num_shards = args.shard_id, args.num_shards
+        if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+            shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
+            num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
+        res = prepare(
+            args.inputs,
+            args.out,
+            format=args.format,
+            tokenizer=args.tokenizer,
+            byte_offset=args.byte_offset,
+            text_field=args.text_field,
+            eos_token=args.eos_token,
+            max_tokens_per_file=args.max_tokens_per_file,
+            num_proc=args.num_proc,
+            shard_id=shard_id or 0,
+            num_shards=num_shards or 1,
+            encoding=args.encoding,
+            compression=compression,
+            progress=args.progress,
+            slow_for_tests=args.slow_for_tests,
+        )
+        what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
+        print(json.dumps({"status": what, **asdict(res)}, indent=1))
+    else:
+        inspect_dataset(
+            args.path,
+            file_type=args.file_type,
+            col_name=args.col_name,
+            eos_token=args.eos_token,
+            doc=args.doc,
+            file=args.file,
+            tokenizer=args.tokenizer,
+            byte_offset=args.byte_offset,
+            compression=compression,
+            full=args.full,
+            out=sys.stdout,
+        )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,21 @@
 """Dataset index: a dataset's files in a fixed order with their document and token counts.
 
-Counting documents means opening every file, so the counts are kept in a small CSV next to the
-data and read back on the next start. The layout is IBM Bamba's: a ``meta`` folder holding a
-``*counts*.csv`` whose rows are ``dataset/filename,documents,tokens`` (paths relative to the
-folder holding ``meta``). Such files written by Bamba's tooling are read as they are;
-torchdata-ext writes ``meta/torchdata_ext_counts.csv`` with an extra ``bytes`` column so a file
-that changed size since it was counted is counted again rather than trusted.
+Counting documents means opening every file (a download each on an object store), so counts are
+read from where they were written before:
+
+* a ``meta`` folder in the data folder or its parent, holding ``*counts*.csv`` files with rows
+  ``dataset/filename,documents,tokens`` (IBM Bamba's layout). A row's path is relative to the
+  folder holding ``meta``; a path with a leading slash (``/web/part-00000.arrow``, as
+  fms-fsdp's tooling writes them), an absolute path or a URL matches the file whose path, from
+  that folder on, it ends with. ``torchdata-ext prepare`` writes ``meta/torchdata_ext_counts.csv``
+  there for its output, with an extra ``bytes`` column so a file that changed size since it was
+  counted is counted again rather than trusted;
+* the counts the index computed itself, kept in the local cache folder (``counts/`` in
+  ``$TORCHDATA_EXT_CACHE_DIR``, else in ``<tempdir>/torchdata_ext_cache_<uid>``; one CSV per
+  data folder URL), each with the file's size and version (mtime, or ETag on object stores) so
+  a changed file is counted again.
+
+The index never writes into a folder it reads unless asked to (``write_counts="data"``).
 """
 
 from __future__ import annotations
@@ -16,10 +26,10 @@ import io
 import logging
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -31,7 +41,13 @@ from torchdata_ext.handlers.base import (
     registered_formats,
 )
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
-from torchdata_ext.remote import RemoteError, check_access, with_retries, write_bytes_atomic
+from torchdata_ext.remote import (
+    RemoteError,
+    check_access,
+    default_cache_dir,
+    with_retries,
+    write_bytes_atomic,
+)
 from torchdata_ext.urls import expand_urls, filesystem
 
 __all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
@@ -40,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 COUNTS_FILE = "torchdata_ext_counts.csv"
 _HEADER = ["dataset/filename", "documents", "tokens", "bytes"]
+_CACHE_HEADER = ["url", "documents", "tokens", "bytes", "version"]
+# fsspec info fields that change when an object is rewritten, most specific first
+_VERSION_KEYS = ("ETag", "etag", "generation", "mtime", "LastModified", "last_modified", "created")
+
+_Stat = tuple[int, str]  # (size in bytes or -1, version or "")
+_Counts = tuple[int, int, int]  # (documents, tokens or -1, bytes or -1)
 
 
 def read_data_sources(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -123,7 +145,7 @@ class DatasetIndex:
         storage_options: dict[str, Any] | None = None,
         handler_options: dict[str, Any] | None = None,
         counts: str | None = None,
-        write_counts: bool = True,
+        write_counts: Literal["cache", "data"] | bool = "cache",
     ) -> DatasetIndex:
         """List a dataset's files and count their documents.
 
@@ -139,15 +161,19 @@ class DatasetIndex:
                 token files).
             counts: URL of a counts CSV to read (default: look for ``meta/*counts*.csv`` in the
                 data folder and its parent).
-            write_counts: write ``meta/torchdata_ext_counts.csv`` into the data folder when
-                any file had to be opened to count it (failures to write are logged, not
-                raised).
+            write_counts: where the counts of files that had to be opened are kept for the next
+                build: ``"cache"`` (default) in the local cache folder, nothing written into the
+                data folder; ``"data"`` (or True) in ``meta/torchdata_ext_counts.csv`` in the
+                data folder, as ``prepare`` does for its output; False nowhere. Failures to
+                write are logged, not raised.
 
         Raises:
             FileNotFoundError: no data file matches ``urls``.
             ValueError: mixed formats without ``file_type``, or an unknown suffix.
             DataFileError: a file cannot be read.
         """
+        if write_counts not in ("cache", "data", True, False):
+            raise ValueError(f"{write_counts=} must be 'cache', 'data' or False")
         storage_options = dict(storage_options or {})
         handler_options = dict(handler_options or {})
         if col_name is not None:
@@ -206,7 +232,7 @@ class DatasetIndex:
             handler_options=handler_options,
             storage_options=storage_options,
         )
-        index._fill_counts(root, counts, write_counts)
+        index._fill_counts(root, counts, "data" if write_counts is True else write_counts)
         if index.total_docs == 0:
             raise ValueError(
                 f"dataset {name!r} at {urls!r} has no documents in its {len(files)} file(s); "
@@ -215,13 +241,20 @@ class DatasetIndex:
         return index
 
     # -- counting ---------------------------------------------------------------------------
-    def _fill_counts(self, root: str, counts_url: str | None, write: bool) -> None:
-        sizes = _file_sizes(self.files, self.storage_options)
+    def _fill_counts(
+        self, root: str, counts_url: str | None, write: Literal["cache", "data", False]
+    ) -> None:
+        stats = _file_stats(self.files, self.storage_options)
+        sizes = [size for size, _ in stats]
         known = _read_counts(root, counts_url, self.storage_options)
+        cached = _read_cached(root)
         missing: list[int] = []
         for i, f in enumerate(self.files):
-            rec = _lookup(known, f, root)
+            rec = known.get(f)
             if rec is None or (rec[2] >= 0 and sizes[i] >= 0 and rec[2] != sizes[i]):
+                hit = cached.get(f)
+                rec = hit[0] if hit is not None and sizes[i] >= 0 and hit[1] == stats[i] else None
+            if rec is None:
                 missing.append(i)
             else:
                 self.doc_counts[i], self.token_counts[i] = rec[0], rec[1]
@@ -238,21 +271,46 @@ class DatasetIndex:
                 self.token_counts[i] = -1 if lengths is None or is_text else int(lengths.sum())
             finally:
                 handler.close(reader)
-        if write and counts_url is None:
+        if write == "data" and counts_url is None:
             self._write_counts(root, sizes)
+        elif write == "cache":
+            self._write_cached(root, stats, cached)
 
     def _write_counts(self, root: str, sizes: list[int]) -> None:
         rel = _relative_names(self.files, root)
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(_HEADER)
-        for r, n, t, b in zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes):
-            w.writerow([r, n, t, b])
+        text = _csv_text(
+            _HEADER, zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes)
+        )
         url = posixpath.join(root, "meta", COUNTS_FILE)
         try:  # atomic, and a failed write (a full disk) leaves no temporary file
-            write_bytes_atomic(url, buf.getvalue().encode(), self.storage_options)
+            write_bytes_atomic(url, text.encode(), self.storage_options)
         except Exception as exc:  # read-only data is normal on shared storage
             logger.warning("could not write document counts to %s (%s); continuing", url, exc)
+
+    def _write_cached(
+        self, root: str, stats: list[_Stat], cached: dict[str, tuple[_Counts, _Stat]]
+    ) -> None:
+        """Keep this index's counts in the local cache (with every file's size and version),
+        next to the cached counts of other files of the same folder."""
+        rows = dict(cached)
+        for url, n, t, st in zip(self.files, self.doc_counts, self.token_counts, stats):
+            rows[url] = ((int(n), int(t), st[0]), st)
+        text = _csv_text(
+            _CACHE_HEADER, ((u, n, t, b, v) for u, ((n, t, b), (_, v)) in sorted(rows.items()))
+        )
+        path = _cache_path(root)
+        try:
+            write_bytes_atomic(path, text.encode())
+        except OSError as exc:
+            logger.warning("could not keep document counts in %s (%s); continuing", path, exc)
+
+
+def _csv_text(header: list[str], rows: Iterable[Iterable[Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue()
 
 
 def _common_dir(files: Sequence[str]) -> str:
@@ -269,24 +327,89 @@ def _relative_names(files: Sequence[str], root: str | None = None) -> list[str]:
     return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
 
 
-def _file_sizes(files: Sequence[str], storage_options: dict[str, Any]) -> list[int]:
-    out = []
+def _file_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[_Stat]:
+    """Each file's size and version (``-1, ""`` where unknown), from fsspec ``info`` (served
+    from the listing on object stores: no request per file)."""
+    out: list[_Stat] = []
     for f in files:
         try:
             fs, path = filesystem(f, storage_options)
-            out.append(int(with_retries(partial(fs.size, path), f, what="stat")))
+            info = with_retries(partial(fs.info, path), f, what="stat")
         except RemoteError:
             raise
         except Exception:
-            out.append(-1)
+            out.append((-1, ""))
+            continue
+        size = info.get("size")
+        version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), "")
+        out.append((-1 if size is None else int(size), version))
     return out
+
+
+def _cache_path(root: str) -> str:
+    """The cached counts file of data folder ``root`` (its name, then a hash of its URL)."""
+    digest = hashlib.sha256(root.encode()).hexdigest()[:24]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in posixpath.basename(root))
+    return os.path.join(default_cache_dir(), "counts", f"{name[:40]}-{digest}.csv")
+
+
+def _read_cached(root: str) -> dict[str, tuple[_Counts, _Stat]]:
+    """Counts kept in the local cache for files of ``root``: URL -> (counts, (size, version))."""
+    path = _cache_path(root)
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+    except OSError:
+        return {}
+    out: dict[str, tuple[_Counts, _Stat]] = {}
+    for row in rows[1:]:
+        try:
+            url, n, t, b, version = row
+            out[url] = ((int(n), int(t), int(b)), (int(b), version))
+        except ValueError:  # a damaged cache file: its counts are computed again
+            logger.warning("ignoring the damaged cached counts file %s", path)
+            return {}
+    return out
+
+
+class _KnownCounts:
+    """Rows of counts files. A relative row names the file at that path from the folder holding
+    its ``meta``; a row with a leading slash, an absolute path or a URL names the file whose path
+    from that folder is a trailing part of the row's path (whole components; of several such
+    rows the last read wins)."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, _Counts] = {}
+        # folder holding meta -> file name -> [("/" + the row's path, counts)]
+        self._tails: dict[str, dict[str, list[tuple[str, _Counts]]]] = {}
+
+    def add(self, base: str, name: str, rec: _Counts) -> None:
+        if not (name.startswith("/") or "://" in name):
+            self._exact[posixpath.join(base, name)] = rec
+            return
+        path = "/" + name.split("://", 1)[-1].strip("/")
+        by_name = self._tails.setdefault(base.rstrip("/"), {})
+        by_name.setdefault(posixpath.basename(path), []).append((path, rec))
+
+    def get(self, url: str) -> _Counts | None:
+        rec = self._exact.get(url)
+        if rec is not None or not self._tails:
+            return rec
+        for base, by_name in self._tails.items():
+            if not url.startswith(base + "/"):
+                continue
+            tail = url[len(base) :]  # "/" + the file's path from base
+            for path, counts in reversed(by_name.get(posixpath.basename(url), [])):
+                if path.endswith(tail):
+                    return counts
+        return None
 
 
 def _read_counts(
     root: str, counts_url: str | None, storage_options: dict[str, Any]
-) -> dict[str, tuple[str, tuple[int, int, int]]]:
-    """Known counts: absolute-ish key -> (relative name, (docs, tokens, bytes))."""
-    out: dict[str, tuple[str, tuple[int, int, int]]] = {}
+) -> _KnownCounts:
+    """The counts in the counts files found for ``root`` (or in ``counts_url``)."""
+    out = _KnownCounts()
     candidates: list[tuple[str, str]] = []  # (csv url, folder its names are relative to)
     if counts_url is not None:
         parent = posixpath.dirname(posixpath.dirname(counts_url.rstrip("/")))
@@ -331,12 +454,5 @@ def _read_counts(
                 raise ValueError(
                     f"{url}: bad row {row!r}; expected dataset/filename,documents,tokens[,bytes]"
                 ) from None
-            out[posixpath.join(base, row[0])] = (row[0], (docs, toks, nbytes))
+            out.add(base, row[0], (docs, toks, nbytes))
     return out
-
-
-def _lookup(
-    known: dict[str, tuple[str, tuple[int, int, int]]], f: str, root: str
-) -> tuple[int, int, int] | None:
-    hit = known.get(f)
-    return hit[1] if hit is not None else None

@@ -8,7 +8,8 @@ Works on any dataset :class:`~torchdata_ext.index.DatasetIndex` reads (arrow, pa
 CEPED/flat, jsonl) and never writes into it (no counts file). The summary counts files,
 documents, tokens (characters for text) and a histogram of document lengths; one document is
 shown by global index, or by index within one file, decoded (tokens) or encoded (text) with a
-tokenizer on request.
+tokenizer on request; its report shows the first 1,000 tokens and 10,000 characters unless
+``full`` (the CLI's ``--all``), and the returned document is always whole.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ __all__ = ["histogram", "inspect_dataset", "open_index"]
 
 _HIST_EDGES = (16, 128, 1024, 8192, 65536)
 _BAR_WIDTH = 40  # characters of the longest histogram bar
+_SHOWN_TOKENS = 1_000  # of a document, unless full
+_SHOWN_CHARS = 10_000
+_MORE = "(--all shows all)"
 
 
 def inspect_dataset(
@@ -41,6 +45,8 @@ def inspect_dataset(
     file: str | None = None,
     tokenizer: str | None = None,
     byte_offset: int = 1,
+    compression: str | None = "infer",
+    full: bool = False,
     storage_options: dict[str, Any] | None = None,
     out: TextIO | None = None,
 ) -> dict[str, Any]:
@@ -54,6 +60,9 @@ def inspect_dataset(
         file: a file of the dataset, by position in the sorted list or by (end of) its name.
         tokenizer: ``"byte"`` or a ``tokenizer.json`` to decode tokens (or encode text).
         byte_offset: the byte tokenizer's offset (as given to ``prepare``).
+        compression: of JSONL files: ``"infer"``, None, ``"gzip"`` or ``"zstd"``.
+        full: print the whole document (default: its first 1,000 tokens and 10,000
+            characters).
         storage_options: fsspec options.
         out: a text stream for the report (default ``sys.stdout``).
 
@@ -72,13 +81,15 @@ def inspect_dataset(
         file_type=file_type,
         col_name=col_name,
         eos_token=eos_token,
+        compression=compression,
         storage_options=storage_options,
     )
     if doc is None and file is None:
         result, lines = _summary(index)
     else:
+        shown = None if full else (_SHOWN_TOKENS, _SHOWN_CHARS)
         result, lines = _document(
-            index, doc if doc is not None else 0, file, tokenizer, byte_offset
+            index, doc if doc is not None else 0, file, tokenizer, byte_offset, shown
         )
     out = out or sys.stdout
     for line in lines:
@@ -92,16 +103,22 @@ def open_index(
     file_type: str | None = None,
     col_name: str | None = None,
     eos_token: int | None = None,
+    compression: str | None = "infer",
     storage_options: dict[str, Any] | None = None,
 ) -> DatasetIndex:
     """The :class:`DatasetIndex` of ``path`` (read-only: no counts file is written).
 
     For ``.npy`` data, a ``data_sources.txt`` in the folder is used when present, and
-    ``eos_token`` (default 0) splits flat token files into documents.
+    ``eos_token`` (default 0) splits flat token files into documents. ``compression`` is that
+    of JSONL files (``"infer"``: from the content and the name).
     """
     storage_options = dict(storage_options or {})
     kind = _file_type_of(path, file_type, storage_options)
     options: dict[str, Any] = {}
+    if compression != "infer":
+        if kind != "jsonl":
+            raise ValueError(f"{compression=} applies to JSONL files only; {path} is {kind}")
+        options["compression"] = compression
     urls = path
     if kind in ("npy", "flat"):
         options["eos_token"] = 0 if eos_token is None else eos_token
@@ -188,9 +205,15 @@ def _summary(index: DatasetIndex) -> tuple[dict[str, Any], list[str]]:
 
 
 def _document(
-    index: DatasetIndex, doc: int, file: str | None, tokenizer: str | None, byte_offset: int
+    index: DatasetIndex,
+    doc: int,
+    file: str | None,
+    tokenizer: str | None,
+    byte_offset: int,
+    shown: tuple[int, int] | None,
 ) -> tuple[dict[str, Any], list[str]]:
-    """Document ``doc`` (global, or within ``file``) and its report lines."""
+    """Document ``doc`` (global, or within ``file``) and its report lines, which show at most
+    ``shown`` = (tokens, characters) of it (None: all)."""
     f, local = _locate(index, doc, file)
     handler = index.handler()
     reader = handler.open(index.files[f])
@@ -201,19 +224,34 @@ def _document(
     info: dict[str, Any] = {"file": index.files[f], "doc": local}
     lines = [f"file: {index.files[f]} (file {f}), document {local}"]
     tok = None if tokenizer is None else load_tokenizer(tokenizer, byte_offset=byte_offset)
+    max_tokens, max_chars = shown or (None, None)
     if isinstance(value, str):
         info["text"] = value
-        lines += [f"text ({len(value)} characters):", value]
+        lines += [f"text ({len(value)} characters):", _cut_text(value, max_chars)]
         if tok is not None:
             info["tokens"] = [int(t) for t in as_encoder(tok).encode_batch([value])[0]]
-            lines.append(f"tokens ({len(info['tokens'])}): {info['tokens']}")
+            lines.append(f"tokens ({len(info['tokens'])}): {_cut_list(info['tokens'], max_tokens)}")
         return info, lines
     info["tokens"] = [int(t) for t in np.asarray(value).tolist()]
-    lines.append(f"tokens ({len(info['tokens'])}): {info['tokens']}")
+    lines.append(f"tokens ({len(info['tokens'])}): {_cut_list(info['tokens'], max_tokens)}")
     if tok is not None:
         info["text"] = tok.decode(info["tokens"])
-        lines += ["text:", info["text"]]
+        lines += ["text:", _cut_text(info["text"], max_chars)]
     return info, lines
+
+
+def _cut_list(tokens: list[int], limit: int | None) -> str:
+    """``str(tokens)``, cut after ``limit`` items with a count of the rest."""
+    if limit is None or len(tokens) <= limit:
+        return str(tokens)
+    return f"{str(tokens[:limit])[:-1]}, ... {len(tokens) - limit:,} more {_MORE}]"
+
+
+def _cut_text(text: str, limit: int | None) -> str:
+    """``text``, cut after ``limit`` characters with a count of the rest."""
+    if limit is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[... {len(text) - limit:,} more characters {_MORE}]"
 
 
 def _locate(index: DatasetIndex, doc: int, file: str | None) -> tuple[int, int]:

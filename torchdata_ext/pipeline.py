@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.tokenizers import load_tokenizer
 from torchdata_ext.urls import filesystem, join
@@ -86,6 +87,11 @@ class PipelineConfig:
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
         storage_options: fsspec options (credentials, endpoint) for ``data_path``.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+        output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
+            ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
+            Default: what a Hugging Face causal LM with packed-sequence attention consumes
+            (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
+            tokens and document runs cross; these keys are built in the training process.
     """
 
     data_path: str = ""
@@ -117,6 +123,7 @@ class PipelineConfig:
     pad_token: int = 0
     storage_options: dict[str, Any] = field(default_factory=dict)
     dtype: Literal["int64", "int32"] = "int64"
+    output_keys: list[str] | str = field(default_factory=lambda: list(HF_KEYS))
 
     def __post_init__(self) -> None:
         self.datasets = _split_list(self.datasets, "datasets")
@@ -145,6 +152,14 @@ class PipelineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if self.dtype not in ("int64", "int32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+        self.output_keys = _split_list(self.output_keys, "output_keys")
+        known = (*ALL_KEYS, "provenance")
+        unknown = [k for k in self.output_keys if k not in known]
+        if unknown or not self.output_keys:
+            raise ValueError(
+                f"output_keys={self.output_keys!r}: unknown {unknown or 'none given'}; "
+                f"choose from {list(known)}"
+            )
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -158,7 +173,12 @@ class PipelineConfig:
 
     @classmethod
     def from_file(cls, url: str, storage_options: dict[str, Any] | None = None) -> PipelineConfig:
-        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL)."""
+        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL).
+
+        Raises:
+            ValueError: the file is not valid YAML/JSON (naming the file, line and column), or
+                not a mapping of known keys.
+        """
         fs, path = filesystem(url, storage_options)
         with fs.open(path, "rt") as f:
             text = f.read()
@@ -167,9 +187,20 @@ class PipelineConfig:
                 import yaml
             except ImportError:
                 raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml") from None
-            data = yaml.safe_load(text)
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ValueError(
+                    f"{url}: not valid YAML{_yaml_where(exc)}; fix the config file"
+                ) from None
         elif url.endswith(".json"):
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{url}: not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
+                    "fix the config file"
+                ) from None
         else:
             raise ValueError(f"{url}: config files must end in .yaml, .yml or .json")
         if not isinstance(data, dict):
@@ -187,6 +218,23 @@ class PipelineConfig:
 
     def _single_name(self) -> str:
         return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+def _yaml_where(exc: Exception) -> str:
+    """Where and what a PyYAML error is, in the file's lines (PyYAML names the text it was
+    given, ``"<unicode string>"``, not the file)."""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f" ({exc})"
+    out = f" at {at(mark)} ({problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        out += f", {context} that starts at {at(context_mark)}"
+    return out + ")"
 
 
 def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
@@ -234,6 +282,8 @@ def build_pipeline(
     from torchdata_ext.nodes.tokenize import Tokenize
 
     datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
+    if cfg.tokenizer is None:
+        _check_tokens(cfg, datasets)
     # the pipeline's byte tokenizer maps byte b to id b (prepare's default is b + 1)
     tokenizer = None if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, byte_offset=0)
     sources: dict[str, BaseNode] = {}
@@ -277,5 +327,29 @@ def build_pipeline(
         node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)
     if collate:
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
-        node = Collate(node, cfg.batch_size, dtype=dtype)
+        node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
+
+
+def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:
+    """Refuse text data in a config without a tokenizer. A text format is known by its handler;
+    a table (Arrow/Parquet) by its column, read from the first file only where the index does
+    not already count tokens (it counts none for text)."""
+    for name, index in datasets.items():
+        if not index.files:
+            continue
+        handler = index.handler()
+        text = handler.produces == "text"
+        if not text and index.total_tokens < 0:
+            reader = handler.open(index.files[0])
+            try:
+                text = handler.produces_for(reader) == "text"
+            finally:
+                handler.close(reader)
+        if text:
+            raise ValueError(
+                f"dataset {name!r} holds text ({index.files[0]}, col_name={cfg.col_name!r}) but "
+                "the config has no tokenizer: set tokenizer to 'byte' or the path of a "
+                "tokenizer.json, or point col_name at a column of token ids (torchdata-ext "
+                "prepare tokenizes text into token shards ahead of time)"
+            )

@@ -4,10 +4,14 @@
 ``torchdata_ext.prepare``, which would shadow it: ``import torchdata_ext.prepare as m`` would
 give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.cli`) calls it.
 
-* Inputs: JSONL (``.jsonl``/``.json``, optionally ``.gz``/``.zst``; the text in
-  ``text_field``), Parquet (a string column ``text_field``) and plain text (``.txt``: **one
-  document per file**, the whole file). Local paths or fsspec URLs, with globs and braces;
-  folders are searched for those suffixes. Empty texts are skipped.
+* Inputs: JSONL (``.jsonl``/``.json``, optionally ``.gz``/``.zst``, or as ``compression``
+  says; the text in ``text_field``), Parquet (a string column ``text_field``) and plain text
+  (``.txt``: **one document per file**, the whole file, decoded as ``encoding``; JSONL and
+  Parquet are UTF-8 by their specifications). Local paths or fsspec URLs, with globs and braces;
+  folders are searched for those suffixes. Empty texts are skipped; inputs that hold no
+  document at all are an error. Bytes of a ``.txt`` file that are not valid ``encoding`` become
+  U+FFFD: the documents affected are counted (``undecodable_documents``) and a
+  ``UnicodeWarning`` names the first file.
 * ``format="arrow"`` (Bamba layout): Arrow IPC files, one record batch per document, one
   ``uint32`` column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``uint32`` ``.npy`` token
   arrays, every document followed by ``eos_token`` (default 0), plus ``data_sources.txt``
@@ -34,6 +38,7 @@ rewrites ``data_sources.txt`` and the counts file from every complete output in 
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import json
@@ -41,6 +46,7 @@ import os
 import posixpath
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +66,10 @@ __all__ = ["INPUT_SUFFIXES", "PrepareResult", "prepare", "split_inputs"]
 _PARQUET_SUFFIXES = tuple(registered_formats()["parquet"])
 INPUT_SUFFIXES = (*registered_formats()["jsonl"], *_PARQUET_SUFFIXES, ".txt")
 PROGRESS_VERSION = 1
+# settings added after PROGRESS_VERSION 1, at the values every earlier run used
+_PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer"}
 _TOKENIZE_BATCH = 256  # texts per encode_batch call
+_UINT32_MAX = int(np.iinfo(np.uint32).max)
 
 
 @dataclass
@@ -73,6 +82,8 @@ class PrepareResult:
         documents / tokens: written by this call (0 for a part that was already done).
         resumed: the part continued from an earlier, interrupted run.
         skipped: the part was already complete; nothing was written.
+        undecodable_documents: documents (of this call) with bytes that are not valid in
+            ``encoding``, written with U+FFFD in their place.
     """
 
     out: str
@@ -81,6 +92,7 @@ class PrepareResult:
     tokens: int = 0
     resumed: bool = False
     skipped: bool = False
+    undecodable_documents: int = 0
 
 
 def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[str]:
@@ -102,6 +114,8 @@ def prepare(
     num_proc: int = 1,
     shard_id: int = 0,
     num_shards: int = 1,
+    encoding: str = "utf-8",
+    compression: str | None = "infer",
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = None,
     slow_for_tests: float = 0.0,
@@ -120,6 +134,9 @@ def prepare(
         max_tokens_per_file: cap of tokens per output file.
         num_proc: tokenizing processes.
         shard_id / num_shards: which part of the inputs this call does.
+        encoding: the text encoding of ``.txt`` inputs (e.g. ``"latin-1"``).
+        compression: of JSONL inputs: ``"infer"`` (from the content and the name), None,
+            ``"gzip"`` or ``"zstd"``.
         storage_options: fsspec options for inputs and outputs.
         progress: show a tqdm bar and a closing summary on stderr (None: the bar only on a
             terminal; False: neither).
@@ -129,17 +146,24 @@ def prepare(
         What this call did (:class:`PrepareResult`).
 
     Raises:
-        ValueError: bad arguments, or ``out`` holds progress of a different configuration.
+        ValueError: bad arguments, inputs with no document, or ``out`` is a file or holds
+            progress of a different configuration. Nothing is written before the arguments,
+            the tokenizer and ``out`` are checked, nor when the inputs hold no document.
     """
     _check_arguments(format, shard_id, num_shards, max_tokens_per_file, num_proc)
+    _check_tokens(tokenizer, byte_offset, eos_token, encoding, compression)
     if format == "npy" and eos_token is None:
         eos_token = 0
     storage_options = dict(storage_options or {})
+    fs, out_path = filesystem(out, storage_options)
+    if fs.isfile(out_path):
+        raise ValueError(
+            f"{out=} is a file, not a folder; pass a new folder, or one an earlier prepare wrote"
+        )
     raw = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
     mine = split_inputs(files, shard_id, num_shards)
-    fs, out_path = filesystem(out, storage_options)
-    fs.makedirs(out_path, exist_ok=True)
+    _encoder(tokenizer, byte_offset)  # a bad tokenizer fails here, before anything is written
     config = {
         "version": PROGRESS_VERSION,
         "inputs": hashlib.sha256("\n".join(mine).encode()).hexdigest()[:16],
@@ -152,6 +176,8 @@ def prepare(
         "max_tokens_per_file": max_tokens_per_file,
         "shard_id": shard_id,
         "num_shards": num_shards,
+        "encoding": codecs.lookup(encoding).name,
+        "compression": compression,
     }
     ppath = posixpath.join(out_path, f"_progress_part{shard_id:05d}.json")
     result = PrepareResult(out=out)
@@ -201,18 +227,22 @@ def prepare(
 
     t0 = time.perf_counter()
     first_file, first_doc = int(state["input"]), int(state["doc"])
-    tokenize = (tokenizer, byte_offset, text_field, storage_options)
-    for i, docs in enumerate(
+    tokenize = _Tokenize(tokenizer, byte_offset, text_field, encoding, compression, storage_options)
+    undecodable_files: list[str] = []
+    for i, (docs, undecodable) in enumerate(
         _tokenized(mine, first_file, first_doc, tokenize, num_proc), start=first_file
     ):
+        if undecodable:
+            result.undecodable_documents += undecodable
+            undecodable_files.append(mine[i])
         j0 = first_doc if i == first_file else 0
         for k, doc in enumerate(docs):
             if eos is not None:
                 if eos_token in doc:
                     raise ValueError(
                         f"{mine[i]}: document {j0 + k} contains eos_token={eos_token}, which "
-                        "would split it when read back; choose another --eos-token (or "
-                        "--byte-offset >= 1 for the byte tokenizer)"
+                        "would split it when read back; choose another eos_token (or "
+                        "byte_offset >= 1 for the byte tokenizer)"
                     )
                 doc = np.concatenate([doc, eos])
             if buf and buf_tokens + doc.size > max_tokens_per_file:
@@ -225,6 +255,14 @@ def prepare(
         bar.set_postfix(files=f"{i + 1}/{len(mine)}")
         if slow_for_tests:
             time.sleep(slow_for_tests)
+    if mine and not buf and int(state["next_output"]) == 0:
+        bar.close()
+        many = len(mine) > 1
+        raise ValueError(
+            f"no documents: the {len(mine)} input file{'s' if many else ''} ({mine[0]}"
+            f"{', ...) hold' if many else ') holds'} no non-empty text under {text_field=}; check that the inputs are not empty, and "
+            "pass the field that holds the text as text_field=..."
+        )
     if buf:
         flush((len(mine), 0))
     state.update(done=True, input=len(mine), doc=0)
@@ -237,6 +275,17 @@ def prepare(
             f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
             f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)",
             file=sys.stderr,
+        )
+    if undecodable_files:
+        n, k = result.undecodable_documents, len(undecodable_files)
+        where = f"in {k} files, the first {undecodable_files[0]}" if k > 1 else undecodable_files[0]
+        warnings.warn(
+            f"{n} of {result.documents} documents ({where}) {'are' if n > 1 else 'is'} not valid "
+            f"{encoding}: {'their' if n > 1 else 'its'} undecodable bytes became U+FFFD; if the "
+            "files use another encoding, prepare them into a new folder with encoding=... "
+            "(e.g. encoding='latin-1' or encoding='cp1252')",
+            UnicodeWarning,
+            stacklevel=2,
         )
     _finalize(fs, out, out_path, format, eos_token, storage_options)
     return result
@@ -256,6 +305,29 @@ def _check_arguments(
         raise ValueError(f"{num_proc=} must be >= 1")
 
 
+def _check_tokens(
+    tokenizer: str,
+    byte_offset: int,
+    eos_token: int | None,
+    encoding: str,
+    compression: str | None,
+) -> None:
+    """Raise ``ValueError`` naming the first bad token id, encoding or compression."""
+    if eos_token is not None and not 0 <= eos_token <= _UINT32_MAX:
+        raise ValueError(f"{eos_token=} must be a token id in 0..{_UINT32_MAX} (uint32)")
+    if tokenizer == "byte" and not 0 <= byte_offset <= _UINT32_MAX - 255:
+        raise ValueError(
+            f"{byte_offset=} must be in 0..{_UINT32_MAX - 255} (byte ids must fit uint32)"
+        )
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise ValueError(
+            f"{encoding=} is not a known text encoding; e.g. 'utf-8', 'latin-1', 'cp1252'"
+        ) from None
+    get_handler("jsonl", compression=compression)  # raises naming compression
+
+
 def _saved_progress(
     fs: Any, ppath: str, config: dict[str, Any], out: str, shard_id: int
 ) -> dict[str, Any] | None:
@@ -263,52 +335,79 @@ def _saved_progress(
     if not fs.exists(ppath):
         return None
     saved = json.loads(fs.cat_file(ppath))
+    if "config" in saved:
+        saved["config"] = {**_PROGRESS_DEFAULTS, **saved["config"]}
     if saved.get("config") != config:
         diff = sorted(k for k in config if saved.get("config", {}).get(k) != config[k])
         raise ValueError(
             f"{out} holds an earlier prepare of part {shard_id} with different settings "
-            f"({', '.join(diff)}); use another --out folder, or delete "
+            f"({', '.join(diff)}); use another out folder, or delete "
             f"{posixpath.basename(ppath)} and its part{shard_id:05d}_* files to start over"
         )
     return dict(saved)
 
 
 # -- reading and tokenizing inputs -----------------------------------------------------------------
-def _read_texts(url: str, text_field: str, storage_options: dict[str, Any]) -> list[str]:
-    """All texts of one input file, in order."""
+@dataclass(frozen=True)
+class _Tokenize:
+    """How to read and tokenize an input file (sent to the tokenizing processes)."""
+
+    tokenizer: str
+    byte_offset: int
+    text_field: str
+    encoding: str
+    compression: str | None
+    storage_options: dict[str, Any]
+
+
+def _read_texts(url: str, how: _Tokenize) -> tuple[list[str], set[int]]:
+    """All texts of one input file, in order, and which of them had bytes that are not valid
+    ``how.encoding`` (replaced by U+FFFD)."""
     lower = url.lower()
     if lower.endswith(".txt"):
-        fs, path = filesystem(url, storage_options)
+        fs, path = filesystem(url, how.storage_options)
         with fs.open(path, "rb") as f:
-            return [f.read().decode("utf-8", errors="replace")]
+            data = f.read()
+        try:
+            return [data.decode(how.encoding)], set()
+        except UnicodeDecodeError:
+            return [data.decode(how.encoding, errors="replace")], {0}
     kind = "parquet" if lower.endswith(_PARQUET_SUFFIXES) else "jsonl"
-    handler = get_handler(kind, col_name=text_field, storage_options=storage_options)
+    options: dict[str, Any] = {"compression": how.compression} if kind == "jsonl" else {}
+    handler = get_handler(
+        kind, col_name=how.text_field, storage_options=how.storage_options, **options
+    )
     reader = handler.open(url)
     try:
         if handler.produces_for(reader) != "text":
             raise ValueError(
-                f"{url}: column {text_field!r} holds tokens, not text; it is already tokenized "
-                "(read it directly) or pass --text-field with the text column"
+                f"{url}: column {how.text_field!r} holds tokens, not text; it is already "
+                "tokenized (read it directly) or pass text_field=... naming the text column"
             )
-        return [str(handler.get(reader, i)) for i in range(handler.length(reader))]
+        return [str(handler.get(reader, i)) for i in range(handler.length(reader))], set()
     finally:
         handler.close(reader)
 
 
 _ENCODERS: dict[tuple[str, int], Encoder] = {}  # per process (pool workers too)
 
-# (tokenizer spec, byte offset, text field, storage options)
-_TokenizeArgs = tuple[str, int, str, dict[str, Any]]
 
-
-def _tokenize_file(task: tuple[str, int, _TokenizeArgs]) -> list[np.ndarray]:
-    """Tokens (``uint32``) of the non-empty texts of one input file, from text ``start`` on."""
-    url, start, (spec, byte_offset, text_field, storage_options) = task
+def _encoder(spec: str, byte_offset: int) -> Encoder:
+    """The tokenizer ``spec``, loaded once per process."""
     key = (spec, byte_offset)
     if key not in _ENCODERS:
         _ENCODERS[key] = as_encoder(load_tokenizer(spec, byte_offset=byte_offset))
-    encoder = _ENCODERS[key]
-    texts = [t for t in _read_texts(url, text_field, storage_options) if t][start:]
+    return _ENCODERS[key]
+
+
+def _tokenize_file(task: tuple[str, int, _Tokenize]) -> tuple[list[np.ndarray], int]:
+    """Tokens (``uint32``) of the non-empty texts of one input file, from text ``start`` on,
+    and how many of those texts had undecodable bytes."""
+    url, start, how = task
+    encoder = _encoder(how.tokenizer, how.byte_offset)
+    all_texts, undecodable = _read_texts(url, how)
+    keep = [i for i, t in enumerate(all_texts) if t][start:]
+    texts = [all_texts[i] for i in keep]
     out = []
     for lo in range(0, len(texts), _TOKENIZE_BATCH):
         for ids in encoder.encode_batch(texts[lo : lo + _TOKENIZE_BATCH]):
@@ -316,17 +415,18 @@ def _tokenize_file(task: tuple[str, int, _TokenizeArgs]) -> list[np.ndarray]:
             if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint32).max):
                 raise ValueError(f"{url}: token ids out of the uint32 range")
             out.append(arr.astype(np.uint32))
-    return out
+    return out, len(undecodable.intersection(keep))
 
 
 def _tokenized(
     files: Sequence[str],
     first_file: int,
     first_doc: int,
-    tokenize: _TokenizeArgs,
+    tokenize: _Tokenize,
     num_proc: int,
-) -> Iterator[list[np.ndarray]]:
-    """Each input file's documents (from ``first_file``, document ``first_doc``), in order."""
+) -> Iterator[tuple[list[np.ndarray], int]]:
+    """Each input file's documents (from ``first_file``, document ``first_doc``), in order,
+    with the number of them that had undecodable bytes."""
     tasks = [
         (files[i], first_doc if i == first_file else 0, tokenize)
         for i in range(first_file, len(files))
@@ -411,6 +511,9 @@ def _finalize(
             file_type="flat",
             storage_options=storage_options,
             handler_options={"eos_token": eos_token},
+            write_counts="data",  # prepare's own output: the counts go next to it
         )
     else:
-        DatasetIndex.build(out, file_type="arrow", storage_options=storage_options)
+        DatasetIndex.build(
+            out, file_type="arrow", storage_options=storage_options, write_counts="data"
+        )

@@ -24,7 +24,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.graph import graph_nodes, graph_summary, reader_states, set_at, token_counters
 from torchdata_ext.nodes.collate import Collate
-from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
 from torchdata_ext.shards import (
     count_new_readers,
     old_workers_to_read,
@@ -187,7 +187,7 @@ def rescale_worker_states(
             if allow_new_datasets:
                 continue  # an added dataset starts fresh
             raise ValueError(f"the checkpoint has no state for dataset {name!r}")
-        merged = _merge_partial(old)
+        merged = merge_reader_states(old, complete=False)
         if returned.get(name):
             merged = live[name].with_returned(merged, returned[name])
         set_at(box, path, merged)
@@ -227,18 +227,3 @@ def _weights_at(box: dict[str, Any], counters_path: tuple) -> dict[str, float]:
     for k in counters_path[:-1]:
         node = node[k]
     return {str(k): float(v) for k, v in node.get("weights", {}).items()}
-
-
-def _merge_partial(states: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge reader states that may cover only part of the shards (no completeness check)."""
-    first = states[0]
-    shards: dict[str, Any] = {}
-    for st in states:
-        for key in ("format", "fingerprint", "seed", "n_logical_shards"):
-            if st[key] != first[key]:
-                raise ValueError(
-                    f"old worker states disagree on {key} ({st[key]!r} vs {first[key]!r}); "
-                    "the checkpoint mixes runs"
-                )
-        shards.update(st["shards"])
-    return {**first, "shards": shards}

@@ -191,6 +191,7 @@ def load_tokenizer(spec: str, *, byte_offset: int) -> Any:
     Raises:
         ImportError: ``tokenizers`` is not installed.
         FileNotFoundError: no file at ``spec``.
+        ValueError: the file is not a ``tokenizer.json``.
     """
     if spec == "byte":
         return ByteTokenizer(offset=byte_offset)
@@ -205,5 +206,16 @@ def load_tokenizer(spec: str, *, byte_offset: int) -> Any:
         raise FileNotFoundError(
             f"tokenizer={spec!r}: no such file; pass 'byte' or the path of a tokenizer.json"
         )
-    with fs.open(path, "rt") as f:
-        return Tokenizer.from_str(f.read())
+    if fs.isdir(path):
+        raise ValueError(
+            f"tokenizer={spec!r} is a folder; pass the tokenizer.json inside it (or 'byte')"
+        )
+    with fs.open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a bare Exception("expected ident at line 1 ...")
+        raise ValueError(
+            f"tokenizer={spec!r} is not a Hugging Face tokenizer.json ({exc}); pass 'byte' or "
+            "the path of a tokenizer.json (as tokenizers.Tokenizer.save writes it)"
+        ) from None

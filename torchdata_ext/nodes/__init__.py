@@ -1,4 +1,7 @@
-"""The pipeline nodes, one per module, each a ``torchdata.nodes.BaseNode``."""
+"""The pipeline nodes, one per module, each a ``torchdata.nodes.BaseNode``.
+
+The ``_``-prefixed modules are not nodes but parts of :class:`Pack` (see :mod:`.pack`).
+"""
 
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.interleave import Interleave

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import get_worker_info
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.batch import PackedBatch
 from torchdata_ext.nodes.pack import PackedSequence
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
 
@@ -101,17 +102,15 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             self.source.reset()
 
     def next(self) -> dict[str, torch.Tensor]:
-        items: list[Any] = []
-        for _ in range(self.batch_size):
-            try:
-                items.append(self._pull())
-            except StopIteration:
-                break
-        if not items or (self.drop_last and len(items) < self.batch_size):
-            raise StopIteration
+        items = self._take()
+        if self._fused and all(isinstance(it, PackedSequence) for it in items):
+            return self._fill(items)
+        return self._from_items(items)
+
+    def _from_items(self, items: list[Any]) -> dict[str, torch.Tensor]:
+        """The batch of items that are dicts (or, from a packed source, anything it
+        materializes)."""
         if self._fused:
-            if all(isinstance(it, PackedSequence) for it in items):
-                return self._fill(items)
             items = [self.source.materialize(it) for it in items]
         out: dict[str, np.ndarray] = {}
         for key in self.keys:
@@ -136,6 +135,59 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}
+
+    def next_packed_batch(self) -> PackedBatch | dict[str, torch.Tensor]:
+        """The next batch in its compact form (:class:`~torchdata_ext.batch.PackedBatch`: one
+        token tensor plus the document runs), which ``to_tensors()`` turns into exactly what
+        :meth:`next` returns. What a dataloader worker sends: the training process builds the
+        keys. A source without the packed protocol gives :meth:`next`'s dict."""
+        if not self._fused:
+            return self.next()
+        items = self._take()
+        if not all(isinstance(it, PackedSequence) for it in items):
+            return self._from_items(items)
+        size = len(items[0].tokens)
+        for i, item in enumerate(items):
+            if len(item.tokens) != size:
+                raise ValueError(
+                    f"item {i} packs {len(item.tokens)} tokens but item 0 packs {size}; "
+                    "Collate stacks sequences of one length"
+                )
+        tokens = np.empty((len(items), size), self._np_dtype)
+        for i, item in enumerate(items):
+            tokens[i] = item.tokens
+        counts = np.fromiter((len(it.cuts) for it in items), np.int32, len(items))
+        row_runs = np.zeros(len(items) + 1, np.int32)
+        np.cumsum(counts, out=row_runs[1:])
+        produced = tuple(self.source.output_keys)
+        keys = tuple(k for k in self.keys if k in produced)
+        return PackedBatch(
+            torch.from_numpy(tokens),
+            np.fromiter(
+                (c + i * size for i, it in enumerate(items) for c in it.cuts),
+                np.int32,
+                int(row_runs[-1]),
+            ),
+            np.fromiter((d for it in items for d in it.ids), np.int32, int(row_runs[-1])),
+            row_runs,
+            np.array([it.pad for it in items], np.int32).reshape(len(items), 2),
+            size - ("labels" in produced),
+            "labels" in produced,
+            keys,
+            _stack_provenance([it.provenance for it in items]) if "provenance" in keys else None,
+        )
+
+    def _take(self) -> list[Any]:
+        """The next batch's items from the source (``StopIteration`` when there is none)."""
+        items: list[Any] = []
+        for _ in range(self.batch_size):
+            try:
+                items.append(self._pull())
+            except StopIteration:
+                break
+        if not items or (self.drop_last and len(items) < self.batch_size):
+            raise StopIteration
+        return items
 
     def _next_source(self) -> Any:
         return next(self.source)

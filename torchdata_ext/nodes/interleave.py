@@ -1,19 +1,28 @@
 """The interleave node: mix several sources of document blocks at chosen weights.
 
-Two rules pick the source of each next document (a piece of a block; pieces are never split):
+Two rules pick the source of each next document. A document the reader cut into pieces
+(``max_chunksize``; a piece with ``last`` False has more to come) is finished before the next
+decision, as fms-fsdp's sampler does: after such a piece the same source goes on until the
+piece that ends the document, even across the source's blocks. So downstream every document's
+pieces are contiguous and in order, and the packer places its BOS/EOS at the document's real
+ends only (``Pack`` in ``concat`` and ``pad`` mode keeps them so in its sequences; ``best_fit``
+places the pieces of a window by size, by design). The decision rules (pieces are never split):
 
 * ``"tokens"`` (deterministic, as in Bamba): the source furthest below its target share of
   tokens, i.e. the active source with the lowest ``tokens_delivered[s] / weight[s]``; ties go to
   the source listed first. Instead of deciding document by document in Python, the node takes in
   one step the longest run of the chosen source's current block for which the rule would have
   kept choosing it (a ``searchsorted`` on the block's cumulative lengths against the
-  second-lowest ratio), which gives exactly the same sequence of documents.
+  second-lowest ratio, then on to the next piece that ends a document), which gives exactly
+  the same sequence of documents. The tokens of a whole document count, so a share stays within
+  ``(quantum_tokens + longest document) / tokens delivered`` of its target.
 * ``"samples"`` (random): draw ``k`` picks source ``s`` with probability ``weight[s] / sum of
-  the active weights``. Draw ``k`` is a pure function of ``(seed, k)``: uniform ``u_k`` is the
-  SplitMix64 finalizer of ``key + (k + 1) * 0x9E3779B97F4A7C15`` (``key = mix_seed(seed, tag)``)
-  scaled to ``[0, 1)``, computed for many ``k`` at once with NumPy, so the state holds only the
-  counter ``k``. Runs of consecutive draws of the same source come out as one block. Weights
-  count documents here, not tokens.
+  the active weights``, once per document (the rest of a cut document takes no draw). Draw
+  ``k`` is a pure function of ``(seed, k)``: uniform ``u_k`` is the SplitMix64 finalizer of
+  ``key + (k + 1) * 0x9E3779B97F4A7C15`` (``key = mix_seed(seed, tag)``) scaled to ``[0, 1)``,
+  computed for many ``k`` at once with NumPy, so the state holds only the counter ``k``. Runs
+  of consecutive draws of the same source come out as one block. Weights count documents here,
+  not tokens.
 
 Each output block is a zero-copy :meth:`~torchdata_ext.document.DocumentBlock.select` of one
 source's block, so it holds one dataset and keeps the source's ``shard`` and ``epoch``. Endless
@@ -29,9 +38,17 @@ State (replay, no token copies)::
      "counter": int}
 
 On restore each source is reset to its saved state, its current block is read again and the
-``consumed`` pieces are skipped. Resume guarantee: restoring a state continues with exactly the
-blocks the uninterrupted run would have produced next. ``tokens_delivered`` is plain
-``name -> int`` so it can be summed and re-split across ranks.
+``consumed`` pieces are skipped. A source whose last emitted piece leaves a document open keeps
+its block in the state even when all of it was emitted (``consumed`` equals the block's length),
+so the restored node knows from the block's ``last`` flags that the source must go on; no other
+key records it. Resume guarantee: restoring a state continues with exactly the blocks the
+uninterrupted run would have produced next. ``tokens_delivered`` is plain ``name -> int`` so it
+can be summed and re-split across ranks.
+
+Rescaling: :meth:`inflight` reports the pieces held, and first reads each source on to the end of
+a document it left open (those pieces are reported too), so the readers' cursors at the cut lie
+between documents and the handed-back pieces hold the whole rest of every open document, which
+the new owner delivers contiguously: documents stay whole in each new worker's stream too.
 """
 
 from __future__ import annotations
@@ -149,9 +166,13 @@ class Interleave(BaseNode[DocumentBlock]):
         self._blocks: list[DocumentBlock | None] = [None] * n
         self._before: list[Any] = [None] * n  # source state before its current block
         self._consumed = [0] * n
+        self._whole = [True] * n  # whether every piece of the current block ends its document
         self._ended = [False] * n
         self._tokens = [0] * n
         self._counter = 0
+        self._open: int | None = None  # the source whose last emitted piece left a document open
+        # blocks inflight() read ahead to the end of an open document: (state before, block)
+        self._ahead: list[list[tuple[Any, DocumentBlock]]] = [[] for _ in range(n)]
         self._owner: dict[str, int] = {}  # dataset name -> source index, learned from blocks
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -162,6 +183,8 @@ class Interleave(BaseNode[DocumentBlock]):
         self._before = [None] * n
         self._consumed = [0] * n
         self._ended = [False] * n
+        self._open = None
+        self._ahead = [[] for _ in range(n)]
         self.weights = list(self._target_weights)
         self._switch_weights = False
         if initial_state is not None and "weights" in initial_state:
@@ -201,7 +224,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 block = next(self.sources[i])
             except StopIteration:
                 block = None
-            if block is None or len(block) <= consumed:
+            if block is None or len(block) < consumed:
                 raise ValueError(
                     f"source {name!r}: the block read again on restore has "
                     f"{0 if block is None else len(block)} pieces but the state says {consumed} "
@@ -211,7 +234,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._blocks[i] = block
             self._before[i] = st[self.SOURCE_KEY]
             self._consumed[i] = consumed
+            self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
+            if not block.last[consumed - 1]:
+                self._open = i
 
     def next(self) -> DocumentBlock:
         while True:
@@ -224,12 +250,12 @@ class Interleave(BaseNode[DocumentBlock]):
                     active = weighted
                 else:  # only the added sources are left: the new targets apply now
                     self.weights, self._switch_weights = list(self._target_weights), False
-            if self.mode == "tokens":
-                s = self._pick_tokens(active)
-            else:
-                u = float(_counter_uniforms(self._key, self._counter, 1)[0])
-                s = active[self._pick_samples(active, np.array([u]))[0]]
+            s = self._open  # a document in progress is finished first
+            drawn = s is None
+            if s is None:
+                s = self._pick(active)
             if not self._ensure_block(s):
+                self._open = None
                 continue  # s ended: decide again among the others
             block = self._blocks[s]
             assert block is not None
@@ -237,8 +263,8 @@ class Interleave(BaseNode[DocumentBlock]):
             if self.mode == "tokens":
                 count = self._tokens_run(s, active, block, lo)
             else:
-                count = self._samples_run(s, active, len(block) - lo)
-                self._counter += count
+                count, draws = self._samples_run(s, active, block, lo, drawn)
+                self._counter += draws
             out = self._emit(s, block, lo, lo + count)
             if self._switch_weights:
                 self.weights, self._switch_weights = list(self._target_weights), False
@@ -247,9 +273,10 @@ class Interleave(BaseNode[DocumentBlock]):
     def get_state(self) -> dict[str, Any]:
         per_source = {}
         for i, name in enumerate(self.names):
-            block = self._blocks[i]
-            if block is not None and self._consumed[i] < len(block):
+            if self._blocks[i] is not None:  # pieces left, or the last one left a document open
                 src, consumed = self._before[i], self._consumed[i]
+            elif self._ahead[i]:
+                src, consumed = self._ahead[i][0][0], 0
             else:
                 src, consumed = self.sources[i].state_dict(), 0
             per_source[name] = {
@@ -267,11 +294,27 @@ class Interleave(BaseNode[DocumentBlock]):
     # -- provenance ----------------------------------------------------------------------------
     def inflight(self) -> list[tuple[str, int, int, int, int]]:
         """Pieces pulled from the sources but not yet emitted, as
-        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling."""
+        ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling.
+
+        A source whose last pulled piece leaves a document open is first read on to a block
+        that ends on a document end, so no source is left in the middle of a document and the
+        pieces reported hold the whole rest of it. What the node emits next and its state do
+        not change (the blocks read ahead are emitted in turn).
+        """
         out: list[tuple[str, int, int, int, int]] = []
         for i, block in enumerate(self._blocks):
             if block is not None and self._consumed[i] < len(block):
                 out.extend(block.select(self._consumed[i], len(block)).pieces())
+            ahead = self._ahead[i]
+            tail = ahead[-1][1] if ahead else block
+            while tail is not None and len(tail) and not tail.last[-1]:
+                before = self.sources[i].state_dict()
+                try:
+                    tail = next(self.sources[i])
+                except StopIteration:
+                    break
+                ahead.append((before, tail))
+            out.extend(p for _, b in ahead for p in b.pieces())
         return out
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
@@ -306,22 +349,31 @@ class Interleave(BaseNode[DocumentBlock]):
         """Give source ``i`` a block with pieces left; False (and mark it ended) if it has none."""
         block = self._blocks[i]
         while block is None or self._consumed[i] >= len(block):
-            before = self.sources[i].state_dict()
-            try:
-                block = next(self.sources[i])
-            except StopIteration:
-                self._ended[i] = True
-                self._blocks[i] = None
-                self._consumed[i] = 0
-                return False
+            if self._ahead[i]:
+                before, block = self._ahead[i].pop(0)
+            else:
+                before = self.sources[i].state_dict()
+                try:
+                    block = next(self.sources[i])
+                except StopIteration:
+                    self._ended[i] = True
+                    self._blocks[i] = None
+                    self._consumed[i] = 0
+                    return False
             self._blocks[i], self._before[i], self._consumed[i] = block, before, 0
+            self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
         return True
 
     def _ratio(self, i: int) -> float:
         return self._tokens[i] / self.weights[i]
 
-    def _pick_tokens(self, active: list[int]) -> int:
+    def _pick(self, active: list[int]) -> int:
+        """The source the mode's rule picks for the next document (the draw is counted by
+        :meth:`_samples_run`)."""
+        if self.mode == "samples":
+            u = _counter_uniforms(self._key, self._counter, 1)
+            return active[int(self._pick_samples(active, u)[0])]
         best, best_ratio = active[0], self._ratio(active[0])
         for i in active[1:]:
             r = self._ratio(i)
@@ -340,11 +392,17 @@ class Interleave(BaseNode[DocumentBlock]):
         if self.quantum_tokens:
             r2 += self.quantum_tokens / self.weights[s]
         # after taking pieces lo .. lo + j - 1, s is chosen again iff its ratio is below r2, or
-        # equal to it and s is listed before every source at r2
+        # equal to it and s is listed before every source at r2; or piece lo + j - 1 left its
+        # document open (ratios only grow, so the rule holds up to a point, then the run goes
+        # on to the end of the document in progress there)
         off = block.offsets
         ratios = (off[lo + 1 : n] + (self._tokens[s] - int(off[lo]))) / self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
-        return 1 + int(np.searchsorted(ratios, r2, side=side))
+        end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
+        if self._whole[s] or block.last[end]:
+            return end + 1 - lo
+        closing = int(block.last[end:].argmax())  # the first piece that ends a document
+        return n - lo if not block.last[end + closing] else end + closing + 1 - lo
 
     def _pick_samples(self, active: list[int], u: np.ndarray) -> np.ndarray:
         """Positions in ``active`` of the sources draws ``u`` pick."""
@@ -352,17 +410,33 @@ class Interleave(BaseNode[DocumentBlock]):
         pos = np.searchsorted(cw, u * cw[-1], side="right")
         return np.minimum(pos, len(active) - 1)
 
-    def _samples_run(self, s: int, active: list[int], left: int) -> int:
-        """How many of the next draws (at most ``left``) pick ``s`` in a row (the first does)."""
-        u = _counter_uniforms(self._key, self._counter, left)
+    def _samples_run(
+        self, s: int, active: list[int], block: DocumentBlock, lo: int, drawn: bool
+    ) -> tuple[int, int]:
+        """``(pieces, draws)``: the pieces from ``lo`` that ``s`` gives in a row, one draw per
+        document, and the draws they take. The first document's draw (made, ``drawn``) picked
+        ``s``, or it is the rest of a document in progress and takes none."""
+        n = len(block)
+        if self._whole[s]:  # whole documents (the usual case): a piece is a document
+            starts = None
+            docs = n - lo
+        else:  # document d starts at piece starts[d]; the block may end inside the last one
+            ends = np.flatnonzero(block.last[lo:n])
+            starts = np.concatenate(([0], ends[ends < n - lo - 1] + 1))
+            docs = len(starts)
+        skip = 0 if drawn else 1  # documents that take no draw
+        u = _counter_uniforms(self._key, self._counter, docs - skip)
         other = np.flatnonzero(self._pick_samples(active, u) != active.index(s))
-        return int(other[0]) if len(other) else left
+        taken = int(other[0]) + skip if len(other) else docs
+        pieces = n - lo if taken >= docs else (taken if starts is None else int(starts[taken]))
+        return pieces, taken - skip
 
     def _emit(self, s: int, block: DocumentBlock, lo: int, hi: int) -> DocumentBlock:
         out = block.select(lo, hi)
         self._tokens[s] += int(block.offsets[hi] - block.offsets[lo])
         self._consumed[s] = hi
-        if hi >= len(block):
+        self._open = None if block.last[hi - 1] else s
+        if hi >= len(block) and self._open is None:
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
         return out

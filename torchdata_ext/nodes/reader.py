@@ -16,6 +16,16 @@ State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shar
 on restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
 "skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
 blocks the uninterrupted run would have produced next.
+
+This module is the walk: shard order, plans, cursors and epochs, building blocks, delivering
+pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
+``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
+:class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
+:class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
+document ids. At ~750 lines it is over the ~500 of the style guide: the rest is one state
+machine over the per-shard cursor (``_Cursor``) that the plan, block and hand-back code all
+advance; the state format (``_Cursor``, ``_check_state``, :func:`merge_reader_states`,
+:meth:`ShardReader.with_returned`) is the seam for the next cut if it grows.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import heapq
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,9 +43,10 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
+from torchdata_ext.file_access import CacheSetting, FileAccess
+from torchdata_ext.handlers.base import DocData
 from torchdata_ext.index import DatasetIndex
-from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
+from torchdata_ext.remote import RemoteError, ShardCache
 from torchdata_ext.shards import (
     Fragment,
     check_shard_count,
@@ -55,10 +66,6 @@ STATE_FORMAT = 1
 _FRAGMENT_TAG = 0x46524147  # tags keep the derived seeds of different uses apart
 _WALK_TAG = 0x57414C4B
 _ORDER_TAG = 0x4F524452
-_FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers on restore)
-# side files a format reads next to a data file, fetched into the cache with it
-_COMPANIONS = {"flat": (".offsets.npy",), "npy": (".offsets.npy",)}
-_RANGE_FORMATS = ("arrow", "parquet")
 
 
 @dataclass
@@ -164,7 +171,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         max_chunksize: int | None = None,
         on_error: Literal["raise", "skip"] = "raise",
         dtype: np.dtype | type = np.int32,
-        cache: ShardCache | str | os.PathLike[str] | bool | None = None,
+        cache: CacheSetting = None,
         prefetch_shards: int = 2,
     ) -> None:
         super().__init__()
@@ -204,9 +211,6 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._given_world = world
         self._fingerprint = dataset.fingerprint()
         self._offsets = file_offsets(dataset.doc_counts)
-        self._handler: FileHandler | None = None
-        self._open_file: tuple[int, Any] | None = None
-        self._fetch_cache: dict[int, Any] = {}
         self._cursors: dict[int, _Cursor] = {}
         self._frozen: dict[str, dict[str, Any]] = {}
         self._active: int | None = None
@@ -218,18 +222,14 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._empty_run = 0
         self._returned_shards: list[int] = []
         self.world: World | None = None
-        self.prefetch_shards = int(prefetch_shards)
-        self.cache = _make_cache(cache, dataset)
-        self._local_handler: FileHandler | None = None
-        self._companions = _COMPANIONS.get(dataset.file_type, ())
-        self._prefetching: list[str] = []  # URLs this reader holds prefetched in the cache
-        self._io = {"files_opened": 0, "open_seconds": 0.0, "reader_seconds": 0.0}
+        self._files = FileAccess(dataset, cache, int(prefetch_shards))
+        self._reader_seconds = 0.0
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._close_file()
-        self._set_prefetch([])
+        self._files.close()
+        self._files.stop_prefetching()
         self.world = self._given_world or World.detect()
         check_shard_count(self.n_logical_shards, self.dataset.total_docs, self.world.total_workers)
         owned = worker_shards(
@@ -267,15 +267,15 @@ class ShardReader(BaseNode[DocumentBlock]):
             while True:
                 sid = self._pick_active()
                 if sid is None:
-                    self._close_file()
-                    self._set_prefetch([])
+                    self._files.close()
+                    self._files.stop_prefetching()
                     raise StopIteration
                 block = self._read_block(sid)
                 if block is not None:
                     self._empty_run = 0
                     return block
         finally:
-            self._io["reader_seconds"] += time.perf_counter() - t0
+            self._reader_seconds += time.perf_counter() - t0
 
     def get_state(self) -> dict[str, Any]:
         shards = dict(self._frozen)
@@ -310,20 +310,24 @@ class ShardReader(BaseNode[DocumentBlock]):
         ``reader_seconds`` for the reader's own share). A cache shared by several readers
         reports their sum.
         """
-        out: dict[str, float] = dict(self._io)
-        if self.cache is not None:
-            out.update(self.cache.stats())
-        else:  # files are read when opened: opening is the wait
-            out["wait_seconds"] = out["open_seconds"]
+        out = self._files.io_stats()
+        out["reader_seconds"] = self._reader_seconds
         return out
+
+    @property
+    def cache(self) -> ShardCache | None:
+        """The cache remote files are read through (None: local files, or ``cache=False``)."""
+        return self._files.cache
+
+    @property
+    def prefetch_shards(self) -> int:
+        """How many upcoming remote files are prefetched while one is read."""
+        return self._files.prefetch
 
     def close(self) -> None:
         """Close open files and drop this reader's holds on cached files (so they can be
         evicted). Iteration can start again with :meth:`reset`."""
-        self._close_file()
-        self._set_prefetch([])
-        for file in list(self._fetch_cache):
-            self._close(file, self._fetch_cache.pop(file))
+        self._files.close_all()
 
     def __del__(self) -> None:
         try:  # noqa: SIM105 - no imports at interpreter shutdown
@@ -407,17 +411,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         """
         if dataset != self.dataset.name:
             raise KeyError(f"this reader reads dataset {self.dataset.name!r}, not {dataset!r}")
-        if self._open_file is not None and self._open_file[0] == file:
-            data = self._get_handler().get(self._open_file[1], doc)
-        else:
-            reader = self._fetch_cache.pop(file, None)
-            if reader is None:
-                reader = self._open(file)
-            self._fetch_cache[file] = reader  # most recently used last
-            while len(self._fetch_cache) > _FETCH_CACHE_FILES:
-                old = next(iter(self._fetch_cache))
-                self._close(old, self._fetch_cache.pop(old))
-            data = self._get_handler().get(reader, doc)
+        data = self._files.fetch_document(file, doc)
         if isinstance(data, str):
             return data
         if self._strip_arr.size:
@@ -516,11 +510,10 @@ class ShardReader(BaseNode[DocumentBlock]):
             c.skips += int(plan.starts[j + 1]) - c.pos
             c.pos = int(plan.starts[j + 1])
             return None
-        reader = self._reader_for(frag.file, c, plan, j)
-        if reader is None:
+        if frag.file != self._files.current_file and not self._switch_file(sid, c, plan, j):
             return None
         doc_ids = self._walk(frag.size, plan.seeds[j]).take(k, count) + frag.start
-        docs = self._fetch(reader, frag.file, doc_ids, c)
+        docs = self._fetch(frag.file, doc_ids, c)
         block = self._whole_docs_block(sid, frag.file, doc_ids, docs, c)
         if block is not False:
             return block
@@ -576,13 +569,21 @@ class ShardReader(BaseNode[DocumentBlock]):
         c: _Cursor,
     ) -> DocumentBlock | None | Literal[False]:
         """The block of ``docs`` in one vectorised step when each is a whole token document
-        that needs no stripping or cutting (the usual case); None if none is long enough;
-        False when the general per-document path must build it."""
-        if c.offset or self._strip_arr.size or not docs or isinstance(docs[0], str):
+        that needs no cutting (the usual case): stripping ``strip_tokens`` looks only at the
+        documents' ends, for all documents at once; None if none is long enough; False when
+        the general per-document path must build it."""
+        if c.offset or not docs or isinstance(docs[0], str):
             return False
         if not all(d is not None for d in docs):
             return False
         lengths = np.fromiter(map(len, docs), np.int64, len(docs))  # type: ignore[arg-type]
+        flat = np.concatenate(docs, dtype=self.dtype, casting="unsafe")  # type: ignore[call-overload]
+        offsets = np.zeros(len(docs) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        lo, hi = offsets[:-1], offsets[1:]
+        if self._strip_arr.size:
+            lo, hi = _strip_ends(flat, lo, hi, self._strip_arr)
+            lengths = hi - lo
         if self.max_chunksize is not None and int(lengths.max()) > self.max_chunksize:
             return False
         keep = lengths >= max(self.min_length, 1)
@@ -591,14 +592,17 @@ class ShardReader(BaseNode[DocumentBlock]):
             idx = np.flatnonzero(keep)
             if not len(idx):
                 return None
-            docs = [docs[i] for i in idx.tolist()]
-            lengths, doc_ids = lengths[idx], doc_ids[idx]
-        offsets = np.zeros(len(docs) + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        n = len(docs)
+            lo, hi, lengths, doc_ids = lo[idx], hi[idx], lengths[idx], doc_ids[idx]
+        n = len(lengths)
+        if lengths.sum() != len(flat):  # something stripped or dropped: gather what is kept
+            out_offsets = np.zeros(n + 1, np.int64)
+            np.cumsum(lengths, out=out_offsets[1:])
+            shift = np.repeat(lo - out_offsets[:-1], lengths)
+            flat = flat[np.arange(int(out_offsets[-1]), dtype=np.int64) + shift]
+            offsets = out_offsets
         return DocumentBlock(
             self.dataset.name,
-            np.concatenate(docs, dtype=self.dtype, casting="unsafe"),  # type: ignore[call-overload]
+            flat,
             None,
             offsets,
             np.full(n, file, np.int32),
@@ -609,24 +613,15 @@ class ShardReader(BaseNode[DocumentBlock]):
             c.epoch,
         )
 
-    def _reader_for(self, file: int, c: _Cursor, plan: _Plan, j: int) -> Any:
-        if self._open_file is not None and self._open_file[0] == file:
-            return self._open_file[1]
-        self._close_file()
-        handler = self._get_handler()
+    # -- switching files ---------------------------------------------------------------------
+    def _switch_file(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> bool:
+        """Make the file of fragment ``j`` of shard ``sid``'s plan the open one. False when it
+        cannot be read and ``on_error="skip"``: its documents are then skipped and recorded."""
+        file = plan.fragments[j].file
         url = self.dataset.files[file]
-        upcoming = self._upcoming(self._active, c, plan, j) if self._active is not None else []
+        self._files.handler()  # built outside the try: a broken handler setup is no bad file
         try:
-            try:
-                reader = self._open_prefetching(file, upcoming)
-            except DataFileError:
-                self._discard(url)  # a bad cached copy is fetched again next time
-                raise
-            try:
-                n = handler.length(reader)
-            except BaseException:
-                self._close(file, reader)
-                raise
+            n = self._open_prefetching(file, self._upcoming(sid, c, plan, j))
         except RemoteError:
             raise  # an outage or an access problem, never a bad file to skip
         except Exception as exc:
@@ -636,151 +631,35 @@ class ShardReader(BaseNode[DocumentBlock]):
             c.skipped_files.append(file)
             c.skips += int(plan.starts[j + 1]) - c.pos
             c.pos = int(plan.starts[j + 1])
-            return None
+            return False
         if n != self.dataset.doc_counts[file]:
-            self._close(file, reader)
-            self._discard(url)
+            self._files.close(discard=True)
             raise ValueError(
                 f"{url}: has {n} documents but the dataset index counted "
                 f"{int(self.dataset.doc_counts[file])}; the file changed since it was counted: "
                 "delete its row in meta/*counts*.csv (or the file) and rebuild the index"
             )
-        self._open_file = (file, reader)
-        return reader
+        return True
 
-    # -- opening files: local, remote through the cache, or remote by range requests ----------
-    def _get_handler(self) -> FileHandler:
-        if self._handler is None:
-            self._handler = self.dataset.handler()
-        return self._handler
+    def _open_prefetching(self, file: int, upcoming: Iterator[int]) -> int:
+        """Open ``file`` for the walk (see :meth:`FileAccess.open`); its document count.
 
-    def _range_reads(self) -> bool:
-        """Whether remote files are read with range requests (nothing to prefetch)."""
-        return (
-            self.cache is not None
-            and self.cache.range_reads
-            and self.dataset.file_type in _RANGE_FORMATS
-        )
+        The one place the walk opens a file (tests spy on it and on :attr:`_prefetching`)."""
+        return self._files.open(file, upcoming)
 
-    def _open(self, file: int) -> Any:
-        """Open file number ``file``: in place, from the cache, or by range requests."""
-        url = self.dataset.files[file]
-        handler = self._get_handler()
-        so = self.dataset.storage_options
-        t0 = time.perf_counter()
-        try:
-            if self.cache is None or not self.cache.is_cached(url):
-                if not is_remote(url):
-                    return handler.open(url)
-                return with_retries(lambda: handler.open(url), url, what="open")
-            if self._range_reads():
-                reader = _open_range(handler, self.cache, url, so)
-                if reader is not None:
-                    return reader
-            local = self.cache.acquire(url, so, self._companions)
-            if self._local_handler is None:  # the remote storage_options mean nothing locally
-                self._local_handler = get_handler(
-                    self.dataset.file_type, **self.dataset.handler_options
-                )
-            try:
-                return self._local_handler.open(local)
-            except DataFileError as exc:
-                self.cache.release(url, so)
-                message = str(exc).removeprefix(f"{local}: ")
-                raise DataFileError(url, f"{message} (read from the cached copy {local})") from exc
-            except BaseException:
-                self.cache.release(url, so)
-                raise
-        except FileNotFoundError as exc:
-            raise DataFileError(
-                url,
-                f"not found ({exc}); it was listed when the dataset index was built: check that "
-                "nothing deleted it, or rebuild the index",
-            ) from exc
-        finally:
-            self._io["files_opened"] += 1
-            self._io["open_seconds"] += time.perf_counter() - t0
+    @property
+    def _prefetching(self) -> list[str]:
+        """The URLs this reader holds prefetched in the cache."""
+        return self._files.prefetching
 
-    def _open_prefetching(self, file: int, upcoming: list[str]) -> Any:
-        """Open ``file`` and hold ``upcoming`` as prefetched. When nothing is fetching the file
-        yet, it is fetched first and the prefetches start once it is open (so they do not
-        slow it down); else the prefetches start first."""
-        url = self.dataset.files[file]
-        cache = self.cache
-        so = self.dataset.storage_options
-        if cache is not None and cache.is_cached(url) and not cache.is_ready(url, so):
-            try:
-                return self._open(file)
-            finally:
-                self._release(self._set_prefetch(upcoming, current=url))
-        later = self._set_prefetch(upcoming, current=url)
-        try:
-            return self._open(file)
-        finally:  # the current file's prefetch hold, kept until it is open
-            self._release(later)
-
-    def _discard(self, url: str) -> None:
-        if self.cache is not None and self.cache.is_cached(url):
-            self.cache.discard(url, self.dataset.storage_options)
-
-    def _close(self, file: int, reader: Any) -> None:
-        self._get_handler().close(reader)
-        url = self.dataset.files[file]
-        cache = self.cache
-        if cache is not None and cache.is_cached(url) and not getattr(reader, "_range_read", 0):
-            cache.release(url, self.dataset.storage_options)
-
-    def _set_prefetch(self, urls: list[str], current: str | None = None) -> list[str]:
-        """Hold exactly ``urls`` as prefetched in the cache (starting downloads of new ones).
-
-        Returns the prefetch holds on ``current`` (the file about to be opened) that the caller
-        releases once it is open, so the file cannot be evicted in between.
-        """
-        if self.cache is None or (not urls and not self._prefetching):
-            return []
-        so = self.dataset.storage_options
-        held = set(self._prefetching)
-        for url in urls:
-            if url not in held:
-                self.cache.prefetch(url, so, self._companions)
-        keep = set(urls)
-        later = []
-        for url in self._prefetching:
-            if url not in keep:
-                if url == current:
-                    later.append(url)
-                else:
-                    self.cache.release(url, so)
-        self._prefetching = list(urls)
-        return later
-
-    def _release(self, urls: list[str]) -> None:
-        if self.cache is not None:
-            for url in urls:
-                self.cache.release(url, self.dataset.storage_options)
-
-    def _upcoming(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> list[str]:
-        """URLs of the next ``prefetch_shards`` distinct remote files this worker will open
-        after fragment ``j`` of shard ``sid``: the rest of its plan, then the next shards."""
-        n = self.prefetch_shards
-        cache = self.cache
-        if n == 0 or cache is None or self._range_reads():
-            return []
-        out: list[str] = []
-        seen = {plan.fragments[j].file}
-
-        def add(file: int, skipped: list[int]) -> bool:
-            if file not in seen and file not in skipped:
-                seen.add(file)
-                url = self.dataset.files[file]
-                if cache.is_cached(url):
-                    out.append(url)
-            return len(out) >= n
-
+    def _upcoming(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> Iterator[int]:
+        """The files this worker opens after fragment ``j`` of shard ``sid``, in order (known
+        bad ones left out; repeats possible): the rest of its plan, then the next shards, as far
+        as ``prefetch_shards`` looks ahead. Lazy: only read when prefetching applies."""
         for frag in plan.fragments[j + 1 :]:
-            if add(frag.file, c.skipped_files):
-                return out
-        for epoch, _, other in heapq.nsmallest(4 * n + 2, self._queue):
+            if frag.file not in c.skipped_files:
+                yield frag.file
+        for epoch, _, other in heapq.nsmallest(4 * self.prefetch_shards + 2, self._queue):
             if other == sid:
                 continue
             if self.epochs is not None and epoch >= self.epochs:
@@ -789,18 +668,16 @@ class ShardReader(BaseNode[DocumentBlock]):
             oplan = self._make_plan(other, oc.epoch)
             k = max(int(np.searchsorted(oplan.starts, oc.pos, side="right")) - 1, 0)
             for frag in oplan.fragments[k:]:
-                if add(frag.file, oc.skipped_files):
-                    return out
-        return out
+                if frag.file not in oc.skipped_files:
+                    yield frag.file
 
-    def _fetch(
-        self, reader: Any, file: int, doc_ids: np.ndarray, c: _Cursor
-    ) -> list[DocData | None]:
-        handler = self._get_handler()
+    def _fetch(self, file: int, doc_ids: np.ndarray, c: _Cursor) -> list[DocData | None]:
+        """Documents ``doc_ids`` of the open file ``file``; None for each skipped one."""
+        files = self._files
         skipped = {d for f, d in c.skipped_docs if f == file} if c.skipped_docs else set()
         if not skipped:
             try:
-                return list(handler.get_many(reader, doc_ids))
+                return list(files.get_many(doc_ids))
             except Exception:
                 if self.on_error == "raise":
                     raise
@@ -810,7 +687,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 out.append(None)
                 continue
             try:
-                out.append(handler.get(reader, d))
+                out.append(files.get(d))
             except Exception as exc:
                 if self.on_error == "raise":
                     raise
@@ -822,11 +699,6 @@ class ShardReader(BaseNode[DocumentBlock]):
                 skipped.add(d)
                 out.append(None)
         return out
-
-    def _close_file(self) -> None:
-        if self._open_file is not None:
-            self._close(*self._open_file)
-        self._open_file = None
 
     # -- state checks --------------------------------------------------------------------------
     def _check_state(self, state: dict[str, Any]) -> None:
@@ -855,15 +727,22 @@ class ShardReader(BaseNode[DocumentBlock]):
                 )
 
 
-def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge_reader_states(
+    states: Sequence[dict[str, Any]], *, complete: bool = True
+) -> dict[str, Any]:
     """Merge the states of all copies of one reader (every rank and worker) into one.
 
     The merged state restores on any number of ranks x workers: each new copy takes the
     cursors of the logical shards it owns under the new partition.
 
+    Args:
+        states: reader states of one dataset, each covering the shards of one copy.
+        complete: require every logical shard to be covered (False: a rescale merges only
+            the old copies a new one needs).
+
     Raises:
         ValueError: the states come from different datasets, seeds or shard counts, a shard
-            appears twice, or a shard is missing.
+            appears twice, or (with ``complete``) a shard is missing.
     """
     if not states:
         raise ValueError("merge_reader_states needs at least one state")
@@ -880,7 +759,7 @@ def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if sid in shards:
                 raise ValueError(f"logical shard {sid} appears in two states; pass each copy once")
             shards[sid] = cur
-    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards)
+    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards) if complete else ()
     if missing:
         raise ValueError(
             f"the states cover {len(shards)} of {first['n_logical_shards']} logical shards "
@@ -889,59 +768,24 @@ def merge_reader_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "shards": shards}
 
 
-def _make_cache(
-    cache: ShardCache | str | os.PathLike[str] | bool | None, dataset: DatasetIndex
-) -> ShardCache | None:
-    if isinstance(cache, ShardCache):
-        return cache
-    if cache is False:
-        return None
-    if cache is None or cache is True:
-        if not any(is_remote(f) for f in dataset.files):
-            return None
-        return ShardCache(storage_options=dataset.storage_options)
-    return ShardCache(cache, storage_options=dataset.storage_options)
-
-
-def _open_range(handler: FileHandler, cache: ShardCache, url: str, so: dict[str, Any]) -> Any:
-    """Open an Arrow IPC file (one document per record batch) or a Parquet file with range
-    requests; None when the file is not of that kind (it is then downloaded instead)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from torchdata_ext.handlers.arrow import ArrowReader, column_kind
-    from torchdata_ext.handlers.parquet import ParquetReader
-
-    col = handler.col_name
-    source = pa.PythonFile(cache.open_range(url, so), mode="r")
-    reader: Any = None
-    try:
-        if handler.name == "arrow":
-            fr = pa.ipc.open_file(source)
-            index, kind = column_kind(url, fr.schema, col, "Arrow")
-            if kind == "int":  # other layouts read every batch on open: download instead
-                reader = ArrowReader(
-                    url, col, index, fr.schema, "file", "batch", "tokens", file_reader=fr
-                )
-        elif handler.name == "parquet":
-            pf = pq.ParquetFile(source)
-            _, kind = column_kind(url, pf.schema_arrow, col, "Parquet")
-            if kind != "int":
-                reader = ParquetReader(
-                    url,
-                    col,
-                    pf,
-                    "text" if kind == "text" else "tokens",
-                    getattr(handler, "max_cached_row_groups", None),
-                )
-    except (pa.ArrowException, OSError, DataFileError) as exc:
-        if isinstance(exc, RemoteError):
-            raise
-        logger.debug("range reads do not fit %s (%s); downloading it", url, exc)
-        reader = None
-    if reader is not None:
-        reader._range_read = True
-    return reader
+def _strip_ends(
+    flat: np.ndarray, lo: np.ndarray, hi: np.ndarray, strip: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per document ``flat[lo[i]:hi[i]]``, the range left after removing ``strip`` tokens from
+    both ends (as :func:`_strip`), looking only at the ends: one vectorised step per token
+    removed from the deepest end, usually one or two."""
+    lo, hi = lo.copy(), hi.copy()
+    for front in (True, False):
+        todo = np.flatnonzero(lo < hi)
+        while len(todo):
+            at = lo[todo] if front else hi[todo] - 1
+            todo = todo[np.isin(flat[at], strip)]
+            if front:
+                lo[todo] += 1
+            else:
+                hi[todo] -= 1
+            todo = todo[lo[todo] < hi[todo]]
+    return lo, hi
 
 
 def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:

@@ -15,14 +15,21 @@ A source with ``next_packed()`` and ``materialize()`` (:class:`~torchdata_ext.no
 is read through ``next_packed()``: the buffer holds each sequence in that small form (its
 tokens and provenance, about a quarter of the output dict) and materializes it when it is
 drawn, so a 10,000-sequence buffer holds ~170 MB instead of ~700 MB (at seq_len 4096) and the
-arrays handed downstream are freshly written. The provenance of the buffered items is kept in
-blocks of slots, each concatenated once and again only after one of its slots changed, so
-``state_dict()`` costs about a millisecond for a full 10,000 buffer.
+arrays handed downstream are freshly written.
+
+The provenance of the buffered items is kept in blocks of ``_BLOCK`` (4) slots, each one
+array made once and again only after one of its slots changed; the state lists the blocks,
+and a block that did not change is the same object as in the previous state. So
+``state_dict()`` costs a list of references, and the state a dataloader worker sends after a
+batch is a few kilobytes: only the blocks whose slots were drawn (see
+:mod:`torchdata_ext.state_delta`).
 
 State keys: ``source`` (upstream state after the last pull), ``draws``, ``exhausted``, and
-either ``prov_rows`` (the five provenance columns of all buffered items, concatenated, each
-in the narrowest integer dtype that holds it) and ``prov_counts`` (rows per item), or
-``items`` (items kept as they are). Resume guarantee: the rest of the stream is identical.
+either ``prov_blocks`` (format 2: per block of slots a pair ``(counts, rows)``: rows per item
+and the items' provenance rows ``[sum(counts), 5]``, in the narrowest integer dtype that
+holds them) or ``items`` (items kept as they are). The format 1 keys ``prov_counts`` /
+``prov_rows`` (all items concatenated) are still read. Resume guarantee: the rest of the
+stream is identical.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ __all__ = ["ShuffleBuffer"]
 
 T = TypeVar("T")
 _DRAW_TAG = 0x53485546
-_BLOCK = 64  # slots per block of the provenance cache
+_BLOCK = 4  # slots per provenance block (the unit a state delta resends)
 
 
 class ShuffleBuffer(BaseNode[T], Generic[T]):
@@ -91,14 +98,17 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._buf: list[Any] = []
         self._draws = 0
         self._exhausted = False
-        # provenance cache: per block of _BLOCK slots, (rows per item, the 5 narrowed columns)
-        self._blocks: list[tuple[np.ndarray, list[np.ndarray]] | None] = []
+        # provenance cache: per block of _BLOCK slots, (rows per item, the narrowed rows);
+        # None where a slot changed since (listed in _dirty)
+        self._blocks: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self._dirty: set[int] = set()
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._buf = []
         self._blocks = []
+        self._dirty = set()
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
             self._draws = int(initial_state["draws"])
@@ -173,11 +183,15 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             "exhausted": self._exhausted,
         }
         if self._buf and self._has_provenance():
-            blocks = [self._block(b) for b in range(-(-len(self._buf) // _BLOCK))]
-            state["prov_counts"] = np.concatenate([counts for counts, _ in blocks])
-            state["prov_rows"] = [
-                np.concatenate([cols[c] for _, cols in blocks]) for c in range(PROV_COLUMNS)
-            ]
+            n_blocks = -(-len(self._buf) // _BLOCK)
+            for b in self._dirty:
+                if b < n_blocks:
+                    self._block(b)
+            self._dirty.clear()
+            del self._blocks[n_blocks:]
+            for b in range(len(self._blocks), n_blocks):
+                self._block(b)
+            state["prov_blocks"] = list(self._blocks)  # costs references: the blocks are cached
         else:
             state["items"] = [self._out(x) for x in self._buf]
         return state
@@ -221,11 +235,12 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         b = slot // _BLOCK
         if b < len(self._blocks):
             self._blocks[b] = None
+            self._dirty.add(b)
 
-    def _block(self, b: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Rows per item and the narrowed provenance columns of block ``b`` of slots. The
-        blocks' columns concatenate to the narrowed columns of the whole buffer: the narrowest
-        dtype holding all blocks is the widest of the blocks' narrowest dtypes."""
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows per item and the provenance rows (``[n, 5]``) of block ``b`` of slots, each in
+        the narrowest integer dtype that holds it. The same pair (object) until one of the
+        block's slots changes: states share it, and never see it change."""
         while len(self._blocks) <= b:
             self._blocks.append(None)
         cached = self._blocks[b]
@@ -233,7 +248,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             tables = [self._provenance(x) for x in self._buf[b * _BLOCK : (b + 1) * _BLOCK]]
             counts = np.fromiter((len(t) for t in tables), np.int64, len(tables))
             rows = np.concatenate(tables).reshape(-1, PROV_COLUMNS)
-            cached = (_narrow(counts), [_narrow(rows[:, c]) for c in range(PROV_COLUMNS)])
+            cached = (_narrow(counts), _narrow(rows))
             self._blocks[b] = cached
         return cached
 
@@ -243,9 +258,16 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 "this shuffle buffer state holds provenance tables but the node has no way to "
                 "rebuild items: pass rebuild=... or use a source with a rebuild() method"
             )
-        counts = np.asarray(state["prov_counts"], np.int64)
-        cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
-        rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
+        if "prov_blocks" in state:  # format 2
+            blocks = state["prov_blocks"]
+            counts = np.concatenate([np.asarray(c, np.int64) for c, _ in blocks])
+            rows = np.concatenate(
+                [np.asarray(r, np.int64).reshape(-1, PROV_COLUMNS) for _, r in blocks]
+            )
+        else:  # format 1: all items' columns concatenated
+            counts = np.asarray(state["prov_counts"], np.int64)
+            cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
+            rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         return [self._rebuild(rows[bounds[i] : bounds[i + 1]]) for i in range(len(counts))]
 

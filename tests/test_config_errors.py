@@ -1,0 +1,62 @@
+"""A ``PipelineConfig`` user's mistakes, named in the config's own terms: the file and line of a
+syntax error, and the ``tokenizer`` key that text data needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchdata_ext import World
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.testing import write_arrow_batches, write_jsonl, write_parquet
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    pytest.importorskip("yaml")
+    bad = tmp_path / "train.yaml"
+    bad.write_text("data_path: /data\nseq_length: [4096\nbatch_size: 8\n")
+    with pytest.raises(
+        ValueError, match=r"train\.yaml: not valid YAML at line \d+, column \d+"
+    ) as e:
+        PipelineConfig.from_file(str(bad))
+    assert "<unicode string>" not in str(e.value) and "fix the config file" in str(e.value)
+
+
+def test_a_json_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "train.json"
+    bad.write_text('{"data_path": "/data",\n "seq_length": 4096,\n}')
+    with pytest.raises(ValueError, match=r"train\.json: not valid JSON at line 3, column 1"):
+        PipelineConfig.from_file(str(bad))
+
+
+def _text_data(tmp_path: Path, kind: str) -> str:
+    texts = [f"document {i}" for i in range(8)]
+    if kind == "jsonl":
+        write_jsonl(str(tmp_path / "prose" / "a.jsonl"), texts)
+    else:
+        write_parquet(str(tmp_path / "prose" / "a.parquet"), texts, col_name="text")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_text_without_a_tokenizer_asks_for_the_tokenizer_key(tmp_path: Path, kind: str) -> None:
+    cfg = PipelineConfig(
+        data_path=_text_data(tmp_path, kind), datasets="prose", file_type=kind, col_name="text",
+        seq_length=8, logical_shards=2, batch_size=1, shuffle_buffer=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"dataset 'prose' holds text .* set tokenizer") as e:
+        build_pipeline(cfg, World())
+    assert "tokenize node" not in str(e.value) and f"prose/a.{kind}" in str(e.value)
+    build_pipeline(PipelineConfig(**{**cfg.to_dict(), "tokenizer": "byte"}), World())
+
+
+def test_tokens_without_a_tokenizer_are_fine(tmp_path: Path) -> None:
+    docs = [np.arange(1, 9, dtype=np.uint32)] * 4
+    write_arrow_batches(str(tmp_path / "web" / "a.arrow"), docs)
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="web", seq_length=8,
+                         logical_shards=2, batch_size=1, shuffle_buffer=1)  # fmt: skip
+    node = build_pipeline(cfg, World())
+    node.reset()
+    assert next(node)["input_ids"].shape == (1, 8)

@@ -1,0 +1,214 @@
+"""The packed batch: what crosses from a dataloader worker to the training process.
+
+A batch of packed sequences is fully described by its tokens and where its documents start:
+``position_ids``, ``document_ids`` and ``loss_mask`` are functions of the document runs, and
+``input_ids`` / ``labels`` are two views of one ``[B, L + 1]`` token array (with ``shift``).
+So a worker ships a :class:`PackedBatch`: one token tensor plus the runs (a few hundred
+int32s), about a quarter of the bytes of the five ``[B, L]`` tensors, and the training
+process builds only the keys it was asked for (:meth:`PackedBatch.to_tensors`).
+
+Several batches travel as one :class:`BatchGroup` (one token tensor ``[G, B, L + 1]``): a
+dataloader message costs ~1 ms (a shared-memory segment and a file descriptor), so grouping
+spreads it over ``G`` batches.
+
+Runs: row ``i``'s runs are ``cuts[row_runs[i]:row_runs[i + 1]]`` (offsets into the batch's
+tokens laid end to end, ``i * size`` where row ``i`` starts, where a run starts) with the run's document index ``ids[...]`` in the sequence (-1 for
+padding and line specials); ``pad[i] = (lo, hi)`` is the padding of row ``i`` (``lo == hi``:
+none). See :class:`~torchdata_ext.nodes.pack.Pack` for what the keys mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ALL_KEYS", "HF_KEYS", "BatchGroup", "PackedBatch", "layout_runs", "loss_mask"]
+
+ALL_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
+HF_KEYS = ("input_ids", "labels", "position_ids")  # a causal LM with packed attention
+
+
+def layout_runs(
+    cuts: np.ndarray,
+    ids: np.ndarray,
+    rows: int,
+    size: int,
+    n: int,
+    out: dict[str, np.ndarray],
+    arange: np.ndarray | None = None,
+) -> None:
+    """Write ``position_ids`` / ``document_ids`` (whichever ``out`` has, ``[rows, n]``) of
+    ``rows`` packed rows of ``size`` tokens laid end to end.
+
+    Args:
+        cuts: flat token offsets (int32, into the ``rows * size`` tokens) where runs start;
+            row ``i``'s first run starts at ``i * size``.
+        ids: each run's document index in its row (-1: padding or a line special).
+        rows: the number of rows.
+        size: tokens packed per row (``seq_len + 1`` with shift).
+        n: the output width (``seq_len``): the first ``n`` of each row's ``size`` tokens.
+        out: the arrays to fill.
+        arange: ``np.arange(>= rows * size, dtype=np.int32)`` if the caller keeps one.
+    """
+    total = rows * size
+    if arange is None:
+        arange = _arange(total)
+    lens = np.empty(len(cuts), np.int32)
+    np.subtract(cuts[1:], cuts[:-1], out=lens[:-1])
+    lens[-1] = total - cuts[-1]
+    if "position_ids" in out:
+        flat = cuts.repeat(lens)
+        np.subtract(arange[:total], flat, out=flat)
+        out["position_ids"][...] = flat.reshape(rows, size)[:, :n]
+    if "document_ids" in out:
+        flat = ids.repeat(lens)
+        out["document_ids"][...] = flat.reshape(rows, size)[:, :n]
+
+
+def loss_mask(pad: np.ndarray, n: int, shift: bool) -> np.ndarray:
+    """``[B, n]`` bool: False on padding (with ``shift``: where the input or the label is)."""
+    mask = np.ones((len(pad), n), bool)
+    for i in np.flatnonzero(pad[:, 1] > pad[:, 0]):
+        lo, hi = int(pad[i, 0]), int(pad[i, 1])
+        mask[i, max(lo - 1, 0) if shift else lo : hi] = False
+    return mask
+
+
+_NUMPY_DTYPES = {
+    t: torch.empty(0, dtype=t).numpy().dtype
+    for t in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+}
+_ARANGE = np.arange(0, dtype=np.int32)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int32) from a shared array grown as needed (read-only use)."""
+    global _ARANGE
+    if len(_ARANGE) < n:
+        _ARANGE = np.arange(max(n, 2 * len(_ARANGE)), dtype=np.int32)
+    return _ARANGE[:n]
+
+
+@dataclass
+class PackedBatch:
+    """One batch of packed sequences in its compact form.
+
+    Attributes:
+        tokens: ``[B, size]`` token tensor (``size = seq_len + 1`` with shift).
+        cuts: run starts (int32, flat over rows): offsets into the rows laid end to end.
+        ids: each run's document index in its row (int32, flat).
+        row_runs: ``[B + 1]`` offsets of each row's runs in ``cuts`` / ``ids``.
+        pad: ``[B, 2]`` padding range per row.
+        seq_len: output width ``L``.
+        shift: ``labels`` are ``tokens[:, 1:]``.
+        keys: the keys :meth:`to_tensors` builds.
+        provenance: ``[B, k, 5]`` int64 provenance, when asked for.
+    """
+
+    tokens: torch.Tensor
+    cuts: np.ndarray
+    ids: np.ndarray
+    row_runs: np.ndarray
+    pad: np.ndarray
+    seq_len: int
+    shift: bool
+    keys: tuple[str, ...]
+    provenance: np.ndarray | None = None
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The batch as the model consumes it: ``input_ids`` and ``labels`` are views of
+        :attr:`tokens`; the other keys are built here, only those in :attr:`keys`."""
+        n, keys = self.seq_len, self.keys
+        rows, size = self.tokens.shape
+        out: dict[str, torch.Tensor] = {}
+        if "input_ids" in keys:
+            out["input_ids"] = self.tokens[:, :n]
+        if "labels" in keys and self.shift:
+            out["labels"] = self.tokens[:, 1:]
+        arrays: dict[str, np.ndarray] = {}
+        dt = _NUMPY_DTYPES.get(self.tokens.dtype)
+        if dt is None:
+            dt = torch.empty(0, dtype=self.tokens.dtype).numpy().dtype
+        for key in ("position_ids", "document_ids"):
+            if key in keys:
+                arrays[key] = np.empty((rows, n), dt)
+        if arrays:
+            layout_runs(self.cuts, self.ids, rows, size, n, arrays)
+        if "loss_mask" in keys:
+            arrays["loss_mask"] = loss_mask(self.pad, n, self.shift)
+        for key in keys:
+            if key in arrays:
+                out[key] = torch.from_numpy(arrays[key])
+        if self.provenance is not None and "provenance" in keys:
+            out["provenance"] = torch.from_numpy(self.provenance)
+        return {k: out[k] for k in keys if k in out}
+
+
+@dataclass
+class BatchGroup:
+    """Several :class:`PackedBatch` es of one shape sent together: ``tokens`` is
+    ``[G, B, size]`` (one shared-memory segment), the runs are concatenated."""
+
+    tokens: torch.Tensor
+    cuts: list[np.ndarray]
+    ids: list[np.ndarray]
+    row_runs: list[np.ndarray]
+    pad: list[np.ndarray]
+    provenance: list[np.ndarray | None]
+    seq_len: int
+    shift: bool
+    keys: tuple[str, ...]
+
+    @staticmethod
+    def can_group(items: Sequence[Any]) -> bool:
+        """Whether ``items`` are packed batches of one token shape and dtype."""
+        if not items or not all(isinstance(x, PackedBatch) for x in items):
+            return False
+        t = items[0].tokens
+        return all(x.tokens.shape == t.shape and x.tokens.dtype == t.dtype for x in items)
+
+    @classmethod
+    def of(cls, items: Sequence[PackedBatch]) -> BatchGroup:
+        first = items[0]
+        tokens = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
+        dest = tokens.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
+        for i, x in enumerate(items):
+            dest[i] = x.tokens.numpy()
+        return cls(
+            tokens,
+            [x.cuts for x in items],
+            [x.ids for x in items],
+            [x.row_runs for x in items],
+            [x.pad for x in items],
+            [x.provenance for x in items],
+            first.seq_len,
+            first.shift,
+            first.keys,
+        )
+
+    def pin_memory(self) -> BatchGroup:
+        """The group with its token tensor in pinned memory (what the dataloader's
+        ``pin_memory=True`` calls)."""
+        return dataclasses.replace(self, tokens=self.tokens.pin_memory())
+
+    def split(self) -> list[PackedBatch]:
+        """The batches again; their tokens are views of :attr:`tokens`."""
+        return [
+            PackedBatch(
+                self.tokens[i],
+                self.cuts[i],
+                self.ids[i],
+                self.row_runs[i],
+                self.pad[i],
+                self.seq_len,
+                self.shift,
+                self.keys,
+                self.provenance[i],
+            )
+            for i in range(len(self.cuts))
+        ]

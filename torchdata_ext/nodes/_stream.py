@@ -1,0 +1,315 @@
+"""Pack's input side: upstream blocks read into streams with the document specials placed.
+
+Shared by both packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`). A
+:class:`_Cursor` pulls :class:`~torchdata_ext.document.DocumentBlock` s from Pack's source and
+turns each into a :class:`_Stream`: the block's tokens with the BOS/EOS each piece gets, its
+provenance rows, and the token offsets of its units (a piece plus its specials)::
+
+    block   pieces |a a a| |b b|        a: start of document A, b: end of document B
+    stream  units  |B a a a| |b b E|    rows: BOS, A[0:3], B[5:7], EOS (one token each special)
+
+A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and hands them to
+:class:`~._packed._Layout` to make the sequence. The cursor also keeps the clean point a
+restore replays from (:class:`_Mark`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from torchdata_ext.document import DocumentBlock
+from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
+
+_SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
+
+_Piece = tuple[str, int, int, int, int]  # (dataset, file, doc, start, stop) of a document piece
+
+
+@dataclass
+class _Stream:
+    """One upstream block with its document specials placed.
+
+    ``tokens`` is the block's tokens with BOS/EOS inserted, ``rows`` its provenance rows in
+    stream order (``row_off`` their token offsets, ``len(rows) + 1``), and ``unit_off`` the token
+    offsets of each piece's unit (``len(block) + 1``).
+    """
+
+    pre_state: Any  # the upstream state from which the next pull gives this block
+    carry_in: list[list[Any]]  # open documents that began with the shared BOS/EOS token
+    tokens: np.ndarray
+    rows: np.ndarray
+    row_off: np.ndarray
+    unit_off: np.ndarray
+    # where document runs start (stream token offsets), as _Layout.layout would cut the stream
+    # read in one piece; built on first use by _Layout.runs
+    run_at: list[int] | None = None
+    _row_off: list[int] | None = None  # row_off as a list, for bisect
+
+    @property
+    def n_units(self) -> int:
+        """The number of units (pieces of the block)."""
+        return len(self.unit_off) - 1
+
+    def starts_with_literal(self, a: int) -> bool:
+        """Whether stream token ``a`` is a placed special token."""
+        return bool(self.rows[int(np.searchsorted(self.row_off, a, "right")) - 1, 0] < 0)
+
+    def rows_between(self, a: int, b: int) -> np.ndarray:
+        """Provenance rows of stream tokens ``a .. b`` (``a < b``)."""
+        row_off = self._row_off
+        if row_off is None:
+            row_off = self._row_off = self.row_off.tolist()
+        r0 = bisect.bisect_right(row_off, a) - 1
+        r1 = bisect.bisect_left(row_off, b)
+        out = self.rows[r0:r1].copy()
+        cut = a - row_off[r0]
+        if cut:  # only document rows are longer than 1, so only they are ever cut
+            out[0, 3] += cut
+            out[0, 4] -= cut
+        over = row_off[r1] - b
+        if over:
+            out[-1, 4] -= over
+        return out
+
+
+_Part = tuple[_Stream, int, int]  # stream tokens a .. b
+
+
+class _Specials(NamedTuple):
+    """The special token ids Pack places (see :class:`~torchdata_ext.nodes.pack.Pack`)."""
+
+    bos: int | None
+    eos: int | None
+    bol: int | None
+    eol: int | None
+    pad: int
+
+    @property
+    def combined(self) -> bool:
+        """One separator for both ends (epochraft): only an EOS is ever added."""
+        return self.bos is not None and self.bos == self.eos
+
+    @property
+    def bos_role(self) -> int | None:
+        """The id of an added BOS (None: none is ever added)."""
+        return None if self.combined else self.bos
+
+
+class _Mark(NamedTuple):
+    """A clean point upstream to replay from (Pack's state keys of the same names).
+
+    Attributes:
+        source: the upstream state from which the next pull gives the block.
+        consumed: what of that block is already used (stream tokens or units, by strategy).
+        open_docs: ``[dataset, file, doc]`` of documents open at that block that began with
+            the shared BOS/EOS token (the block's :attr:`_Stream.carry_in`).
+    """
+
+    source: Any
+    consumed: int
+    open_docs: list[list[Any]]
+
+
+class _Cursor:
+    """Where Pack reads upstream: the current :class:`_Stream` and a position in it.
+
+    Args:
+        source: Pack's source node (yielding token ``DocumentBlock`` s).
+        dtype: the integer dtype of the stream tokens.
+        specials: the token ids to place (only BOS and EOS are placed here).
+
+    Attributes:
+        cur: the stream being read (None until the first pull after a reset).
+        pos: the position in ``cur`` (a stream token or a unit, by strategy).
+        exhausted: whether the source has run out.
+        dataset_names: the dataset names met so far, indexed by provenance dataset ids.
+    """
+
+    def __init__(self, source: BaseNode, dtype: np.dtype, specials: _Specials) -> None:
+        self.source = source
+        self.dtype = dtype
+        self.bos_token, self.eos_token = specials.bos, specials.eos
+        self._combined = specials.combined
+        self._bos_row = np.array([LITERAL, specials.bos or 0, 0, 0, 1], np.int64)
+        self._eos_row = np.array([LITERAL, specials.eos or 0, 0, 0, 1], np.int64)
+        self.dataset_names: list[str] = []
+        self._ds_ids: dict[str, int] = {}
+        self._open: set[tuple[str, int, int]] = set()
+        self.cur: _Stream | None = None
+        self.pos = 0
+        self.exhausted = False
+        self._skip = 0
+        self._start = _Mark(None, 0, [])
+
+    def reset(self, start: _Mark, dataset_names: list[str]) -> None:
+        """Read again from ``start`` (the source already reset to ``start.source``)."""
+        self.cur, self.pos, self.exhausted = None, 0, False
+        self._start = start
+        self.dataset_names = dataset_names
+        self._ds_ids = {n: i for i, n in enumerate(dataset_names)}
+        self._open = {(str(d), int(f), int(k)) for d, f, k in start.open_docs}
+        self._skip = start.consumed
+
+    def here(self) -> _Mark:
+        """The clean point of the current position: the current block and ``pos`` in it."""
+        if self.cur is None:
+            return self._start
+        return _Mark(self.cur.pre_state, self.pos, self.cur.carry_in)
+
+    def pull(self) -> bool:
+        """Read the next block into ``cur``; False when the source is exhausted."""
+        if self.exhausted:
+            return False
+        pre = self.source.state_dict()
+        try:
+            block = next(self.source)
+        except StopIteration:
+            self.exhausted = True
+            return False
+        self.cur = self._expand(block, pre)
+        self.pos, self._skip = self._skip, 0
+        return True
+
+    def pieces(self, s: _Stream, a: int, b: int) -> list[_Piece]:
+        """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
+        if a >= b:
+            return []
+        return [
+            (self.dataset_names[ds], f, d, start, start + length)
+            for ds, f, d, start, length in s.rows_between(a, b).tolist()
+            if ds >= 0 and length > 0
+        ]
+
+    def _dataset_id(self, name: str) -> int:
+        i = self._ds_ids.get(name)
+        if i is None:
+            i = self._ds_ids[name] = len(self.dataset_names)
+            self.dataset_names.append(name)
+        return i
+
+    def _expand(self, block: DocumentBlock, pre_state: Any) -> _Stream:
+        """Place the block's document specials: its tokens, provenance rows and units."""
+        if not isinstance(block, DocumentBlock):
+            raise TypeError(
+                f"Pack needs DocumentBlocks from its source, got {type(block).__name__}; "
+                "put Pack right after the reader, tokenize or interleave node"
+            )
+        if block.tokens is None:
+            raise TypeError(
+                f"Pack got a text block from dataset {block.dataset!r}; tokenize first (put a "
+                "tokenize node between the reader and Pack)"
+            )
+        carry_in = sorted([list(k) for k in self._open]) if self._combined else []
+        ds_id = self._dataset_id(block.dataset)
+        tokens = np.asarray(block.tokens)
+        if tokens.dtype != self.dtype:
+            tokens = tokens.astype(self.dtype)
+        off = np.asarray(block.offsets, np.int64)
+        n = len(off) - 1
+        lengths = off[1:] - off[:-1]
+        last = np.asarray(block.last, bool)
+        nonempty = lengths > 0
+        all_nonempty = bool(nonempty.all())
+        first = np.asarray(block.start) == 0
+        # empty whole documents are dropped (they get no specials)
+        keep = None if all_nonempty else nonempty | ~(first & last)
+        safe = tokens.size - 1 if tokens.size else 0
+        if self._combined or self.bos_token is not None:
+            head = tokens[np.minimum(off[:-1], safe)] if tokens.size else np.zeros(n, self.dtype)
+        if self._combined or self.eos_token is not None:
+            tail = tokens[np.maximum(off[1:] - 1, 0)] if tokens.size else np.zeros(n, self.dtype)
+        addbos = addeos = None
+        if self._combined:
+            sep = self.eos_token
+            head_s, tail_s = nonempty & (head == sep), nonempty & (tail == sep)
+            addeos = last & ~tail_s & ~(first & head_s)
+            for i in np.flatnonzero(first ^ last).tolist():  # chunked documents' ends only
+                key = (block.dataset, int(block.file[i]), int(block.doc[i]))
+                if first[i]:
+                    if head_s[i]:
+                        self._open.add(key)
+                    else:
+                        self._open.discard(key)
+                elif key in self._open:
+                    self._open.discard(key)
+                    addeos[i] = False
+        else:
+            if self.bos_token is not None:
+                ends_bos = head == self.bos_token
+                addbos = first & ~(ends_bos if all_nonempty else nonempty & ends_bos)
+            if self.eos_token is not None:
+                ends_eos = tail == self.eos_token
+                addeos = last & ~(ends_eos if all_nonempty else nonempty & ends_eos)
+        if keep is not None:
+            addbos = None if addbos is None else addbos & keep
+            addeos = None if addeos is None else addeos & keep
+        n_bos = 0 if addbos is None else int(np.count_nonzero(addbos))
+        n_eos = 0 if addeos is None else int(np.count_nonzero(addeos))
+        if not n_bos:
+            addbos = None
+        if not n_eos:
+            addeos = None
+        unit_len = lengths
+        if addbos is not None:
+            unit_len = unit_len + addbos
+        if addeos is not None:
+            unit_len = unit_len + addeos
+        unit_off = np.empty(n + 1, np.int64)
+        unit_off[0] = 0
+        np.cumsum(unit_len, out=unit_off[1:])
+        if n_bos or n_eos:
+            out = np.empty(int(unit_off[-1]), self.dtype)
+            at_bos = None if addbos is None else unit_off[:-1][addbos]
+            at_eos = None if addeos is None else unit_off[1:][addeos] - 1
+            if n <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
+                dest = unit_off[:-1] if addbos is None else unit_off[:-1] + addbos
+                for d, a, b in zip(dest.tolist(), off[:-1].tolist(), off[1:].tolist()):
+                    out[d : d + b - a] = tokens[a:b]
+            else:
+                mask = np.ones(len(out), bool)
+                if at_bos is not None:
+                    mask[at_bos] = False
+                if at_eos is not None:
+                    mask[at_eos] = False
+                out[mask] = tokens[: off[-1]]
+            if at_bos is not None:
+                out[at_bos] = self.bos_token
+            if at_eos is not None:
+                out[at_eos] = self.eos_token
+        else:
+            out = tokens[: off[-1]]
+        # provenance rows: [BOS] [document piece] [EOS] per piece, the ones present
+        mid = np.empty((n, PROV_COLUMNS), np.int64)
+        mid[:, 0] = ds_id
+        mid[:, 1] = block.file
+        mid[:, 2] = block.doc
+        mid[:, 3] = block.start
+        mid[:, 4] = lengths
+        if addbos is None and all_nonempty and addeos is None:
+            rows = mid
+        elif addbos is None and all_nonempty and n_eos == n:  # rows alternate piece, EOS
+            rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
+            rows[0::2] = mid
+            rows[1::2] = self._eos_row
+        else:
+            no = np.zeros(n, bool)
+            which = np.flatnonzero(
+                np.stack(
+                    [no if addbos is None else addbos, nonempty, no if addeos is None else addeos],
+                    1,
+                ).ravel()
+            )
+            rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
+            rows3[:, 0] = self._bos_row
+            rows3[:, 1] = mid
+            rows3[:, 2] = self._eos_row
+            rows = rows3.reshape(-1, PROV_COLUMNS)[which]
+        row_off = np.empty(len(rows) + 1, np.int64)
+        row_off[0] = 0
+        np.cumsum(rows[:, 4], out=row_off[1:])
+        return _Stream(pre_state, carry_in, out, rows, row_off, unit_off)
