@@ -10,7 +10,10 @@ Folder layout (``url/``)::
 Every file is written atomically (:func:`torchdata_ext.remote.write_bytes_atomic`), so a kill
 never leaves a half-written file; the manifest is written last (after a barrier when
 ``torch.distributed`` is initialised), so a folder without a manifest is an incomplete
-checkpoint and is refused.
+checkpoint and is refused. A save into a folder that holds a checkpoint first removes its
+manifest, so a save that fails or is killed half-way never leaves the old manifest over a mix
+of old and new files (the old checkpoint is lost then: save each step into its own folder to
+always keep the last complete one).
 
 Checksums: a file damaged after the save is refused, naming it, before anything is restored.
 Each rank hashes the worker files it writes and records the digests in its ``rank_*.json``
@@ -45,7 +48,7 @@ from torchdata_ext.graph import reader_states as _reader_states  # noqa: F401
 from torchdata_ext.graph import token_counters as _token_counters  # noqa: F401
 from torchdata_ext.loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.nodes.pack import Pack
-from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.remote import remove_file, write_bytes_atomic
 from torchdata_ext.rescale import old_workers_needed, rescale_worker_states
 from torchdata_ext.urls import filesystem
 from torchdata_ext.world import World
@@ -166,7 +169,9 @@ def save_checkpoint(
 ) -> None:
     """Write this rank's part of the loader checkpoint into folder ``url`` (atomically).
 
-    Call on every rank at the same step. Rank 0 writes the manifest last.
+    Call on every rank at the same step. Rank 0 removes the manifest of an earlier checkpoint
+    in ``url`` first and writes the new one last, so ``url`` is a complete checkpoint only once
+    every rank's files are written.
 
     Args:
         loader: the loader, at the step to checkpoint.
@@ -174,6 +179,7 @@ def save_checkpoint(
         storage_options: fsspec options for ``url``.
     """
     state = loader.state_dict()
+    _start_save(url, loader.rank, storage_options)
     files = {}
     for g, st in state["workers"].items():
         data = pickle.dumps(st, protocol=pickle.HIGHEST_PROTOCOL)
@@ -206,6 +212,14 @@ def save_checkpoint(
             "checksums": _CHECKSUMS,
         }
         write_bytes_atomic(posixpath.join(url, _MANIFEST), _sealed_json(manifest), storage_options)
+    _barrier()
+
+
+def _start_save(url: str, rank: int, storage_options: dict[str, Any] | None) -> None:
+    """Mark folder ``url`` incomplete before any of its files changes: rank 0 removes the
+    manifest of an earlier save there, then every rank waits for that."""
+    if rank == 0:
+        remove_file(posixpath.join(url, _MANIFEST), storage_options)
     _barrier()
 
 

@@ -26,7 +26,6 @@ import io
 import logging
 import os
 import posixpath
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,7 +41,13 @@ from torchdata_ext.handlers.base import (
     registered_formats,
 )
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
-from torchdata_ext.remote import RemoteError, check_access, default_cache_dir, with_retries
+from torchdata_ext.remote import (
+    RemoteError,
+    check_access,
+    default_cache_dir,
+    with_retries,
+    write_bytes_atomic,
+)
 from torchdata_ext.urls import expand_urls, filesystem
 
 __all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
@@ -277,13 +282,8 @@ class DatasetIndex:
             _HEADER, zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes)
         )
         url = posixpath.join(root, "meta", COUNTS_FILE)
-        try:
-            fs, path = filesystem(url, self.storage_options)
-            fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with fs.open(tmp, "w") as f:
-                f.write(text)
-            fs.mv(tmp, path)
+        try:  # atomic, and a failed write (a full disk) leaves no temporary file
+            write_bytes_atomic(url, text.encode(), self.storage_options)
         except Exception as exc:  # read-only data is normal on shared storage
             logger.warning("could not write document counts to %s (%s); continuing", url, exc)
 
@@ -300,11 +300,7 @@ class DatasetIndex:
         )
         path = _cache_path(root)
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
+            write_bytes_atomic(path, text.encode())
         except OSError as exc:
             logger.warning("could not keep document counts in %s (%s); continuing", path, exc)
 

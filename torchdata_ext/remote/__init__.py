@@ -5,7 +5,8 @@ Three pieces, usable on their own and wired into :class:`~torchdata_ext.nodes.Sh
 * :class:`RetryPolicy` and :func:`with_retries`: exponential backoff with full jitter on
   transient errors (HTTP 5xx / 429 / ``SlowDown``, connection resets, timeouts, truncated
   bodies), a bounded number of attempts and of total time, then a :class:`RemoteError` naming the
-  URL. Permanent errors are not retried: a missing bucket or bad credentials raise a
+  URL. Permanent errors are not retried: a missing bucket, bad credentials or an endpoint that
+  cannot be reached (connection refused, unknown host, invalid URL) raise a
   :class:`RemoteError` at once saying what to check; a missing object raises
   ``FileNotFoundError``.
 * :class:`ShardCache`: whole-file downloads of remote shard files into a local directory shared
@@ -22,7 +23,8 @@ Modules (import from this package; the modules are its layout, not its interface
 * :mod:`.retry`: :class:`RemoteError`, :class:`RetryPolicy`, :func:`with_retries`,
   :func:`is_transient`, :func:`explain_error` (no I/O).
 * :mod:`.files`: :func:`is_remote`, :func:`read_bytes`, :func:`write_bytes_atomic` (the
-  project's one atomic write), :func:`check_access`, :func:`default_cache_dir`.
+  project's one atomic write), :func:`remove_file`, :func:`check_access`,
+  :func:`default_cache_dir`.
 * :mod:`.cache`: :class:`ShardCache`, what one process keeps (holds, prefetch threads,
   counters) and the download.
 * :mod:`.disk`: the cache folder shared by all processes: layout, ``flock`` locks, scanning and
@@ -35,6 +37,7 @@ from torchdata_ext.remote.cache import ShardCache
 from torchdata_ext.remote.disk import COMPANION_SUFFIXES as COMPANION_SUFFIXES
 from torchdata_ext.remote.files import check_access, is_remote, read_bytes, write_bytes_atomic
 from torchdata_ext.remote.files import default_cache_dir as default_cache_dir
+from torchdata_ext.remote.files import remove_file as remove_file
 from torchdata_ext.remote.rangefile import RangeFile as RangeFile
 from torchdata_ext.remote.retry import RemoteError, RetryPolicy, is_transient, with_retries
 from torchdata_ext.remote.retry import explain_error as explain_error

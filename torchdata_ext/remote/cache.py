@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from torchdata_ext.remote import disk
 from torchdata_ext.remote.disk import Entry
-from torchdata_ext.remote.files import cache_filesystem, default_cache_dir, is_remote
+from torchdata_ext.remote.files import default_cache_dir, is_remote, private_filesystem
 from torchdata_ext.remote.rangefile import RangeFile
 from torchdata_ext.remote.retry import IncompleteDownload, RetryPolicy, with_retries
 
@@ -382,7 +382,7 @@ class ShardCache:
     def _fs(self, url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
         """A filesystem for the caches of this process (not shared with other code), with
         retries left to :class:`RetryPolicy` when ``own_retries``."""
-        return cache_filesystem(url, self._options(storage_options), own_retries=self.own_retries)
+        return private_filesystem(url, self._options(storage_options), own_retries=self.own_retries)
 
     def _count(self, key: str, n: float = 1) -> None:
         self._rt.stats[key] += n  # callers hold rt.mu

@@ -1,10 +1,12 @@
-"""Whole-object helpers on any URL, and the filesystem clients of the shard caches.
+"""Whole-object helpers on any URL, and the filesystem clients this package does remote I/O with.
 
 :func:`is_remote` tells object stores from local paths; :func:`read_bytes` and
-:func:`write_bytes_atomic` read and write a whole object with retries (the write is atomic);
+:func:`write_bytes_atomic` read and write a whole object with retries (the write is atomic),
+:func:`remove_file` deletes one;
 :func:`check_access` explains an empty listing (wrong bucket, credentials or endpoint);
 :func:`default_cache_dir` is where a :class:`~torchdata_ext.remote.ShardCache` lives by default;
-:func:`cache_filesystem` makes the fsspec clients the caches download with.
+:func:`private_filesystem` makes the fsspec clients the helpers and the caches use (the S3
+client's own retries off, so that :class:`~torchdata_ext.remote.RetryPolicy` alone decides).
 
 ``check_access`` sits here rather than with the errors in :mod:`.retry` because it lists a
 bucket: :mod:`.retry` does no I/O and imports nothing from this module.
@@ -12,6 +14,7 @@ bucket: :mod:`.retry` does no I/O and imports nothing from this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -24,17 +27,18 @@ from torchdata_ext.remote.retry import RetryPolicy, with_retries
 from torchdata_ext.urls import filesystem, is_local
 
 __all__ = [
-    "cache_filesystem",
     "check_access",
     "default_cache_dir",
     "is_remote",
+    "private_filesystem",
     "read_bytes",
+    "remove_file",
     "write_bytes_atomic",
 ]
 
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
-# filesystems of the caches of this process, by protocol and options (clients are slow to make)
+# private filesystems of this process, by protocol and options (clients are slow to make)
 _FILESYSTEMS: dict[str, Any] = {}
 _FS_LOCK = threading.Lock()
 
@@ -48,7 +52,7 @@ def read_bytes(
     url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
 ) -> bytes:
     """The content of ``url``, with retries."""
-    fs, path = filesystem(url, storage_options)
+    fs, path = _client(url, storage_options)
     return bytes(with_retries(lambda: fs.cat_file(path), url, retry, what="read"))
 
 
@@ -66,8 +70,9 @@ def write_bytes_atomic(
       (``.<name>.tmp-<random hex>``, so on the same filesystem), flushed and ``fsync``-ed, then
       renamed over ``url`` (``os.replace``, atomic). A process killed at any moment leaves
       ``url`` whole, old before the rename and new after it: never a half-written file. If the
-      write or the rename fails, the temporary file is removed and the error raised; only a
-      kill can leave the temporary file behind (under its hidden name, never as ``url``).
+      write or the rename fails (a full disk...), the temporary file is removed and an
+      ``OSError`` naming ``url`` raised (same ``errno``); only a kill can leave the temporary
+      file behind (under its hidden name, never as ``url``).
     * Object stores: a single PUT is atomic (the object appears whole or not at all), so the
       object is written in one call, retried under ``retry`` on transient errors.
 
@@ -78,22 +83,41 @@ def write_bytes_atomic(
         retry: the :class:`~torchdata_ext.remote.RetryPolicy` of the PUT (default
             ``RetryPolicy()``); local writes are not retried.
     """
-    fs, path = filesystem(url, storage_options)
+    fs, path = _client(url, storage_options)
     if is_local(fs):
         folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
         try:
+            os.makedirs(folder, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as exc:  # a failed write() names no file: say which, and what to do
+            raise OSError(
+                exc.errno,
+                f"cannot write {url} ({exc.strerror or exc}); check the space left and the "
+                "permissions of that folder, or write elsewhere",
+            ) from exc
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return
     with_retries(lambda: fs.pipe_file(path, data), url, retry, what="write")
+
+
+def remove_file(
+    url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> None:
+    """Delete the file or object ``url`` if it exists (retried on object stores)."""
+    fs, path = _client(url, storage_options)
+    if is_local(fs):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        with_retries(lambda: fs.rm_file(path), url, retry, what="delete")
 
 
 def check_access(url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -105,7 +129,7 @@ def check_access(url: str, storage_options: dict[str, Any] | None = None) -> Non
     """
     if not is_remote(url):
         return
-    fs, path = filesystem(url, storage_options)
+    fs, path = _client(url, storage_options)
     bucket = path.split("/", 1)[0]
     if not bucket:
         return
@@ -121,13 +145,14 @@ def default_cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"torchdata_ext_cache_{uid}")
 
 
-def cache_filesystem(
+def private_filesystem(
     url: str, storage_options: dict[str, Any], *, own_retries: bool
 ) -> tuple[Any, str]:
-    """A filesystem for the caches of this process (not shared with other code) and the path
-    of ``url`` on it; with ``own_retries`` (and no ``AWS_MAX_ATTEMPTS``), the S3 client's own
-    retries are off, so that :class:`~torchdata_ext.remote.RetryPolicy` alone bounds the time
-    spent on a failing object."""
+    """A filesystem of this package's remote I/O in this process (not shared with the user's
+    code) and the path of ``url`` on it; with ``own_retries`` (and no ``AWS_MAX_ATTEMPTS``,
+    and no ``retries`` in ``storage_options`` ``config_kwargs``), the S3 client's own retries
+    are off, so that :class:`~torchdata_ext.remote.RetryPolicy` alone bounds the time spent on
+    a failing object, and an endpoint that cannot be reached fails in one attempt."""
     so = storage_options
     protocol = split_protocol(url)[0] or "file"
     own = own_retries and "AWS_MAX_ATTEMPTS" not in os.environ
@@ -148,6 +173,14 @@ def cache_filesystem(
         with _FS_LOCK:
             hit = _FILESYSTEMS.setdefault(key, fs)
     return hit, hit._strip_protocol(url)
+
+
+def _client(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """The filesystem of the whole-object helpers: private (retries left to
+    :class:`~torchdata_ext.remote.RetryPolicy`) for object stores, the shared one otherwise."""
+    if is_remote(url):
+        return private_filesystem(url, dict(storage_options or {}), own_retries=True)
+    return filesystem(url, storage_options)
 
 
 def _reset_after_fork() -> None:

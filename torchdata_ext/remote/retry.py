@@ -2,10 +2,12 @@
 
 :func:`with_retries` runs an operation under a :class:`RetryPolicy`: exponential backoff with
 full jitter on transient errors (HTTP 5xx / 429 / ``SlowDown``, connection resets, timeouts,
-truncated bodies), a bounded number of attempts and of total time, then a :class:`RemoteError`
-naming the URL. Permanent errors are not retried: a missing bucket or bad credentials raise a
-:class:`RemoteError` at once saying what to check (:func:`explain_error`); a missing object
-raises ``FileNotFoundError``. :func:`is_transient` is the classification.
+truncated bodies), a bounded number of attempts and of total time, each retry one log line
+(URL, attempt, wait), then a :class:`RemoteError` naming the URL. Permanent errors are not
+retried: a missing bucket, bad credentials or an endpoint that cannot be reached (connection
+refused, unknown host, failed TLS handshake, invalid endpoint URL) raise a :class:`RemoteError`
+at once saying what to check (:func:`explain_error`); a missing object raises
+``FileNotFoundError``. :func:`is_transient` is the classification.
 
 No I/O here: the operations are the callers'.
 """
@@ -15,10 +17,12 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 __all__ = [
     "IncompleteDownload",
@@ -61,7 +65,6 @@ _TRANSIENT_ERRNOS = frozenset(
     {
         errno.ECONNRESET,
         errno.ECONNABORTED,
-        errno.ECONNREFUSED,
         errno.ETIMEDOUT,
         errno.EPIPE,
         errno.EHOSTUNREACH,
@@ -91,6 +94,16 @@ _CREDENTIALS_HINT = (
     "access policy, and the endpoint (storage_options client_kwargs endpoint_url, or "
     "AWS_ENDPOINT_URL)"
 )
+_ENDPOINT_HINT = "storage_options client_kwargs endpoint_url, or AWS_ENDPOINT_URL"
+# getaddrinfo errors that say the name does not exist (EAI_AGAIN, a DNS server that did not
+# answer, stays transient)
+_UNKNOWN_HOST = frozenset(
+    getattr(socket, n) for n in ("EAI_NONAME", "EAI_NODATA", "EAI_SERVICE") if hasattr(socket, n)
+)
+
+# stores (``protocol://bucket``) that answered a request in this process: for them a refused
+# connection or an unknown host is an outage (a server restarting) and is retried
+_REACHED: set[str] = set()
 
 
 class RemoteError(OSError):
@@ -172,6 +185,11 @@ def with_retries(
 ) -> T:
     """Call ``fn()``, retrying transient errors under ``policy``.
 
+    Each retry logs one warning naming the URL, the error, the attempt and the wait (no
+    traceback). An endpoint that cannot be reached (connection refused, unknown host) fails at
+    once, unless the same store (``protocol://bucket``) answered earlier in this process: then
+    it is an outage, retried like a transient error.
+
     Args:
         fn: the operation (no arguments).
         url: the URL it works on, named in errors and logs.
@@ -181,19 +199,22 @@ def with_retries(
 
     Raises:
         RemoteError: the retries ran out (``transient=True``), or a permanent error that is
-            about access or the bucket (message says what to check).
+            about access, the bucket or the endpoint (message says what to check).
         FileNotFoundError: the object does not exist (unchanged, so callers can handle it).
         Exception: any other permanent error, unchanged.
     """
     policy = policy or RetryPolicy()
+    store = _store(url)
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         try:
-            return fn()
+            out = fn()
         except Exception as exc:
-            if not is_transient(exc):
+            down = _unreachable(exc)
+            outage = down is not None and down[0] in ("refused", "unknown host")
+            if not ((outage and store in _REACHED) or is_transient(exc)):
                 clear = explain_error(url, exc, what)
                 if clear is exc:
                     raise
@@ -209,18 +230,27 @@ def with_retries(
                     "RetryPolicy(total_timeout_s=..., max_attempts=...)",
                     transient=True,
                 ) from exc
-            log = logger.warning if attempt == 1 else logger.debug
-            log(
-                "%s of %s failed (%s); retry %d in %.2fs",
-                what,
+            logger.warning(
+                "%s: %s failed (%s); attempt %d of %d, retrying in %.2fs",
                 url,
+                what,
                 _describe(exc),
                 attempt,
+                policy.max_attempts,
                 pause,
             )
             if on_retry is not None:
                 on_retry(exc)
             time.sleep(pause)
+        else:
+            _REACHED.add(store)
+            return out
+
+
+def _store(url: str) -> str:
+    """``protocol://bucket`` of ``url`` (what a refused connection is remembered by)."""
+    parts = urlsplit(str(url))
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -251,7 +281,8 @@ def _is_transient_one(exc: BaseException) -> bool | None:
     info = _client_error_info(exc)
     if info is not None:
         code, status = info
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+        # 501 Not Implemented: the server does not do this request (often not an S3 server)
+        return code in _TRANSIENT_CODES or (status >= 500 and status != 501) or status == 429
     if isinstance(
         exc,
         (
@@ -282,6 +313,8 @@ def _is_transient_one(exc: BaseException) -> bool | None:
         return True  # payload cut short, disconnected, connection reset, bad status line
     if name in ("FSTimeoutError", "IncompleteRead", "RemoteDisconnected"):
         return True
+    if isinstance(exc, socket.gaierror):  # a DNS server that did not answer (else unknown host)
+        return exc.errno == socket.EAI_AGAIN
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     return None
@@ -290,16 +323,55 @@ def _is_transient_one(exc: BaseException) -> bool | None:
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is worth retrying.
 
-    Transient: HTTP 5xx, 429 and the S3 throttling codes (``SlowDown``...), connection resets and
-    refusals, timeouts, truncated or unparsable responses (botocore, aiohttp, ``OSError`` with
+    Transient: HTTP 5xx (but 501), 429 and the S3 throttling codes (``SlowDown``...), connection
+    resets, timeouts, truncated or unparsable responses (botocore, aiohttp, ``OSError`` with
     ``ECONNRESET``...). Permanent: missing objects or buckets, access denied, bad or missing
-    credentials, other 4xx, and anything unknown.
+    credentials, an endpoint that cannot be reached (connection refused, unknown host, failed
+    TLS handshake, invalid endpoint URL: see :func:`with_retries` for an endpoint that answered
+    before), other 4xx, and anything unknown.
     """
+    if _unreachable(exc) is not None:
+        return False
     for e in _chain(exc):
         verdict = _is_transient_one(e)
         if verdict is not None:
             return verdict
     return False
+
+
+def _unreachable(exc: BaseException) -> tuple[str, str, str] | None:
+    """``(kind, endpoint, reason)`` when ``exc`` (or what caused it) says the endpoint cannot be
+    reached at all; ``kind`` is ``"invalid"`` (not a URL), ``"refused"``, ``"unknown host"`` or
+    ``"tls"`` (the handshake failed); ``endpoint`` is ``scheme://host:port`` when the error
+    names it, else ``""``."""
+    chain = _chain(exc)
+    for e in chain:
+        if isinstance(e, ValueError) and str(e).startswith("Invalid endpoint"):
+            return "invalid", str(e).partition(":")[2].strip(), "not a URL"
+        if isinstance(e, ConnectionRefusedError) or (
+            isinstance(e, OSError) and e.errno == errno.ECONNREFUSED
+        ):
+            return "refused", _endpoint_of(chain), "connection refused: nothing listens there"
+        if isinstance(e, socket.gaierror) and e.errno in _UNKNOWN_HOST:
+            return "unknown host", _endpoint_of(chain), f"unknown host: {e.strerror or e}"
+        if type(e).__name__ in ("ClientConnectorSSLError", "ClientConnectorCertificateError"):
+            reason = f"the TLS handshake failed: {getattr(e, 'os_error', None) or e}"
+            return "tls", _endpoint_of(chain), reason
+    return None
+
+
+def _endpoint_of(chain: list[BaseException]) -> str:
+    """``scheme://host:port`` named by an error of ``chain`` (botocore or aiohttp), else ``""``."""
+    for e in chain:
+        request_url = getattr(e, "kwargs", {}).get("endpoint_url")  # botocore errors
+        if isinstance(request_url, str):
+            parts = urlsplit(request_url)
+            return f"{parts.scheme}://{parts.netloc}"
+        host, port = getattr(e, "host", None), getattr(e, "port", None)  # aiohttp
+        if isinstance(host, str) and port is not None:
+            scheme = "http" if getattr(e, "ssl", None) in (False, None) else "https"
+            return f"{scheme}://{host}:{port}"
+    return ""
 
 
 def _describe(exc: BaseException) -> str:
@@ -310,10 +382,31 @@ def _describe(exc: BaseException) -> str:
 
 
 def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseException:
-    """A permanent error made clear: a :class:`RemoteError` for access, credentials and missing
-    buckets (saying what to check), ``exc`` itself otherwise."""
+    """A permanent error made clear: a :class:`RemoteError` for access, credentials, missing
+    buckets and endpoints that cannot be reached (saying what to check), ``exc`` itself
+    otherwise."""
     if isinstance(exc, RemoteError):
         return exc
+    unreachable = _unreachable(exc)
+    if unreachable is not None:
+        kind, endpoint, reason = unreachable
+        if kind == "invalid":
+            return RemoteError(
+                url,
+                f"{what} failed: the endpoint URL {endpoint!r} is not valid; give the whole URL "
+                f"with its scheme, e.g. 'http://host:9000' ({_ENDPOINT_HINT})",
+            )
+        check = (
+            "the scheme of the endpoint URL (http:// for a server without TLS) and the "
+            "server's certificate (storage_options client_kwargs verify)"
+            if kind == "tls"
+            else f"the endpoint URL ({_ENDPOINT_HINT}), that the server is running and that "
+            "this machine reaches it"
+        )
+        where = f"the endpoint {endpoint}" if endpoint else "the endpoint"
+        return RemoteError(
+            url, f"{what} failed: cannot connect to {where} ({reason}); check {check}"
+        )
     chain = _chain(exc)
     codes = {info[0] for e in chain if (info := _client_error_info(e)) is not None}
     names = {type(e).__name__ for e in chain}
@@ -335,5 +428,11 @@ def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseExcep
     if codes & _AUTH_CODES or isinstance(exc, PermissionError):
         return RemoteError(
             url, f"{what} failed: access denied ({_describe(exc)}); {_CREDENTIALS_HINT}"
+        )
+    if any(info[1] == 501 for e in chain if (info := _client_error_info(e)) is not None):
+        return RemoteError(
+            url,
+            f"{what} failed: the server does not implement this request ({_describe(exc)}); "
+            f"check that the endpoint URL ({_ENDPOINT_HINT}) points at an S3-compatible server",
         )
     return exc
