@@ -214,17 +214,7 @@ def _as_format_1(graph):
 def test_a_state_written_by_the_previous_version_still_restores(tmp_path, workers) -> None:
     """States of the previous format (worker graphs pickled as ``graph_pickle``, shuffle
     provenance concatenated) restore and continue with exactly the uninterrupted stream."""
-    from torchdata_ext.pipeline import PipelineConfig
-
-    rng = np.random.default_rng(1)
-    for name in ("web", "code"):
-        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
-        write_arrow_batches(str(tmp_path / name / "a.arrow"), docs)
-    cfg = PipelineConfig(
-        data_path=str(tmp_path), datasets="web,code", weights="2,1", seq_length=24,
-        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3,
-        output_keys="input_ids,labels,position_ids,loss_mask",
-    )  # fmt: skip
+    cfg = _two_datasets(tmp_path, 1, output_keys="input_ids,labels,position_ids,loss_mask")
     build = functools.partial(_pipeline, cfg)
     ref = [_batch_key(b) for b in take(TokenLoader(build, num_workers=workers), 24)]
     loader = TokenLoader(build, num_workers=workers)
@@ -244,6 +234,20 @@ def test_a_state_written_by_the_previous_version_still_restores(tmp_path, worker
     assert head + [_batch_key(b) for b in take(iter(resumed), 15)] == ref
 
 
+def _two_datasets(root, seed: int, **kw):
+    """A small full-pipeline config over two datasets of random documents under ``root``."""
+    from torchdata_ext.pipeline import PipelineConfig
+
+    rng = np.random.default_rng(seed)
+    for name in ("web", "code"):
+        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
+        write_arrow_batches(str(root / name / "a.arrow"), docs)
+    return PipelineConfig(
+        data_path=str(root), datasets="web,code", weights="2,1", seq_length=24,
+        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3, **kw,
+    )  # fmt: skip
+
+
 def _pipeline(cfg, world):
     from torchdata_ext.pipeline import build_pipeline
 
@@ -260,16 +264,7 @@ def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_pat
     same values and same types (NumPy arrays stay arrays across the process boundary)."""
     from test_state_delta import same
 
-    from torchdata_ext.pipeline import PipelineConfig
-
-    rng = np.random.default_rng(2)
-    for name in ("web", "code"):
-        docs = [rng.integers(5, 900, int(rng.integers(1, 60)), dtype=np.uint32) for _ in range(80)]
-        write_arrow_batches(str(tmp_path / name / "a.arrow"), docs)
-    cfg = PipelineConfig(
-        data_path=str(tmp_path), datasets="web,code", weights="2,1", seq_length=24,
-        logical_shards=8, batch_size=2, shuffle_buffer=9, block_docs=4, seed=3,
-    )  # fmt: skip
+    cfg = _two_datasets(tmp_path, 2)
     build = functools.partial(_pipeline, cfg)
     local, remote = TokenLoader(build, num_workers=0), TokenLoader(build, num_workers=1)
     a, b = iter(local), iter(remote)
