@@ -337,13 +337,14 @@ class TokenLoader:
     def _deliver(self, produced: Iterator[_Delivery]) -> Iterator[Any]:
         """On the training thread: take each ready batch and make its worker's state the
         current one (the work is done in :meth:`_produce`)."""
-        every = self.snapshot_every_n_steps
+        W, every = self.logical_workers, self.snapshot_every_n_steps
+        lagging = self.num_workers > 0 and every > 1  # only then does state_dict read _snap
         for d in produced:
             self._states[d.worker] = d.state
             self._io[d.worker] = d.io
-            self._next = d.next_worker
+            self._next = (d.worker + 1) % W
             self._yielded += 1
-            if self._yielded % every == 0:
+            if lagging and self._yielded % every == 0:
                 self._snap = self._live_snapshot()
             if self._skip:  # delivered before the checkpoint, after its state
                 self._skip -= 1
@@ -387,7 +388,7 @@ class TokenLoader:
                 item = item.to_tensors()
             if self.pin_memory and self.num_workers == 0:
                 item = _pinned(item)
-            yield _Delivery(item, w, states[w], io.get(w, {}), (w + 1) % W)
+            yield _Delivery(item, w, states[w], io.get(w, {}))
             w = (w + 1) % W
 
     def _live_snapshot(self) -> tuple[dict[int, Any], int, int]:
@@ -398,8 +399,8 @@ class TokenLoader:
         """This rank's state: one graph state per worker, keyed by global worker id.
 
         ``{"format", "rank", "world_size", "num_workers", "next_worker", "skip_batches",
-        "workers": {global worker id: {"world", "graph", "io"}}}``. Costs no copy: the graph states are shared with later states and
-        never change (treat them as read-only)."""
+        "workers": {global worker id: {"world", "graph", "io"}}}``. Costs no copy: the graph
+        states are shared with later states and never change (treat them as read-only)."""
         W = self.logical_workers
         if self.num_workers and self.snapshot_every_n_steps > 1:
             states, next_worker, at = self._snap
@@ -502,7 +503,6 @@ class _Delivery(NamedTuple):
     worker: int
     state: Any
     io: dict[str, float]
-    next_worker: int
 
 
 def _as_is(message: _Message) -> _Message:
