@@ -126,12 +126,17 @@ def worker_shards(n_logical_shards: int, total_workers: int, global_worker: int)
     w = check_int("global_worker", global_worker, 0)
     if w >= g:
         raise ValueError(f"{global_worker=} must be < {total_workers=}")
-    if n < g:
+    _check_enough_shards(n_logical_shards, total_workers)
+    return range((w * n) // g, ((w + 1) * n) // g)
+
+
+def _check_enough_shards(n_logical_shards: int, total_workers: int) -> None:
+    """Every global worker must own at least one logical shard."""
+    if n_logical_shards < total_workers:
         raise ValueError(
             f"{n_logical_shards=} must be >= the number of global workers ({total_workers}); "
             "raise n_logical_shards"
         )
-    return range((w * n) // g, ((w + 1) * n) // g)
 
 
 def shard_owner(n_logical_shards: int, total_workers: int, shard: int) -> int:
@@ -146,11 +151,7 @@ def shard_owner(n_logical_shards: int, total_workers: int, shard: int) -> int:
     s = check_int("shard", shard, 0)
     if s >= n:
         raise ValueError(f"{shard=} must be < {n_logical_shards=}")
-    if n < g:
-        raise ValueError(
-            f"{n_logical_shards=} must be >= the number of global workers ({total_workers}); "
-            "raise n_logical_shards"
-        )
+    _check_enough_shards(n_logical_shards, total_workers)
     return ((s + 1) * g - 1) // n
 
 
