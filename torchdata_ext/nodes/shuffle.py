@@ -34,7 +34,7 @@ stream is identical.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -99,8 +99,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._draws = 0
         self._exhausted = False
         # provenance cache: per block of _BLOCK slots, (rows per item, the narrowed rows);
-        # None where a slot changed since (listed in _dirty)
-        self._blocks: list[tuple[np.ndarray, np.ndarray] | None] = []
+        # None where a slot changed since (listed in _dirty); see _refresh
+        self._blocks: list[_ProvBlock | None] = []
         self._dirty: set[int] = set()
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -184,13 +184,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         }
         if self._buf and self._has_provenance():
             n_blocks = -(-len(self._buf) // _BLOCK)
-            for b in self._dirty:
-                if b < n_blocks:
-                    self._block(b)
-            self._dirty.clear()
             del self._blocks[n_blocks:]
-            for b in range(len(self._blocks), n_blocks):
-                self._block(b)
+            stale = [b for b in self._dirty if b < n_blocks]
+            stale.extend(range(len(self._blocks), n_blocks))
+            self._dirty.clear()
+            self._refresh(stale)
             state["prov_blocks"] = list(self._blocks)  # costs references: the blocks are cached
         else:
             state["items"] = [self._out(x) for x in self._buf]
@@ -227,8 +225,10 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return out
 
     def _provenance(self, item: Any) -> np.ndarray:
-        table = item[self.provenance_key] if isinstance(item, dict) else item.provenance
-        return np.asarray(table)
+        if isinstance(item, dict):
+            return np.asarray(item[self.provenance_key])
+        table = item.provenance
+        return table if type(table) is np.ndarray else np.asarray(table)
 
     def _touch(self, slot: int) -> None:
         """Slot ``slot`` changed: drop its block from the provenance cache."""
@@ -237,20 +237,21 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             self._blocks[b] = None
             self._dirty.add(b)
 
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows per item and the provenance rows (``[n, 5]``) of block ``b`` of slots, each in
-        the narrowest integer dtype that holds it. The same pair (object) until one of the
-        block's slots changes: states share it, and never see it change."""
-        while len(self._blocks) <= b:
-            self._blocks.append(None)
-        cached = self._blocks[b]
-        if cached is None:
-            tables = [self._provenance(x) for x in self._buf[b * _BLOCK : (b + 1) * _BLOCK]]
-            counts = np.fromiter((len(t) for t in tables), np.int64, len(tables))
-            rows = np.concatenate(tables).reshape(-1, PROV_COLUMNS)
-            cached = (_narrow(counts), _narrow(rows))
-            self._blocks[b] = cached
-        return cached
+    def _refresh(self, blocks: list[int]) -> None:
+        """Give blocks ``blocks`` of slots their provenance again (see :class:`_ProvBlock`).
+
+        A block is the same object until one of its slots changes: states share it and never
+        see it change. Only references are taken here (the items' own provenance tables); the
+        narrowed arrays are made when a state is pickled or read, so a state at every step
+        costs the training process almost nothing when it is never saved."""
+        if not blocks:
+            return
+        self._blocks.extend([None] * (max(blocks) + 1 - len(self._blocks)))
+        buf, prov = self._buf, self._provenance
+        slices = [buf[b * _BLOCK : (b + 1) * _BLOCK] for b in blocks]
+        group = _StaleGroup([prov(x) for items in slices for x in items], [len(s) for s in slices])
+        for i, b in enumerate(blocks):
+            self._blocks[b] = _ProvBlock(group, i)
 
     def _rebuild_items(self, state: dict[str, Any]) -> list[T]:
         if self._rebuild is None:
@@ -272,8 +273,75 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return [self._rebuild(rows[bounds[i] : bounds[i + 1]]) for i in range(len(counts))]
 
 
+class _StaleGroup:
+    """The provenance tables of the blocks one state found changed (a few per batch), made
+    into ``(counts, rows)`` pairs together, on first use: one concatenation and one narrowing
+    for all of them. Holds only the tables (small arrays, never written), not the items."""
+
+    __slots__ = ("_pairs", "_sizes", "_tables")
+
+    def __init__(self, tables: list[np.ndarray], sizes: list[int]) -> None:
+        self._tables = tables
+        self._sizes = sizes  # items per block
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        pairs = self._pairs
+        if pairs is None:  # made again if two threads race here: same values, no harm
+            pairs = self._pairs = _pairs(self._tables, self._sizes)
+        return pairs[i]
+
+
+def _pairs(tables: list[np.ndarray], sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per block of ``sizes[i]`` consecutive tables: the rows per item and the rows
+    (``[n, 5]``), views of one array each in the smallest integer dtype holding all values."""
+    counts = np.array([len(t) for t in tables], np.int64)
+    rows = _narrow(np.concatenate(tables).reshape(-1, PROV_COLUMNS))
+    narrow_counts = _narrow(counts)
+    ends = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    out, i = [], 0
+    for n in sizes:
+        out.append((narrow_counts[i : i + n], rows[ends[i] : ends[i + n]]))
+        i += n
+    return out
+
+
+class _ProvBlock(Sequence[np.ndarray]):
+    """The provenance of one block of buffer slots in a state: the pair ``(counts, rows)``
+    (rows per item, and the items' provenance rows ``[sum(counts), 5]``), made when first
+    read. It pickles as that plain tuple, so checkpoints and the states a dataloader worker
+    sends hold plain arrays (format 2), and a restored state has tuples here."""
+
+    __slots__ = ("_group", "_i")
+
+    def __init__(self, group: _StaleGroup, i: int) -> None:
+        self._group = group
+        self._i = i
+
+    def __getitem__(self, k: Any) -> Any:
+        return self._group.pair(self._i)[k]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self._group.pair(self._i))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (self._group.pair(self._i),))
+
+    def __repr__(self) -> str:
+        return f"_ProvBlock{self._group.pair(self._i)!r}"
+
+
 def _same(item: T) -> T:
     return item
+
+
+_NARROW = [
+    (np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+    for dt in (np.int8, np.int16, np.int32)
+]
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -281,8 +349,7 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     if a.size == 0:
         return a.astype(np.int8)
     lo, hi = int(a.min()), int(a.max())
-    for dt in (np.int8, np.int16, np.int32):
-        info = np.iinfo(dt)
-        if info.min <= lo and hi <= info.max:
+    for dt, dt_min, dt_max in _NARROW:
+        if dt_min <= lo and hi <= dt_max:
             return a.astype(dt)
     return a.astype(np.int64)
