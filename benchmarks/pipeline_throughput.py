@@ -9,6 +9,10 @@ and the same for JSONL text through the byte tokenizer.
     python benchmarks/pipeline_throughput.py [--tokens 150_000_000] [--text-bytes 20_000_000]
         [--repeat 3] [--loader-batches 1000]
 
+The same pipeline with ``strip_tokens=[0]`` (what Bamba's config and fms-fsdp set; the corpus has
+nothing to strip, so this is the check's cost alone) runs alternately with it, and its ratio
+to the pipeline without stripping is printed.
+
 It also runs the pipeline through ``TokenLoader`` as a training loop does, with
 ``state_dict()`` at every step: in a background thread and in 1 or 2 dataloader worker
 processes, each next to the bare pipeline's rate after its buffer fill (``benchmarks/
@@ -144,6 +148,8 @@ def main() -> None:
     cpu_rates: list[float] = []
     steady_rates: list[float] = []
     fills: list[float] = []
+    strip_rates: list[float] = []
+    strip_cfg = PipelineConfig(**{**cfg.to_dict(), "strip_tokens": [0]})
     batches = 0
     for _ in range(max(1, args.repeat)):
         n_raw, t_raw = raw_limit(files)
@@ -154,6 +160,8 @@ def main() -> None:
         cpu_rates.append(n_pipe / c_pipe)
         steady_rates.append(n_pipe * (batches - 1) / batches / (t_pipe - first))
         fills.append(first)
+        n_strip, t_strip, _, _, _ = pipeline_pass(strip_cfg, int(args.tokens * 0.9))
+        strip_rates.append(n_strip / t_strip)
     raw_rate, pipe_rate = max(raw_rates), max(pipe_rates)
     print(f"raw limit (mmap + zero-copy + np.concatenate): {_summary(raw_rates)}")
     print(
@@ -166,6 +174,11 @@ def main() -> None:
         f"{min(fills):.2f}-{max(fills):.2f} s"
     )
     print(f"ratio pipeline / raw (bests): {pipe_rate / raw_rate:.2f}")
+    print(
+        f"same with strip_tokens=[0]: {_summary(strip_rates)}; ratio to no stripping (bests) "
+        f"{max(strip_rates) / pipe_rate:.3f}, (medians) "
+        f"{statistics.median(strip_rates) / statistics.median(pipe_rates):.3f}"
+    )
 
     if args.loader_batches:
         loader_rates(cfg, args.loader_batches, max(steady_rates))
