@@ -183,7 +183,7 @@ def _as_arrow(name: str, data: Any, column: str | None) -> Any:
     """``data`` as Arrow data: a table, an array, a chunked array, or a ``datasets`` table
     wrapper (kept as it is: it pickles as its file paths)."""
     where = f"{MEMORY_PREFIX}/{name}"
-    if hasattr(data, "data") and hasattr(data, "_indices") and hasattr(data, "features"):
+    if hasattr(data, "_indices") and hasattr(data, "features") and hasattr(data, "data"):
         if data._indices is not None:  # a datasets.Dataset after select/shuffle/filter
             raise ValueError(
                 f"{where}: the datasets.Dataset has an indices mapping (from select, shuffle, "
