@@ -182,7 +182,10 @@ def test_equal_batch_counts_across_gloo_ranks(cfg, tmp_path) -> None:
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    results = [json.load(open(o)) for o in outs]
+    results = []
+    for o in outs:
+        with open(o) as f:
+            results.append(json.load(f))
     assert [r["batches"] for r in results] == [max(unequal)] * 2
     coverage: dict = {}
     for r, res in enumerate(results):

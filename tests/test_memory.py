@@ -178,6 +178,8 @@ def test_bad_input_names_what_is_wrong() -> None:
         DatasetIndex.from_documents("m", table, column="ids")
     with pytest.raises(ValueError, match="docs_per_file"):
         DatasetIndex.from_documents("m", DOCS, docs_per_file=0)
+    with pytest.raises(ValueError, match="from_documents"):
+        DatasetIndex.build("/somewhere", file_type="memory")
     source = MemorySource("m", DOCS, docs_per_file=100)
     with pytest.raises(DataFileError, match="not a file of the in-memory dataset"):
         source.file_number("<memory>/m/part-00003")

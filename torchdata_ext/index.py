@@ -186,6 +186,11 @@ class DatasetIndex:
             else:
                 expanded.append(u)
         suffixes = None
+        if file_type == "memory":
+            raise ValueError(
+                "file_type='memory' is for documents held in memory: build the index with "
+                "DatasetIndex.from_documents(name, documents)"
+            )
         if file_type is not None:
             get_handler_class(file_type)  # unknown names fail here, naming the known ones
             suffixes = tuple(registered_formats().get(file_type, []))
