@@ -177,7 +177,7 @@ class PipelineConfig:
         fr = self.eval_fraction
         values = fr.values() if isinstance(fr, Mapping) else [fr]
         for v in values:
-            EvalSplit(v, self.eval_seed)  # type: ignore[arg-type]  # its checks name the value
+            EvalSplit(v, self.eval_seed)  # its checks name the value
         if isinstance(fr, Mapping):
             unknown = sorted(set(fr) - set(self.dataset_weights))
             if unknown:
