@@ -47,11 +47,13 @@ def as_counter(docs) -> collections.Counter:
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3)], ids=str)
-@pytest.mark.parametrize("form", ["arrays", "lists", "table", "chunked"])
+@pytest.mark.parametrize("form", ["arrays", "lists", "generator", "table", "chunked"])
 def test_every_document_once_exactly(shape, form) -> None:
     data: object = DOCS
     if form == "lists":
         data = [d.tolist() for d in DOCS]
+    elif form == "generator":
+        data = (d for d in DOCS)
     elif form == "table":
         data = pa.table({"tokens": [d.tolist() for d in DOCS], "other": range(len(DOCS))})
     elif form == "chunked":

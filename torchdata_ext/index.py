@@ -262,8 +262,8 @@ class DatasetIndex:
 
         Args:
             name: the dataset name.
-            documents: a sequence of 1-D integer token arrays (or lists of ints), a sequence of
-                ``str``, a ``pyarrow`` Table / RecordBatch / list<int> or string Array /
+            documents: a sequence of 1-D integer token arrays (or lists of ints) or of ``str``
+                (any other iterable, e.g. a generator, is read once into a list), a ``pyarrow`` Table / RecordBatch / list<int> or string Array /
                 ChunkedArray, or a Hugging Face ``datasets.Dataset`` (read through its Arrow
                 table, zero-copy; the ``hf`` extra).
             column: the token (list<int>) or text column of a table or dataset (default

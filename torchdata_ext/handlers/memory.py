@@ -17,7 +17,7 @@ its file paths (``datasets`` memory-maps them again), not as its data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -37,8 +37,8 @@ class MemorySource:
 
     Args:
         name: the dataset name (in file names and errors).
-        data: the documents: a sequence of 1-D integer token arrays (or lists of ints), a
-            sequence of ``str``, a ``pyarrow.Table`` / ``RecordBatch`` (with ``column``), a
+        data: the documents: a sequence (or any iterable, read once into a list) of 1-D integer
+            token arrays (or lists of ints) or of ``str``, a ``pyarrow.Table`` / ``RecordBatch`` (with ``column``), a
             ``pyarrow`` list<int> or string ``Array`` / ``ChunkedArray``, or a Hugging Face
             ``datasets.Dataset`` (with ``column``).
         column: the token (list<int>) or text (string) column of a table or dataset; default
@@ -205,6 +205,8 @@ def _as_arrow(name: str, data: Any, column: str | None) -> Any:
         return data
     if isinstance(data, (pa.Array, pa.ChunkedArray)):
         return data
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, Sequence)):
+        data = list(data)  # epochraft's from_iterable: random access needs the documents held
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence):
         raise TypeError(
             f"{where}: documents must be a sequence of token arrays or of str, a pyarrow "
