@@ -41,8 +41,20 @@ def test_finders() -> None:
     }
     assert token_counters(GRAPH) == {("source", "tokens_delivered"): {"web": 10, "code": 5}}
     assert graph_summary(GRAPH) == {
-        "web": {"fingerprint": "fp-web", "seed": 1, "n_logical_shards": 4, "weight": 2.0},
-        "code": {"fingerprint": "fp-code", "seed": 7, "n_logical_shards": 4, "weight": 1.0},
+        "web": {
+            "fingerprint": "fp-web",
+            "seed": 1,
+            "n_logical_shards": 4,
+            "split": None,
+            "weight": 2.0,
+        },
+        "code": {
+            "fingerprint": "fp-code",
+            "seed": 7,
+            "n_logical_shards": 4,
+            "split": None,
+            "weight": 1.0,
+        },
     }
     assert graph_summary({"source": _reader("web")})["web"]["weight"] is None  # no interleave
 

@@ -12,6 +12,7 @@ restores and rescales it. :func:`prepare` tokenizes text files into token shards
 """
 
 from torchdata_ext.document import Document, DocumentBlock
+from torchdata_ext.evaluation import EvalLoader
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.loader import PipelineDataset, TokenLoader
@@ -24,9 +25,15 @@ from torchdata_ext.nodes import (
     Tokenize,
     merge_reader_states,
 )
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline import (
+    PipelineConfig,
+    build_datasets,
+    build_eval_pipeline,
+    build_pipeline,
+)
 from torchdata_ext.prepare_data import prepare
 from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
+from torchdata_ext.split import EvalSplit
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
@@ -37,6 +44,8 @@ __all__ = [
     "DatasetIndex",
     "Document",
     "DocumentBlock",
+    "EvalLoader",
+    "EvalSplit",
     "Interleave",
     "Pack",
     "PipelineConfig",
@@ -51,6 +60,7 @@ __all__ = [
     "TokenLoader",
     "World",
     "build_datasets",
+    "build_eval_pipeline",
     "build_pipeline",
     "inspect_dataset",
     "merge_reader_states",

@@ -375,12 +375,12 @@ def _check_datasets(
                         f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; "
                         "pass allow_weight_changes=True to accept it)"
                     )
-            for key in ("fingerprint", "seed", "n_logical_shards"):
-                if mine[name][key] != theirs[name][key]:
-                    what = "files or document counts" if key == "fingerprint" else key
+            for key in ("fingerprint", "seed", "n_logical_shards", "split"):
+                if mine[name].get(key) != theirs[name].get(key):
+                    what = {"fingerprint": "files or document counts", "split": "held-out split"}
                     problems.append(
-                        f"dataset {name!r}: {what} differ (checkpoint {key}="
-                        f"{theirs[name][key]!r}, now {mine[name][key]!r})"
+                        f"dataset {name!r}: {what.get(key, key)} differ (checkpoint {key}="
+                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r})"
                     )
     if problems:
         raise ValueError(

@@ -103,14 +103,15 @@ def set_at(tree: Any, path: tuple, value: Any) -> None:
 
 
 def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
-    """Per dataset of a graph state: its fingerprint, seed, logical shard count and mixing
-    weight (None without an interleave), as a checkpoint manifest records them.
+    """Per dataset of a graph state: its fingerprint, seed, logical shard count, held-out split
+    and mixing weight (None without an interleave), as a checkpoint manifest records them.
 
     Args:
         graph: a graph state (``root.state_dict()``).
 
     Returns:
-        ``{dataset: {"fingerprint", "seed", "n_logical_shards", "weight"}}``.
+        ``{dataset: {"fingerprint", "seed", "n_logical_shards", "split", "weight"}}`` (``split``:
+        the reader's held-out split and subset, or None).
     """
     weights: dict[str, float] = {}
     for _, x in walk_state(graph):
@@ -121,6 +122,7 @@ def graph_summary(graph: dict[str, Any]) -> dict[str, Any]:
             "fingerprint": st["fingerprint"],
             "seed": st["seed"],
             "n_logical_shards": st["n_logical_shards"],
+            "split": st.get("split"),
             "weight": weights.get(st["dataset"]),
         }
         for st in reader_states(graph).values()

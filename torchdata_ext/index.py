@@ -186,6 +186,11 @@ class DatasetIndex:
             else:
                 expanded.append(u)
         suffixes = None
+        if file_type == "memory":
+            raise ValueError(
+                "file_type='memory' is for documents held in memory: build the index with "
+                "DatasetIndex.from_documents(name, documents)"
+            )
         if file_type is not None:
             get_handler_class(file_type)  # unknown names fail here, naming the known ones
             suffixes = tuple(registered_formats().get(file_type, []))
@@ -238,6 +243,52 @@ class DatasetIndex:
                 f"dataset {name!r} at {urls!r} has no documents in its {len(files)} file(s); "
                 "check the path and col_name"
             )
+        return index
+
+    @classmethod
+    def from_documents(
+        cls,
+        name: str,
+        documents: Any,
+        *,
+        column: str | None = None,
+        docs_per_file: int = 8192,
+    ) -> DatasetIndex:
+        """A dataset of documents held in memory (epochraft's ``from_sequence``).
+
+        The documents are cut into virtual files of ``docs_per_file`` rows (format
+        ``"memory"``, :class:`~torchdata_ext.handlers.memory.MemorySource`), so the reader's
+        logical shards, walk, state, restore, rescale and held-out split work as for files.
+
+        Args:
+            name: the dataset name.
+            documents: a sequence of 1-D integer token arrays (or lists of ints) or of ``str``
+                (any other iterable, e.g. a generator, is read once into a list), a ``pyarrow`` Table / RecordBatch / list<int> or string Array /
+                ChunkedArray, or a Hugging Face ``datasets.Dataset`` (read through its Arrow
+                table, zero-copy; the ``hf`` extra).
+            column: the token (list<int>) or text column of a table or dataset (default
+                ``"tokens"``).
+            docs_per_file: rows per virtual file. The fingerprint and the held-out split
+                depend on it: keep it fixed for a run. Appending documents keeps the split of
+                the ones already there.
+
+        Raises:
+            TypeError / ValueError: the documents are not one of these forms, are empty, or
+                the column is missing or of another type.
+        """
+        from torchdata_ext.handlers.memory import MemorySource
+
+        source = MemorySource(name, documents, column, docs_per_file)
+        index = cls(
+            name=str(name),
+            files=source.files(),
+            doc_counts=source.doc_counts(),
+            token_counts=source.token_counts(),
+            file_type="memory",
+            handler_options={"source": source},
+        )
+        if index.total_docs == 0:
+            raise ValueError(f"in-memory dataset {name!r} has no documents; pass at least one")
         return index
 
     # -- counting ---------------------------------------------------------------------------

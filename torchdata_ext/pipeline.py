@@ -26,11 +26,12 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.split import EvalSplit, Subset
 from torchdata_ext.tokenizers import load_tokenizer
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
-__all__ = ["PipelineConfig", "build_datasets", "build_pipeline"]
+__all__ = ["PipelineConfig", "build_datasets", "build_eval_pipeline", "build_pipeline"]
 
 
 def _split_list(value: Any, what: str) -> list[str]:
@@ -92,6 +93,14 @@ class PipelineConfig:
             Default: what a Hugging Face causal LM with packed-sequence attention consumes
             (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
             tokens and document runs cross; these keys are built in the training process.
+        eval_fraction: the share of each dataset's documents held out for evaluation (a
+            number for all datasets, or ``{dataset: fraction}``; 0, the default, holds out
+            nothing). Held-out documents are chosen by a seeded hash of (dataset, file name,
+            document index) (:mod:`torchdata_ext.split`): the same ones in every run, topology
+            and after files are added. The training stream never delivers them;
+            :func:`build_eval_pipeline` / :class:`~torchdata_ext.evaluation.EvalLoader`
+            deliver exactly them.
+        eval_seed: the seed of the held-out split (independent of ``seed``; keep it fixed).
     """
 
     data_path: str = ""
@@ -124,6 +133,8 @@ class PipelineConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     dtype: Literal["int64", "int32"] = "int64"
     output_keys: list[str] | str = field(default_factory=lambda: list(HF_KEYS))
+    eval_fraction: float | dict[str, float] = 0.0
+    eval_seed: int = 0
 
     def __post_init__(self) -> None:
         self.datasets = _split_list(self.datasets, "datasets")
@@ -152,6 +163,7 @@ class PipelineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if self.dtype not in ("int64", "int32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+        self._check_eval_split()
         self.output_keys = _split_list(self.output_keys, "output_keys")
         known = (*ALL_KEYS, "provenance")
         unknown = [k for k in self.output_keys if k not in known]
@@ -160,6 +172,25 @@ class PipelineConfig:
                 f"output_keys={self.output_keys!r}: unknown {unknown or 'none given'}; "
                 f"choose from {list(known)}"
             )
+
+    def _check_eval_split(self) -> None:
+        fr = self.eval_fraction
+        values = fr.values() if isinstance(fr, Mapping) else [fr]
+        for v in values:
+            EvalSplit(v, self.eval_seed)  # its checks name the value
+        if isinstance(fr, Mapping):
+            unknown = sorted(set(fr) - set(self.dataset_weights))
+            if unknown:
+                raise ValueError(
+                    f"eval_fraction names datasets {unknown} that are not in datasets "
+                    f"{list(self.dataset_weights)}; use their names"
+                )
+
+    def eval_split(self, dataset: str) -> EvalSplit | None:
+        """The held-out split of ``dataset`` (None: nothing held out)."""
+        fr = self.eval_fraction
+        f = fr.get(dataset, 0.0) if isinstance(fr, Mapping) else fr
+        return EvalSplit(float(f), self.eval_seed) if f else None
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -268,10 +299,45 @@ def build_pipeline(
     Args:
         cfg: the pipeline config.
         world: this copy's place (default: detected when iteration starts).
-        datasets: pre-built indexes (default: built from ``cfg``).
+        datasets: pre-built indexes (default: built from ``cfg``; in-memory data:
+            ``{name: DatasetIndex.from_documents(name, docs)}``).
         collate: end with ``Collate`` (batches of torch tensors); False ends with the shuffle
             buffer (one packed-sequence dict of NumPy arrays per item).
+
+    With ``cfg.eval_fraction``, the readers skip the held-out documents.
     """
+    return _build(cfg, world, datasets, collate=collate, subset="train")
+
+
+def build_eval_pipeline(
+    cfg: PipelineConfig,
+    world: World | None = None,
+    datasets: Mapping[str, DatasetIndex] | None = None,
+    *,
+    collate: bool = True,
+) -> BaseNode:
+    """The graph that delivers the held-out evaluation documents of ``cfg``, once.
+
+    The same stages as :func:`build_pipeline` with: readers that deliver only the documents
+    ``cfg.eval_fraction`` holds out, one epoch (``cfg.epochs`` is ignored), no shuffle buffer,
+    and a last partial batch that is kept (not dropped). Over all ranks and workers every
+    held-out document comes out exactly once. Datasets with no held-out share are left out.
+    :class:`~torchdata_ext.evaluation.EvalLoader` runs it and pads the last batches.
+
+    Raises:
+        ValueError: ``cfg.eval_fraction`` holds out nothing.
+    """
+    return _build(cfg, world, datasets, collate=collate, subset="eval")
+
+
+def _build(
+    cfg: PipelineConfig,
+    world: World | None,
+    datasets: Mapping[str, DatasetIndex] | None,
+    *,
+    collate: bool,
+    subset: Subset,
+) -> BaseNode:
     import torch
 
     from torchdata_ext.nodes.collate import Collate
@@ -282,6 +348,14 @@ def build_pipeline(
     from torchdata_ext.nodes.tokenize import Tokenize
 
     datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
+    evaluating = subset == "eval"
+    if evaluating:
+        datasets = {n: ix for n, ix in datasets.items() if cfg.eval_split(n) is not None}
+        if not datasets:
+            raise ValueError(
+                f"eval_fraction={cfg.eval_fraction!r} holds out no documents: set eval_fraction "
+                "(e.g. 0.01) to evaluate on a held-out share of the data"
+            )
     if cfg.tokenizer is None:
         _check_tokens(cfg, datasets)
     # the pipeline's byte tokenizer maps byte b to id b (prepare's default is b + 1)
@@ -293,19 +367,21 @@ def build_pipeline(
             cfg.logical_shards,
             seed=cfg.seed,
             world=world,
-            epochs=cfg.epochs,
+            epochs=1 if evaluating else cfg.epochs,
             block_docs=cfg.block_docs,
             min_length=cfg.min_length,
             strip_tokens=cfg.strip_tokens,  # type: ignore[arg-type]
             max_chunksize=cfg.max_chunksize if tokenizer is None else None,
             dtype=np.int32,
+            split=cfg.eval_split(name),
+            subset=subset,
         )
         if tokenizer is not None:
             node = Tokenize(node, tokenizer)
         sources[name] = node
     node = Interleave(
         sources,
-        cfg.dataset_weights,
+        {n: w for n, w in cfg.dataset_weights.items() if n in sources},
         mode=cfg.interleave_mode,
         seed=cfg.seed,
         quantum_tokens=cfg.mix_quantum_tokens,
@@ -323,7 +399,7 @@ def build_pipeline(
         window=cfg.best_fit_window,
         dataset_names=list(datasets),
     )
-    if cfg.shuffle_buffer > 1:
+    if cfg.shuffle_buffer > 1 and not evaluating:
         node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)
     if collate:
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32

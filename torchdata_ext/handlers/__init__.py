@@ -1,4 +1,5 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines.
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, and
+in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
 add a format with :func:`register_handler`. Handler modules are imported lazily by the
@@ -24,6 +25,7 @@ from torchdata_ext.handlers.base import (
 if TYPE_CHECKING:
     from torchdata_ext.handlers.arrow import ArrowHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
+    from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
 
@@ -35,6 +37,8 @@ __all__ = [
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",
+    "MemoryHandler",
+    "MemorySource",
     "NpyHandler",
     "ParquetHandler",
     "format_for_url",
@@ -51,6 +55,8 @@ _LAZY = {
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "MemoryHandler": "torchdata_ext.handlers.memory",
+    "MemorySource": "torchdata_ext.handlers.memory",
     "ParquetHandler": "torchdata_ext.handlers.parquet",
 }
 

@@ -118,6 +118,7 @@ _REGISTRY: dict[str, str | type[FileHandler]] = {
     "flat": "torchdata_ext.handlers.numpy_tokens:FlatTokenHandler",
     "npy": "torchdata_ext.handlers.numpy_tokens:NpyHandler",
     "jsonl": "torchdata_ext.handlers.jsonl:JsonlHandler",
+    "memory": "torchdata_ext.handlers.memory:MemoryHandler",
 }
 # suffix (lower case, longest match wins) -> name
 _SUFFIXES: dict[str, str] = {

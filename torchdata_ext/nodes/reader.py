@@ -12,8 +12,9 @@ long documents are cut into ``max_chunksize`` pieces). The reader's state is tha
 owned shard, keyed by global shard id, so re-partitioning state over a new number of workers
 is a re-partition of a dict.
 
-State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shards`` (checked
-on restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
+State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shards``, ``split``
+(the held-out split and which side of it this reader delivers, or None; all checked on
+restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
 "skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
 blocks the uninterrupted run would have produced next.
 
@@ -22,7 +23,7 @@ pieces handed back by a rescale, the state format and :func:`merge_reader_states
 ``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
 :class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
 :class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
-document ids. At ~750 lines it is over the ~500 of the style guide: the rest is one state
+document ids. At ~830 lines it is over the ~500 of the style guide: the rest is one state
 machine over the per-shard cursor (``_Cursor``) that the plan, block and hand-back code all
 advance; the state format (``_Cursor``, ``_check_state``, :func:`merge_reader_states`,
 :meth:`ShardReader.with_returned`) is the seam for the next cut if it grows.
@@ -55,6 +56,7 @@ from torchdata_ext.shards import (
     shard_fragments,
     worker_shards,
 )
+from torchdata_ext.split import EvalSplit, SplitFilter, Subset
 from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
 
@@ -152,6 +154,10 @@ class ShardReader(BaseNode[DocumentBlock]):
         prefetch_shards: how many of the next shard files this worker will open (the rest of
             the current logical shard, then the next shards in its order) are downloaded in the
             background while it reads the current one (default 2); 0 turns prefetching off.
+        split: a held-out evaluation split (:class:`~torchdata_ext.split.EvalSplit`), or None
+            (default: every document is delivered).
+        subset: with a ``split``: ``"train"`` (default) skips the held-out documents (their
+            walk positions are consumed, as for ``min_length``), ``"eval"`` delivers only them.
 
     Remote I/O changes neither the output nor the state. :meth:`io_stats` says how much time the
     reader spent waiting on I/O.
@@ -173,6 +179,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         dtype: np.dtype | type = np.int32,
         cache: CacheSetting = None,
         prefetch_shards: int = 2,
+        split: EvalSplit | None = None,
+        subset: Subset = "train",
     ) -> None:
         super().__init__()
         if not isinstance(dataset, DatasetIndex):
@@ -197,6 +205,13 @@ class ShardReader(BaseNode[DocumentBlock]):
                 f"cache={cache!r} must be a ShardCache, a cache folder path, False or None"
             )
         check_shard_count(n_logical_shards, dataset.total_docs, 1)
+        if split is not None and not isinstance(split, EvalSplit):
+            raise TypeError(f"split={split!r} must be an EvalSplit or None")
+        if split is None and subset != "train":
+            raise ValueError(f"{subset=} needs a split: pass split=EvalSplit(eval_fraction)")
+        self._split = (
+            None if split is None else SplitFilter(split, subset, dataset.name, dataset.files)
+        )
         self.dataset = dataset
         self.n_logical_shards = int(n_logical_shards)
         self.seed = int(seed)
@@ -287,8 +302,12 @@ class ShardReader(BaseNode[DocumentBlock]):
             "fingerprint": self._fingerprint,
             "seed": self.seed,
             "n_logical_shards": self.n_logical_shards,
+            "split": self._split_state(),
             "shards": shards,
         }
+
+    def _split_state(self) -> dict[str, Any] | None:
+        return None if self._split is None else self._split.state()
 
     # -- public helpers ----------------------------------------------------------------------
     @property
@@ -487,6 +506,13 @@ class ShardReader(BaseNode[DocumentBlock]):
         heapq.heapreplace(self._queue, (c.epoch, int(self._order_rank(c.epoch)[sid]), sid))
         self._empty_run += self.shard_size(sid)
         if self._empty_run > 2 * self._owned_docs:
+            if self._split is not None:
+                raise ValueError(
+                    f"dataset {self.dataset.name!r}: logical shards {self.owned_shards[:8]}... "
+                    f"hold no document of the {self._split.subset!r} side of "
+                    f"{self._split.split}, so this endless reader would never deliver one; "
+                    "use epochs=1 for evaluation, or raise eval_fraction / lower min_length"
+                )
             raise ValueError(
                 f"dataset {self.dataset.name!r}: a whole epoch of logical shards "
                 f"{self.owned_shards[:8]}... gave no document: every document is shorter than "
@@ -505,16 +531,33 @@ class ShardReader(BaseNode[DocumentBlock]):
         j = int(np.searchsorted(plan.starts, c.pos, side="right")) - 1
         frag = plan.fragments[j]
         k = c.pos - int(plan.starts[j])
-        count = min(self.block_docs, frag.size - k)
         if frag.file in c.skipped_files:  # known bad: skip again without a retry or a warning
             c.skips += int(plan.starts[j + 1]) - c.pos
             c.pos = int(plan.starts[j + 1])
             return None
+        # walk positions k .. k + count are looked at; ends[i]: positions consumed once the
+        # i-th document of doc_ids is done (documents on the other side of the split are
+        # passed over, consumed like filtered ones)
+        walk = self._walk(frag.size, plan.seeds[j])
+        if self._split is None:
+            count = min(self.block_docs, frag.size - k)
+            doc_ids = walk.take(k, count) + frag.start
+            ends = np.arange(1, count + 1)
+        else:
+            count = min(self._split.window(self.block_docs), frag.size - k)
+            ids = walk.take(k, count) + frag.start
+            rel = np.flatnonzero(self._split.keep(frag.file, ids))[: self.block_docs]
+            if len(rel) == self.block_docs:
+                count = int(rel[-1]) + 1
+            if not len(rel):
+                c.pos += count
+                return None
+            doc_ids, ends = ids[rel], rel + 1
         if frag.file != self._files.current_file and not self._switch_file(sid, c, plan, j):
             return None
-        doc_ids = self._walk(frag.size, plan.seeds[j]).take(k, count) + frag.start
+        base = c.pos
         docs = self._fetch(frag.file, doc_ids, c)
-        block = self._whole_docs_block(sid, frag.file, doc_ids, docs, c)
+        block = self._whole_docs_block(sid, frag.file, doc_ids, docs, c, count)
         if block is not False:
             return block
         pieces: list[Any] = []
@@ -523,7 +566,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         starts: list[int] = []
         lasts: list[bool] = []
         limit = self.max_chunksize
-        for d, data in zip(doc_ids.tolist(), docs):
+        for d, end, data in zip(doc_ids.tolist(), ends.tolist(), docs):
             if len(pieces) >= self.block_docs:
                 break
             if data is not None:
@@ -545,7 +588,9 @@ class ShardReader(BaseNode[DocumentBlock]):
                         c.offset = stop
                     if c.offset:
                         break  # the block is full in the middle of this document
-            c.pos += 1
+            c.pos = base + end
+        else:
+            c.pos = base + count  # passed-over documents after the last one included
         if not pieces:
             return None
         return DocumentBlock.from_pieces(
@@ -567,11 +612,13 @@ class ShardReader(BaseNode[DocumentBlock]):
         doc_ids: np.ndarray,
         docs: Sequence[DocData | None],
         c: _Cursor,
+        count: int,
     ) -> DocumentBlock | None | Literal[False]:
         """The block of ``docs`` in one vectorised step when each is a whole token document
         that needs no cutting (the usual case): stripping ``strip_tokens`` looks only at the
         documents' ends, for all documents at once; None if none is long enough; False when
-        the general per-document path must build it."""
+        the general per-document path must build it. ``count``: the walk positions the
+        documents cover."""
         if c.offset or not docs or isinstance(docs[0], str):
             return False
         if not all(d is not None for d in docs):
@@ -587,7 +634,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         if self.max_chunksize is not None and int(lengths.max()) > self.max_chunksize:
             return False
         keep = lengths >= max(self.min_length, 1)
-        c.pos += len(docs)
+        c.pos += count
         if not keep.all():
             idx = np.flatnonzero(keep)
             if not len(idx):
@@ -725,6 +772,15 @@ class ShardReader(BaseNode[DocumentBlock]):
                     f"(checkpoint {key}={state[key]!r}, this reader {key}={mine!r}); "
                     f"restore with the same data, seed and n_logical_shards as the checkpoint"
                 )
+        theirs = state.get("split")  # states written before splits existed have none
+        if theirs != self._split_state():
+            raise ValueError(
+                f"cannot restore dataset {self.dataset.name!r}: the held-out evaluation split "
+                f"differs (checkpoint split={theirs!r}, this reader split="
+                f"{self._split_state()!r}); a restore with another split would deliver documents "
+                "of the other side or repeat them: restore with the checkpoint's eval_fraction, "
+                "split seed and subset"
+            )
 
 
 def merge_reader_states(
@@ -749,10 +805,10 @@ def merge_reader_states(
     first = states[0]
     shards: dict[str, Any] = {}
     for i, st in enumerate(states):
-        for key in ("format", "fingerprint", "seed", "n_logical_shards"):
-            if st[key] != first[key]:
+        for key in ("format", "fingerprint", "seed", "n_logical_shards", "split"):
+            if st.get(key) != first.get(key):
                 raise ValueError(
-                    f"state {i} has {key}={st[key]!r} but state 0 has {first[key]!r}; "
+                    f"state {i} has {key}={st.get(key)!r} but state 0 has {first.get(key)!r}; "
                     "only states of the same reader can be merged"
                 )
         for sid, cur in st["shards"].items():
