@@ -36,7 +36,7 @@ def _pipeline_ids(tmp_path: Path, data: str, **kw: Any) -> list[int]:
 def test_the_same_text_gives_the_same_ids_through_config_and_prepare(
     tmp_path: Path, byte_offset: int | None
 ) -> None:
-    """"byte" is one tokenizer: on the fly (config) and ahead of time (prepare, read back by
+    """ "byte" is one tokenizer: on the fly (config) and ahead of time (prepare, read back by
     the pipeline and by reading the shard) the ids are byte + byte_offset (default 1) and
     EOS 0 is no byte, not even the NUL byte."""
     import pyarrow as pa

@@ -111,10 +111,12 @@ class ByteTokenizer:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The ids of each text (``int32`` arrays), encoded in one NumPy pass."""
+        """The ids of each text (``int32`` arrays, ``int64`` when an id passes ``int32``),
+        encoded in one NumPy pass."""
         raw = [t.encode("utf-8") for t in texts]
         lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
-        ids = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int32)
+        wide = self.offset + _NUM_BYTES > 2**31  # ids past int32 (offsets up to uint32)
+        ids = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int64 if wide else np.int32)
         if self.offset:
             ids += self.offset
         return np.split(ids, np.cumsum(lengths)[:-1]) if raw else []
