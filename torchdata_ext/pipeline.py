@@ -169,7 +169,7 @@ class PipelineConfig:
         check_int("byte_offset", self.byte_offset, 0)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
-        self.check_special_tokens(byte)
+        self.check_special_ids(byte)
         self.output_keys = _split_list(self.output_keys, "output_keys")
         known = (*ALL_KEYS, "provenance")
         unknown = [k for k in self.output_keys if k not in known]
@@ -234,7 +234,7 @@ class PipelineConfig:
         names = ("bos_token", "eos_token", "bol_token", "eol_token", "pad_token")
         return {name: getattr(self, name) for name in names}
 
-    def check_special_tokens(self, tokenizer: Any | None = None) -> None:
+    def check_special_ids(self, tokenizer: Any | None = None) -> None:
         """Refuse special ids outside ``dtype`` or that ``tokenizer`` (this config's, loaded)
         emits for ordinary text.
 
@@ -326,7 +326,7 @@ def build_pipeline(
     tokenizer = None
     if cfg.tokenizer is not None:
         tokenizer = load_tokenizer(cfg.tokenizer, byte_offset=cfg.byte_offset)
-        cfg.check_special_tokens(tokenizer)
+        cfg.check_special_ids(tokenizer)
     for name, index in datasets.items():  # data prepare wrote says how it was tokenized
         found = read_meta(index.root, index.storage_options)
         if found is not None:
