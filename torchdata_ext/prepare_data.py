@@ -60,7 +60,7 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
-from torchdata_ext.prepared_meta import PreparedMeta, read_meta, write_meta
+from torchdata_ext.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.tokenizers import (
     DEFAULT_BYTE_OFFSET,
@@ -206,7 +206,7 @@ def prepare(
         state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
     else:
         result.resumed = True
-    _check_meta(out, meta, storage_options)
+    check_same_settings(out, meta, storage_options)
     _remove_stale_temps(fs, out_path, shard_id)
     suffix = ".arrow" if format == "arrow" else ".npy"
 
@@ -425,21 +425,6 @@ def _tokenizer(spec: str, byte_offset: int) -> Any:
 def _encoder(spec: str, byte_offset: int) -> Encoder:
     """The tokenizer ``spec`` as an :class:`~torchdata_ext.tokenizers.Encoder`."""
     return as_encoder(_tokenizer(spec, byte_offset))
-
-
-def _check_meta(out: str, meta: PreparedMeta, storage_options: dict[str, Any]) -> None:
-    """Refuse to write into ``out`` when its metadata file says its data means other tokens."""
-    found = read_meta(out, storage_options)
-    if found is None:
-        return
-    old, url = found
-    theirs, ours = old.settings(), meta.settings()
-    diff = [f"{k}={ours[k]!r} here, {theirs[k]!r} there" for k in ours if ours[k] != theirs[k]]
-    if diff:
-        raise ValueError(
-            f"{out} holds data prepared with other token settings ({'; '.join(diff)}; {url}); "
-            "prepare into another out folder, or delete the folder to start over"
-        )
 
 
 def _tokenize_file(task: tuple[str, int, _Tokenize]) -> tuple[list[np.ndarray], int]:

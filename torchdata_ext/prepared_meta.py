@@ -28,7 +28,15 @@ from torchdata_ext.remote import with_retries, write_bytes_atomic
 from torchdata_ext.tokenizers import TokenIds, check_special_tokens, token_ids, tokenizer_hash
 from torchdata_ext.urls import filesystem, join
 
-__all__ = ["META_FILE", "PreparedMeta", "check_config", "meta_url", "read_meta", "write_meta"]
+__all__ = [
+    "META_FILE",
+    "PreparedMeta",
+    "check_config",
+    "check_same_settings",
+    "meta_url",
+    "read_meta",
+    "write_meta",
+]
 
 META_FILE = "torchdata_ext_meta.json"
 META_VERSION = 1
@@ -227,3 +235,25 @@ def check_config(
             f"{meta.dtype} with vocab_size={meta.vocab_size} ({url}); set dtype='int64'"
         )
     check_special_tokens(specials, dtype=dtype, ids=meta.token_ids(), source=url)
+
+
+def check_same_settings(
+    folder: str, meta: PreparedMeta, storage_options: dict[str, Any] | None
+) -> None:
+    """Refuse to add data described by ``meta`` to ``folder`` when the metadata file there says
+    its tokens mean something else (another part of a prepare run with other settings).
+
+    Raises:
+        ValueError: naming each differing setting with both values, and the file.
+    """
+    found = read_meta(folder, storage_options)
+    if found is None:
+        return
+    old, url = found
+    theirs, ours = old.settings(), meta.settings()
+    diff = [f"{k}={ours[k]!r} here, {theirs[k]!r} there" for k in ours if ours[k] != theirs[k]]
+    if diff:
+        raise ValueError(
+            f"{folder} holds data prepared with other token settings ({'; '.join(diff)}; "
+            f"{url}); prepare into another out folder, or delete the folder to start over"
+        )
