@@ -372,8 +372,8 @@ def _allowed(ids: TokenIds | None, top: int, dtype: str) -> str:
     text = " or ".join(free) if free else "none"
     out = f"{text} ({dtype})"
     if ids is not None and ids.specials:
-        shown = list(ids.specials[:8]) + (["..."] if len(ids.specials) > 8 else [])
-        out += f", or one of its special tokens {shown}".replace("'...'", "...")
+        more = ", ..." if len(ids.specials) > 8 else ""
+        out += f", or one of its special tokens [{', '.join(map(str, ids.specials[:8]))}{more}]"
     return out
 
 
