@@ -188,7 +188,7 @@ def main() -> None:
     tcfg = PipelineConfig(
         data_path=troot, datasets=["prose"], file_type="jsonl", col_name="text", tokenizer="byte",
         seq_length=4096, batch_size=8, shuffle_buffer=min(args.shuffle_buffer, 1000),
-        logical_shards=64, eos_token=10, block_docs=256, dtype="int32",
+        logical_shards=64, eos_token=0, block_docs=256, dtype="int32",
     )  # fmt: skip
     t0 = time.perf_counter()
     nbytes = sum(os.path.getsize(f) for ix in build_datasets(tcfg).values() for f in ix.files)

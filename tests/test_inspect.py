@@ -40,6 +40,7 @@ def test_summary_of_a_token_dataset(arrow: Path) -> None:
         "characters": None,
         "histogram": [("[0, 16)", 4), ("[16, 128)", 1), ("[128, 1024)", 0),
                       ("[1024, 8192)", 0), ("[8192, 65536)", 0), (">= 65536", 0)],
+        "prepared": None,  # no metadata file: not written by prepare
     }  # fmt: skip
     assert text.splitlines() == [
         "dataset:   web (arrow)",

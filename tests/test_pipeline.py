@@ -123,13 +123,14 @@ def test_text_pipeline_with_byte_tokenizer(tmp_path) -> None:
     write_jsonl(str(tmp_path / "prose" / "b.jsonl"), texts[20:])
     cfg = PipelineConfig(
         data_path=str(tmp_path), datasets="prose", file_type="jsonl", col_name="text",
-        tokenizer="byte", seq_length=32, eos_token=10, bos_token=None, logical_shards=4,
+        tokenizer="byte", seq_length=32, eos_token=0, bos_token=None, logical_shards=4,
         batch_size=2, shuffle_buffer=1, epochs=1,
     )  # fmt: skip
     seqs = run(build_pipeline(cfg, World(), collate=False))
     tokens = np.concatenate([np.concatenate([s["input_ids"], s["labels"][-1:]]) for s in seqs])
-    text = bytes(int(t) for t in tokens if t != 0).decode()
-    assert sorted(text.split("\n")[:-1]) == sorted(texts)  # EOS (10) ends every document
+    # "byte" is byte b -> id b + 1 (as in prepare), so EOS 0 ends every document and is no byte
+    docs = bytes(int(t) - 1 if t else 0 for t in tokens).split(b"\0")
+    assert sorted(d.decode() for d in docs if d) == sorted(texts)
 
 
 def test_config_files_and_errors(data_path, tmp_path) -> None:

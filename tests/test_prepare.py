@@ -108,10 +108,24 @@ def test_byte_offset_and_explicit_eos(tmp_path: Path) -> None:
 
 
 def test_an_eos_inside_a_document_is_refused(tmp_path: Path) -> None:
+    """An EOS the byte tokenizer can emit is refused before reading (byte_offset=0 makes the NUL
+    byte id 0); one that the tokenizer adds itself (its own special token, allowed as EOS) is
+    caught in the document that holds it."""
+    tokenizers = pytest.importorskip("tokenizers")
     write_jsonl(str(tmp_path / "in.jsonl"), ["fine", "nul \x00 inside"])
-    with pytest.raises(ValueError, match=r"document 1 contains eos_token=0"):
+    with pytest.raises(ValueError, match=r"eos_token=0 is an ordinary token \(byte 0x00\)"):
         torchdata_ext.prepare(str(tmp_path / "in.jsonl"), str(tmp_path / "o"), format="npy",
                               byte_offset=0, progress=False)  # fmt: skip
+    assert not (tmp_path / "o").exists()
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "fine": 1}, "[UNK]"))
+    tok.add_special_tokens(["</s>"])  # id 2
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 2)]
+    )
+    tok.save(str(tmp_path / "tok.json"))
+    with pytest.raises(ValueError, match=r"document 0 contains eos_token=2 \(the tokenizer"):
+        torchdata_ext.prepare(str(tmp_path / "in.jsonl"), str(tmp_path / "o"), format="npy",
+                              tokenizer=str(tmp_path / "tok.json"), eos_token=2, progress=False)  # fmt: skip
 
 
 def test_a_tokenizer_json(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def text_cfg(tmp_path_factory) -> PipelineConfig:
             write_jsonl(str(root / name / f"p{f}.jsonl"), texts[f::2])
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=12,
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=12,
         batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
     )  # fmt: skip
 

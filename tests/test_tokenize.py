@@ -112,11 +112,13 @@ def test_byte_tokenizer_round_trip(texts, offset) -> None:
 def test_byte_tokenizer_specials() -> None:
     tok = ByteTokenizer(offset=4, bos_token=1, eos_token=2)
     assert (tok.bos_token, tok.eos_token, tok.vocab_size) == (1, 2, 260)
-    assert ByteTokenizer().bos_token is None and ByteTokenizer().vocab_size == 256
+    # "byte" means b -> b + 1 everywhere (DEFAULT_BYTE_OFFSET): id 0 is free for EOS/pad
+    assert ByteTokenizer().bos_token is None and ByteTokenizer().vocab_size == 257
+    assert ByteTokenizer(0).vocab_size == 256
     assert ByteTokenizer(eos_token=300).vocab_size == 301
     assert tok.decode([1, 4 + 104, 4 + 105, 2]) == "hi"  # specials are dropped
     assert tok.decode([4 + 0xC3]) == "\ufffd"  # a cut UTF-8 sequence
-    with pytest.raises(ValueError, match="bos_token=10 collides with the byte ids 0..255"):
+    with pytest.raises(ValueError, match="bos_token=10 collides with the byte ids 1..256"):
         ByteTokenizer(bos_token=10)
     with pytest.raises(ValueError, match="offset=-1"):
         ByteTokenizer(-1)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from torchdata_ext.tokenizers import ByteTokenizer, load_tokenizer
+from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET, ByteTokenizer, load_tokenizer
 
 
 @pytest.mark.parametrize("offset", [0, 1, 4])
@@ -17,25 +18,47 @@ def test_byte_tokenizer_with_the_callers_offset(offset: int) -> None:
     assert tok.encode("aé").tolist() == [97 + offset, 0xC3 + offset, 0xA9 + offset]
 
 
-def test_pipeline_and_prepare_keep_their_byte_offsets(tmp_path: Path) -> None:
-    """The pipeline's byte tokenizer maps byte b to b, prepare's (default) to b + 1."""
-    from torchdata_ext import prepare
+def _pipeline_ids(tmp_path: Path, data: str, **kw: Any) -> list[int]:
+    """The tokens of the one sequence the pipeline packs from the dataset folder
+    ``tmp_path/data`` (one document of exactly 8 tokens, EOS included: no padding)."""
     from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-    from torchdata_ext.testing import write_jsonl
 
-    write_jsonl(str(tmp_path / "web" / "a.jsonl"), ["hi"])
-    cfg = PipelineConfig(datasets=["web"], data_path=str(tmp_path), weights=[1.0],
-                         file_type="jsonl", col_name="text", tokenizer="byte", seq_length=2,
-                         shift=False, logical_shards=1, eos_token=None, shuffle_buffer=1)  # fmt: skip
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets=[data], seq_length=8, shift=False,
+                         logical_shards=1, shuffle_buffer=1, epochs=1, **kw)  # fmt: skip
     root = build_pipeline(cfg, collate=False)
     root.reset(None)
-    assert next(root)["input_ids"].tolist() == [ord("h"), ord("i")]
-    res = prepare(str(tmp_path / "web"), str(tmp_path / "out"), progress=False)
-    assert res.tokens == 2
+    seqs = list(root)
+    assert len(seqs) == 1
+    return [int(t) for t in seqs[0]["input_ids"]]
+
+
+@pytest.mark.parametrize("byte_offset", [None, 4])
+def test_the_same_text_gives_the_same_ids_through_config_and_prepare(
+    tmp_path: Path, byte_offset: int | None
+) -> None:
+    """ "byte" is one tokenizer: on the fly (config) and ahead of time (prepare, read back by
+    the pipeline and by reading the shard) the ids are byte + byte_offset (default 1) and
+    EOS 0 is no byte, not even the NUL byte."""
     import pyarrow as pa
 
+    from torchdata_ext import prepare
+    from torchdata_ext.testing import write_jsonl
+
+    text = "hi @\x00é"  # 7 bytes
+    offset = {} if byte_offset is None else {"byte_offset": byte_offset}
+    want = [b + (byte_offset or 1) for b in text.encode()]
+    write_jsonl(str(tmp_path / "web" / "a.jsonl"), [text])
+    on_the_fly = _pipeline_ids(
+        tmp_path, "web", file_type="jsonl", col_name="text", tokenizer="byte", **offset
+    )
+    res = prepare(str(tmp_path / "web"), str(tmp_path / "prep"), progress=False, **offset)
     with pa.ipc.open_file(res.outputs[0]) as f:
-        assert f.get_batch(0).column(0).to_pylist() == [ord("h") + 1, ord("i") + 1]
+        assert f.get_batch(0).column(0).to_pylist() == want
+    ahead = _pipeline_ids(tmp_path, "prep", file_type="arrow")
+    assert on_the_fly == ahead == [*want, 0]  # EOS 0 appended by the pipeline
+    tok = load_tokenizer("byte", **offset)
+    assert tok.decode(ahead) == text and tok.offset == (byte_offset or 1)
+    assert ByteTokenizer().offset == DEFAULT_BYTE_OFFSET == 1
 
 
 def test_a_tokenizer_json_loads_as_a_hugging_face_tokenizer(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ flat ``.npy`` token shards; each option is the keyword argument of the same name
 
 ``torchdata-ext inspect PATH`` prints files, documents, tokens and a length histogram of a
 dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), decoded with
-``--tokenizer``, cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
+``--tokenizer`` (default: the tokenizer ``prepare`` recorded with the data), cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
 
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
@@ -36,6 +36,7 @@ from dataclasses import asdict
 from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.prepare_data import PrepareResult, prepare
 from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
+from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
 
 __all__ = ["PrepareResult", "cli_message", "inspect_dataset", "main", "prepare"]
 
@@ -62,9 +63,19 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
     pp.add_argument("--format", choices=("arrow", "npy"), default="arrow")
     pp.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
-    pp.add_argument("--byte-offset", type=int, default=1, help="byte tokenizer id offset")
+    pp.add_argument(
+        "--byte-offset",
+        type=int,
+        default=DEFAULT_BYTE_OFFSET,
+        help="byte tokenizer: byte b is id b + this (default 1, as in the pipeline config)",
+    )
     pp.add_argument("--text-field", default="text", help="JSONL field / Parquet text column")
-    pp.add_argument("--eos-token", type=int, default=None, help="appended to each document")
+    pp.add_argument(
+        "--eos-token",
+        type=int,
+        default=None,
+        help="appended to each document (npy default 0); never an id of ordinary text",
+    )
     pp.add_argument("--encoding", default="utf-8", help=".txt inputs' text encoding")
     pp.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL inputs")
     pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000)
@@ -78,11 +89,17 @@ def _parser() -> argparse.ArgumentParser:
     ip.add_argument("path", help="dataset folder, file, glob or data_sources.txt (URL)")
     ip.add_argument("--file-type", default=None, help="format name (default: by suffix)")
     ip.add_argument("--col-name", default=None, help="token column or text field")
-    ip.add_argument("--eos-token", type=int, default=None, help="flat .npy EOS (default 0)")
+    ip.add_argument(
+        "--eos-token", type=int, default=None, help="flat .npy EOS (default: as prepared, or 0)"
+    )
     ip.add_argument("--doc", type=int, default=None, help="print this document")
     ip.add_argument("--file", default=None, help="with --doc: index within this file")
-    ip.add_argument("--tokenizer", default=None, help="'byte' or tokenizer.json, to decode")
-    ip.add_argument("--byte-offset", type=int, default=1)
+    ip.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or tokenizer.json, to decode (default: the one prepare recorded)",
+    )
+    ip.add_argument("--byte-offset", type=int, default=None, help="default: as prepared, else 1")
     ip.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL files")
     ip.add_argument(
         "--all",

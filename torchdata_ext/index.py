@@ -117,6 +117,11 @@ class DatasetIndex:
         """Total tokens, or -1 when some file's token count is unknown."""
         return -1 if (self.token_counts < 0).any() else int(self.token_counts.sum())
 
+    @property
+    def root(self) -> str:
+        """The folder holding all the files (where ``meta/`` is looked for)."""
+        return _common_dir(self.files)
+
     def handler(self) -> FileHandler:
         """A new handler for this dataset's files."""
         return get_handler(

@@ -9,13 +9,18 @@ CEPED/flat, jsonl) and never writes into it (no counts file). The summary counts
 documents, tokens (characters for text) and a histogram of document lengths; one document is
 shown by global index, or by index within one file, decoded (tokens) or encoded (text) with a
 tokenizer on request; its report shows the first 1,000 tokens and 10,000 characters unless
-``full`` (the CLI's ``--all``), and the returned document is always whole.
+``full`` (the CLI's ``--all``), and the returned document is always whole. Data that ``prepare``
+wrote carries how it was tokenized (:mod:`torchdata_ext.prepared_meta`): the summary shows it,
+and documents are decoded with that tokenizer (and flat ``.npy`` split on that EOS) unless
+told otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -23,7 +28,8 @@ import numpy as np
 
 from torchdata_ext.handlers.base import format_for_url, registered_formats
 from torchdata_ext.index import DatasetIndex, read_data_sources
-from torchdata_ext.tokenizers import as_encoder, load_tokenizer
+from torchdata_ext.prepared_meta import PreparedMeta, read_meta
+from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET, as_encoder, load_tokenizer
 from torchdata_ext.urls import expand_urls, filesystem, join
 
 __all__ = ["histogram", "inspect_dataset", "open_index"]
@@ -44,7 +50,7 @@ def inspect_dataset(
     doc: int | None = None,
     file: str | None = None,
     tokenizer: str | None = None,
-    byte_offset: int = 1,
+    byte_offset: int | None = None,
     compression: str | None = "infer",
     full: bool = False,
     storage_options: dict[str, Any] | None = None,
@@ -55,11 +61,13 @@ def inspect_dataset(
     Args:
         path: a folder, file, glob or ``data_sources.txt`` (fsspec URL).
         file_type / col_name: as in :meth:`DatasetIndex.build`.
-        eos_token: for flat ``.npy`` files (default 0).
+        eos_token: for flat ``.npy`` files (default: the one ``prepare`` recorded, else 0).
         doc: print this document: a global index over all files, or within ``file``.
         file: a file of the dataset, by position in the sorted list or by (end of) its name.
-        tokenizer: ``"byte"`` or a ``tokenizer.json`` to decode tokens (or encode text).
-        byte_offset: the byte tokenizer's offset (as given to ``prepare``).
+        tokenizer: ``"byte"`` or a ``tokenizer.json`` to decode tokens (or encode text);
+            default: the one ``prepare`` recorded in the data's metadata file, else none.
+        byte_offset: the byte tokenizer's offset (default: the one ``prepare`` recorded, else
+            1, as everywhere).
         compression: of JSONL files: ``"infer"``, None, ``"gzip"`` or ``"zstd"``.
         full: print the whole document (default: its first 1,000 tokens and 10,000
             characters).
@@ -68,14 +76,24 @@ def inspect_dataset(
 
     Returns:
         The summary: ``{"dataset", "format", "files", "documents", "tokens", "characters",
-        "histogram"}`` (``tokens`` None for text, ``characters`` None for tokens; ``histogram``
-        as :func:`histogram`); or, with ``doc`` or ``file``, the document: ``{"file", "doc"}``
+        "histogram", "prepared"}`` (``tokens`` None for text, ``characters`` None for tokens;
+        ``histogram`` as :func:`histogram`; ``prepared`` the metadata file's fields, or None);
+        or, with ``doc`` or ``file``, the document: ``{"file", "doc"}``
         (its file URL and index within it) plus ``"tokens"`` (list of ints) and/or ``"text"``
         (what is stored, and the other one when ``tokenizer`` is given).
 
     Raises:
         ValueError: ``doc`` is out of range, or ``file`` matches no file or several.
     """
+    found = read_meta(_folder_of(path, storage_options), storage_options)
+    meta = None if found is None else found[0]
+    recorded = meta is not None and tokenizer is None  # decode with what prepare recorded
+    if meta is not None:
+        eos_token = meta.eos_token if eos_token is None else eos_token
+        if tokenizer is None:
+            tokenizer = meta.tokenizer
+        if byte_offset is None and tokenizer == meta.tokenizer:
+            byte_offset = meta.byte_offset
     index = open_index(
         path,
         file_type=file_type,
@@ -84,13 +102,24 @@ def inspect_dataset(
         compression=compression,
         storage_options=storage_options,
     )
+    byte_offset = DEFAULT_BYTE_OFFSET if byte_offset is None else byte_offset
     if doc is None and file is None:
-        result, lines = _summary(index)
+        result, lines = _summary(index, meta)
     else:
         shown = None if full else (_SHOWN_TOKENS, _SHOWN_CHARS)
-        result, lines = _document(
-            index, doc if doc is not None else 0, file, tokenizer, byte_offset, shown
-        )
+        tok = None
+        if tokenizer is not None:
+            try:
+                tok = load_tokenizer(tokenizer, byte_offset=byte_offset)
+            except (OSError, ValueError, ImportError) as exc:
+                if not recorded or found is None:
+                    raise
+                warnings.warn(
+                    f"{found[1]} names the tokenizer {tokenizer!r}, which cannot be loaded "
+                    f"here ({exc}); showing tokens only: pass tokenizer=... to decode",
+                    stacklevel=2,
+                )
+        result, lines = _document(index, doc if doc is not None else 0, file, tok, shown)
     out = out or sys.stdout
     for line in lines:
         print(line, file=out)
@@ -171,7 +200,13 @@ def _doc_lengths(index: DatasetIndex) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def _summary(index: DatasetIndex) -> tuple[dict[str, Any], list[str]]:
+def _folder_of(path: str, storage_options: dict[str, Any] | None) -> str:
+    """The folder of the data at ``path`` (a folder, or the folder of a file or pattern)."""
+    fs, p = filesystem(path, storage_options)
+    return path if fs.isdir(p) else path.rstrip("/").rsplit("/", 1)[0] if "/" in path else "."
+
+
+def _summary(index: DatasetIndex, meta: PreparedMeta | None) -> tuple[dict[str, Any], list[str]]:
     """The dataset's summary and its report lines."""
     lengths = _doc_lengths(index)
     text = index.handler().produces == "text" or index.total_tokens < 0
@@ -184,6 +219,7 @@ def _summary(index: DatasetIndex) -> tuple[dict[str, Any], list[str]]:
         "tokens": None if text else total,
         "characters": total if text else None,
         "histogram": histogram(lengths),
+        "prepared": None if meta is None else dataclasses.asdict(meta),
     }
     lines = [
         f"dataset:   {index.name} ({index.file_type})",
@@ -191,6 +227,12 @@ def _summary(index: DatasetIndex) -> tuple[dict[str, Any], list[str]]:
         f"documents: {index.total_docs:,}",
         f"tokens:    unknown (text); characters: {total:,}" if text else f"tokens:    {total:,}",
     ]
+    if meta is not None:
+        lines.append(
+            f"prepared:  tokenizer {meta.tokenizer_name}, vocab_size {meta.vocab_size:,}, "
+            f"bos_token {meta.bos_token}, eos_token {meta.eos_token}, {meta.dtype} "
+            f"(torchdata-ext {meta.package_version})"
+        )
     if lengths.size:
         lines.append(
             f"document length ({'characters' if text else 'tokens'}): min {lengths.min():,}, "
@@ -208,8 +250,7 @@ def _document(
     index: DatasetIndex,
     doc: int,
     file: str | None,
-    tokenizer: str | None,
-    byte_offset: int,
+    tok: Any | None,
     shown: tuple[int, int] | None,
 ) -> tuple[dict[str, Any], list[str]]:
     """Document ``doc`` (global, or within ``file``) and its report lines, which show at most
@@ -223,7 +264,6 @@ def _document(
         handler.close(reader)
     info: dict[str, Any] = {"file": index.files[f], "doc": local}
     lines = [f"file: {index.files[f]} (file {f}), document {local}"]
-    tok = None if tokenizer is None else load_tokenizer(tokenizer, byte_offset=byte_offset)
     max_tokens, max_chars = shown or (None, None)
     if isinstance(value, str):
         info["text"] = value

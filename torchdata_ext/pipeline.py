@@ -24,10 +24,18 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._checks import check_int
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.prepared_meta import check_config, read_meta
 from torchdata_ext.split import EvalSplit, Subset
-from torchdata_ext.tokenizers import load_tokenizer
+from torchdata_ext.tokenizers import (
+    DEFAULT_BYTE_OFFSET,
+    ByteTokenizer,
+    check_special_tokens,
+    load_tokenizer,
+    token_ids,
+)
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
@@ -69,7 +77,12 @@ class PipelineConfig:
         batch_size: sequences per batch.
         seed: seed of shuffling, interleaving and the shuffle buffer.
         tokenizer: None for tokenized data; ``"byte"`` for the byte tokenizer; or a path to a
-            Hugging Face ``tokenizer.json``.
+            Hugging Face ``tokenizer.json``. Data that ``prepare`` wrote carries how it was
+            tokenized (``meta/torchdata_ext_meta.json``): a tokenizer, ``byte_offset``,
+            ``bos_token``/``eos_token`` or ``dtype`` that disagrees with it is refused.
+        byte_offset: the byte tokenizer maps byte ``b`` to id ``b + byte_offset`` (default 1,
+            as in ``prepare`` and ``inspect``: id 0, the default EOS and pad, is never a byte).
+            BOS/EOS/BOL/EOL/pad ids the tokenizer emits for ordinary text are refused.
         pack_mode: ``"concat"``, ``"pad"`` or ``"best_fit"``.
         best_fit_window: documents considered at once in ``best_fit`` mode.
         shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
@@ -120,6 +133,7 @@ class PipelineConfig:
     batch_size: int = 8
     seed: int = 42
     tokenizer: str | None = None
+    byte_offset: int = DEFAULT_BYTE_OFFSET
     pack_mode: Literal["concat", "pad", "best_fit"] = "concat"
     best_fit_window: int = 1000
     shuffle_buffer: int = 10_000
@@ -164,6 +178,10 @@ class PipelineConfig:
         if self.dtype not in ("int64", "int32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
         self._check_eval_split()
+        check_int("byte_offset", self.byte_offset, 0)
+        # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
+        byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
+        self.check_special_ids(byte)
         self.output_keys = _split_list(self.output_keys, "output_keys")
         known = (*ALL_KEYS, "provenance")
         unknown = [k for k in self.output_keys if k not in known]
@@ -240,6 +258,27 @@ class PipelineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def special_tokens(self) -> dict[str, int | None]:
+        """The special token ids by field name (BOS, EOS, BOL, EOL, pad)."""
+        names = ("bos_token", "eos_token", "bol_token", "eol_token", "pad_token")
+        return {name: getattr(self, name) for name in names}
+
+    def check_special_ids(self, tokenizer: Any | None = None) -> None:
+        """Refuse special ids outside ``dtype`` or that ``tokenizer`` (this config's, loaded)
+        emits for ordinary text.
+
+        Raises:
+            ValueError: naming the field, its value, the reason and the ids allowed.
+        """
+        ids = None if tokenizer is None else token_ids(tokenizer, self.tokenizer)
+        if ids is not None and ids.vocab_size - 1 > np.iinfo(self.dtype).max:
+            raise ValueError(
+                f"dtype={self.dtype!r} cannot hold the ids of tokenizer={self.tokenizer!r} "
+                f"(vocab_size {ids.vocab_size}); set dtype='int64'"
+            )
+        check_special_tokens(self.special_tokens, dtype=self.dtype, ids=ids)
 
     @property
     def dataset_weights(self) -> dict[str, float]:
@@ -358,8 +397,21 @@ def _build(
             )
     if cfg.tokenizer is None:
         _check_tokens(cfg, datasets)
-    # the pipeline's byte tokenizer maps byte b to id b (prepare's default is b + 1)
-    tokenizer = None if cfg.tokenizer is None else load_tokenizer(cfg.tokenizer, byte_offset=0)
+    tokenizer = None
+    if cfg.tokenizer is not None:
+        tokenizer = load_tokenizer(cfg.tokenizer, byte_offset=cfg.byte_offset)
+        cfg.check_special_ids(tokenizer)
+    for name, index in datasets.items():  # data prepare wrote says how it was tokenized
+        found = read_meta(index.root, index.storage_options)
+        if found is not None:
+            check_config(
+                *found,
+                name,
+                tokenizer=tokenizer,
+                tokenizer_spec=cfg.tokenizer,
+                specials=cfg.special_tokens,
+                dtype=cfg.dtype,
+            )
     sources: dict[str, BaseNode] = {}
     for name, index in datasets.items():
         node: BaseNode = ShardReader(

@@ -17,8 +17,13 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
   arrays, every document followed by ``eos_token`` (default 0), plus ``data_sources.txt``
   listing them. Both get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file).
 * ``tokenizer="byte"`` is :class:`~torchdata_ext.tokenizers.ByteTokenizer` with
-  ``offset=byte_offset`` (default 1, so id 0 stays free for EOS; ids 1..256 are bytes);
-  otherwise the path of a Hugging Face ``tokenizer.json``.
+  ``offset=byte_offset`` (default 1, as in the pipeline config and ``inspect``, so id 0 stays
+  free for EOS; ids 1..256 are bytes); otherwise the path of a Hugging Face ``tokenizer.json``.
+  An ``eos_token`` the tokenizer emits for ordinary text, or outside ``uint32``, is refused.
+* ``meta/torchdata_ext_meta.json`` (:mod:`torchdata_ext.prepared_meta`) records the tokenizer,
+  its offset, vocabulary size, BOS/EOS ids, dtype, format and package version; the pipeline
+  refuses a config that disagrees with it and ``inspect`` decodes with it. A run into a folder
+  whose file says otherwise (another part with other settings) is refused.
 * Outputs hold at most ``max_tokens_per_file`` tokens (a longer document gets a file of its
   own; documents are never split) and are named ``part{shard_id:05d}_{n:05d}.arrow|npy``.
 * ``shard_id=K, num_shards=N`` (e.g. a Slurm array): part K takes the K-th of N contiguous,
@@ -55,8 +60,16 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.tokenizers import Encoder, as_encoder, load_tokenizer
+from torchdata_ext.tokenizers import (
+    DEFAULT_BYTE_OFFSET,
+    Encoder,
+    as_encoder,
+    check_special_tokens,
+    load_tokenizer,
+    token_ids,
+)
 from torchdata_ext.urls import expand_urls, filesystem, is_local, unstrip
 
 __all__ = ["INPUT_SUFFIXES", "PrepareResult", "prepare", "split_inputs"]
@@ -107,7 +120,7 @@ def prepare(
     *,
     format: str = "arrow",
     tokenizer: str = "byte",
-    byte_offset: int = 1,
+    byte_offset: int = DEFAULT_BYTE_OFFSET,
     text_field: str = "text",
     eos_token: int | None = None,
     max_tokens_per_file: int = 100_000_000,
@@ -127,10 +140,12 @@ def prepare(
         out: the output folder (fsspec URL).
         format: ``"arrow"`` or ``"npy"``.
         tokenizer: ``"byte"`` or the path of a ``tokenizer.json``.
-        byte_offset: the byte tokenizer's id offset (ids ``< byte_offset`` stay free).
+        byte_offset: the byte tokenizer's id offset (ids ``< byte_offset`` stay free;
+            default 1, the same as the pipeline config's and ``inspect``'s).
         text_field: the JSONL field / Parquet column holding the text.
         eos_token: appended to every document; for ``npy`` default 0 (it separates documents),
-            for ``arrow`` default none (the pipeline adds it).
+            for ``arrow`` default none (the pipeline adds it). It must be an id the tokenizer
+            never emits for ordinary text (one of its own special tokens is allowed).
         max_tokens_per_file: cap of tokens per output file.
         num_proc: tokenizing processes.
         shard_id / num_shards: which part of the inputs this call does.
@@ -163,7 +178,12 @@ def prepare(
     raw = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
     mine = split_inputs(files, shard_id, num_shards)
-    _encoder(tokenizer, byte_offset)  # a bad tokenizer fails here, before anything is written
+    # a bad tokenizer or an eos_token it can emit fails here, before anything is written
+    tok = _tokenizer(tokenizer, byte_offset)
+    check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
+    meta = PreparedMeta.describe(
+        tok, tokenizer, bos_token=None, eos_token=eos_token, dtype="uint32", format=format
+    )
     config = {
         "version": PROGRESS_VERSION,
         "inputs": hashlib.sha256("\n".join(mine).encode()).hexdigest()[:16],
@@ -186,6 +206,7 @@ def prepare(
         state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
     else:
         result.resumed = True
+    check_same_settings(out, meta, storage_options)
     _remove_stale_temps(fs, out_path, shard_id)
     suffix = ".arrow" if format == "arrow" else ".npy"
 
@@ -198,6 +219,7 @@ def prepare(
     result.outputs = [out_url(n) for n in range(int(state["next_output"]))]
     if state["done"]:
         result.skipped = True
+        write_meta(out, meta, storage_options)
         _finalize(fs, out, out_path, format, eos_token, storage_options)
         return result
 
@@ -240,9 +262,9 @@ def prepare(
             if eos is not None:
                 if eos_token in doc:
                     raise ValueError(
-                        f"{mine[i]}: document {j0 + k} contains eos_token={eos_token}, which "
-                        "would split it when read back; choose another eos_token (or "
-                        "byte_offset >= 1 for the byte tokenizer)"
+                        f"{mine[i]}: document {j0 + k} contains eos_token={eos_token} (the "
+                        "tokenizer added it), which would split it when read back; choose "
+                        "another eos_token"
                     )
                 doc = np.concatenate([doc, eos])
             if buf and buf_tokens + doc.size > max_tokens_per_file:
@@ -287,6 +309,7 @@ def prepare(
             UnicodeWarning,
             stacklevel=2,
         )
+    write_meta(out, meta, storage_options)
     _finalize(fs, out, out_path, format, eos_token, storage_options)
     return result
 
@@ -313,8 +336,7 @@ def _check_tokens(
     compression: str | None,
 ) -> None:
     """Raise ``ValueError`` naming the first bad token id, encoding or compression."""
-    if eos_token is not None and not 0 <= eos_token <= _UINT32_MAX:
-        raise ValueError(f"{eos_token=} must be a token id in 0..{_UINT32_MAX} (uint32)")
+    check_special_tokens({"eos_token": eos_token}, dtype="uint32")
     if tokenizer == "byte" and not 0 <= byte_offset <= _UINT32_MAX - 255:
         raise ValueError(
             f"{byte_offset=} must be in 0..{_UINT32_MAX - 255} (byte ids must fit uint32)"
@@ -389,15 +411,20 @@ def _read_texts(url: str, how: _Tokenize) -> tuple[list[str], set[int]]:
         handler.close(reader)
 
 
-_ENCODERS: dict[tuple[str, int], Encoder] = {}  # per process (pool workers too)
+_TOKENIZERS: dict[tuple[str, int], Any] = {}  # per process (pool workers too)
+
+
+def _tokenizer(spec: str, byte_offset: int) -> Any:
+    """The tokenizer ``spec``, loaded once per process."""
+    key = (spec, byte_offset)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(spec, byte_offset=byte_offset)
+    return _TOKENIZERS[key]
 
 
 def _encoder(spec: str, byte_offset: int) -> Encoder:
-    """The tokenizer ``spec``, loaded once per process."""
-    key = (spec, byte_offset)
-    if key not in _ENCODERS:
-        _ENCODERS[key] = as_encoder(load_tokenizer(spec, byte_offset=byte_offset))
-    return _ENCODERS[key]
+    """The tokenizer ``spec`` as an :class:`~torchdata_ext.tokenizers.Encoder`."""
+    return as_encoder(_tokenizer(spec, byte_offset))
 
 
 def _tokenize_file(task: tuple[str, int, _Tokenize]) -> tuple[list[np.ndarray], int]:

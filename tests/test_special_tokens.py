@@ -1,0 +1,143 @@
+"""Special token ids (BOS/EOS/BOL/EOL/pad) that the tokenizer can emit as ordinary tokens, or
+that the output dtype cannot hold, are refused: in ``prepare``, on the command line (naming the
+flag) and in ``PipelineConfig``, with the reason and the ids allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torchdata_ext
+from torchdata_ext.cli import main
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.testing import write_jsonl
+from torchdata_ext.tokenizers import ByteTokenizer, check_special_tokens, token_ids
+
+BYTE_AT = (
+    "eos_token=65 is an ordinary token (byte 0x40 '@') of the tokenizer 'byte' (byte_offset=1)"
+)
+
+
+@pytest.fixture()
+def text_in(tmp_path: Path) -> Path:
+    write_jsonl(str(tmp_path / "in" / "a.jsonl"), ["mail me @ home", "no at sign"])
+    return tmp_path / "in"
+
+
+@given(
+    offset=st.integers(0, 600),
+    token=st.integers(-3, 2**33),
+    dtype=st.sampled_from(["uint32", "int32", "int64"]),
+)
+def test_an_id_is_refused_exactly_when_it_is_a_byte_or_outside_the_dtype(
+    offset: int, token: int, dtype: str
+) -> None:
+    ids = token_ids(ByteTokenizer(offset))
+    refused = not 0 <= token <= np.iinfo(dtype).max or offset <= token < offset + 256
+    try:
+        check_special_tokens({"eos_token": token}, dtype=dtype, ids=ids)
+    except ValueError as exc:
+        assert refused and f"eos_token={token} " in str(exc)
+    else:
+        assert not refused
+
+
+def test_prepare_refuses_an_eos_the_byte_tokenizer_emits(text_in: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as err:
+        torchdata_ext.prepare(str(text_in), str(out), eos_token=65, progress=False)
+    assert str(err.value) == (
+        f"{BYTE_AT}: every one in the text would read as a document end; choose an id the "
+        "tokenizer never emits: 0 or 257..4294967295 (uint32)"
+    )
+    assert not out.exists()  # nothing written
+    # the same id is free once the bytes move above it
+    res = torchdata_ext.prepare(str(text_in), str(out), eos_token=65, byte_offset=66,
+                                format="npy", progress=False)  # fmt: skip
+    assert res.documents == 2 and np.load(res.outputs[0]).tolist().count(65) == 2
+
+
+def test_the_command_line_names_the_flags(text_in: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["prepare", str(text_in), "--out", str(out), "--eos-token", "65"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "torchdata-ext prepare: error: --eos-token 65 is an ordinary token (byte 0x40 '@') of "
+        "the tokenizer 'byte' (--byte-offset 1): every one in the text would read as a document "
+        "end; choose an id the tokenizer never emits: 0 or 257..4294967295 (uint32)\n"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["bos_token", "eos_token", "bol_token", "eol_token", "pad_token"])
+def test_the_config_refuses_a_byte_as_a_special_token(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}=65 is an ordinary token \(byte 0x40 '@'\)"):
+        PipelineConfig(data_path=str(tmp_path), tokenizer="byte", **{name: 65})
+    # the check is about the tokenizer: ids of tokenized data without metadata are unknown
+    assert getattr(PipelineConfig(data_path=str(tmp_path), **{name: 65}), name) == 65
+
+
+def test_the_config_follows_byte_offset_and_dtype(tmp_path: Path) -> None:
+    base: dict[str, Any] = {"data_path": str(tmp_path), "tokenizer": "byte"}
+    assert PipelineConfig(**base).eos_token == 0  # the defaults agree: 0 is no byte
+    with pytest.raises(ValueError, match=r"^eos_token=0 is an ordinary token \(byte 0x00\) of "
+                       r"the tokenizer 'byte' \(byte_offset=0\).*: 256\.\.9223372036854775807 "
+                       r"\(int64\)$"):  # fmt: skip
+        PipelineConfig(**base, byte_offset=0)
+    PipelineConfig(**base, byte_offset=0, eos_token=256, pad_token=256)
+    with pytest.raises(ValueError, match=r"^eos_token=2147483648 must be a token id in "
+                       r"0\.\.2147483647 \(the output dtype int32\); the tokenizer never emits "
+                       r"0 or 257\.\.2147483647 \(int32\)$"):  # fmt: skip
+        PipelineConfig(**base, dtype="int32", eos_token=2**31)
+    with pytest.raises(ValueError, match=r"^byte_offset=-1 must be >= 0"):
+        PipelineConfig(**base, byte_offset=-1)
+    with pytest.raises(TypeError, match=r"^pad_token='0' must be None or an integer"):
+        PipelineConfig(**base, pad_token="0")  # type: ignore[arg-type]
+
+
+@pytest.fixture()
+def tok_json(tmp_path: Path) -> str:
+    """A word-level tokenizer: ordinary ids 0..3 and 5 (an added word), special 4 (</s>)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "mail": 1, "me": 2, "home": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])
+    tok.add_tokens(["@"])  # not special: text produces it
+    tok.save(str(tmp_path / "tok.json"))
+    return str(tmp_path / "tok.json")
+
+
+def test_a_hugging_face_tokenizer_allows_its_own_special_tokens(
+    text_in: Path, tmp_path: Path, tok_json: str
+) -> None:
+    ids = token_ids(torchdata_ext.tokenizers.load_tokenizer(tok_json), tok_json)
+    assert (ids.ordinary, ids.specials, ids.vocab_size) == (((0, 4), (5, 6)), (4,), 6)
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="in", file_type="jsonl",
+                         col_name="text", tokenizer=tok_json, seq_length=4, shift=False,
+                         logical_shards=1, shuffle_buffer=1, epochs=1, eos_token=None,
+                         pad_token=7)  # fmt: skip
+    for name, value, what in (("eos_token", 2, "a document end"), ("pad_token", 5, "padding")):
+        with pytest.raises(ValueError) as err:
+            build_pipeline(PipelineConfig(**{**cfg.to_dict(), name: value}), collate=False)
+        assert str(err.value) == (
+            f"{name}={value} is an ordinary token (a token of its vocabulary) of the tokenizer "
+            f"{tok_json!r}: every one in the text would read as {what}; choose an id the "
+            "tokenizer never emits: 4 or 6..9223372036854775807 (int64), or one of its special "
+            "tokens [4]"
+        )
+    root = build_pipeline(PipelineConfig(**{**cfg.to_dict(), "eos_token": 4}), collate=False)
+    root.reset(None)
+    flat = [t for seq in root for t in seq["input_ids"].tolist()]
+    assert flat[-3:] == [7, 7, 7] and flat.count(4) == 2  # padded at the end; one EOS a doc
+    body = np.array(flat[:-3])
+    docs = sorted(d.tolist() for d in np.split(body, np.flatnonzero(body == 4)[:-1] + 1))
+    assert docs == [[0, 0, 0, 4], [1, 2, 5, 3, 4]]  # "@" is the added word 5; unknown words 0
+    with pytest.raises(ValueError, match=r"^eos_token=5 is an ordinary token"):
+        torchdata_ext.prepare(str(text_in), str(tmp_path / "o"), tokenizer=tok_json,
+                              eos_token=5, progress=False)  # fmt: skip
