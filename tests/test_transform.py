@@ -404,3 +404,78 @@ def test_no_transform_node_without_transforms(cfg) -> None:
     assert not any(isinstance(n, TransformDocuments) for n in nodes)
     nodes = graph_nodes(build_pipeline(cfg, World(0, 1, 0, 1)))
     assert sum(isinstance(n, TransformDocuments) for n in nodes) == 2
+
+
+def no_spam(text: str, meta) -> bool:
+    return "spam" not in text
+
+
+def shout(text: str, meta) -> str:
+    return text.upper() + "!"
+
+
+@pytest.fixture(scope="module")
+def text_cfg(tmp_path_factory) -> PipelineConfig:
+    root = tmp_path_factory.mktemp("transform_text")
+    rng = np.random.default_rng(11)
+    words = ["data", "loader", "spam", "token", "shard", "rescale"]
+    for name, n_docs in (("web", 80), ("code", 40)):
+        texts = [" ".join(rng.choice(words, 1 + int(rng.exponential(6)))) for _ in range(n_docs)]
+        for f in range(2):
+            write_jsonl(str(root / name / f"p{f}.jsonl"), texts[f::2])
+    return PipelineConfig(
+        data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=12,
+        batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
+        transforms=[Filter(no_spam, on="text"), shout, Map(reverse_and_grow), {"truncate": 50}],
+    )  # fmt: skip
+
+
+def text_reference(cfg: PipelineConfig) -> dict:
+    from torchdata_ext.pipeline import build_datasets
+
+    out = {}
+    for name, index in build_datasets(cfg).items():
+        h = index.handler()
+        for f, url in enumerate(index.files):
+            r = h.open(url)
+            for d in range(int(index.doc_counts[f])):
+                text = h.get(r, d)
+                if "spam" in text:
+                    continue
+                tokens = np.frombuffer(shout(text, None).encode(), np.uint8).astype(np.int64)
+                x = reverse_and_grow(tokens, None)
+                if x is not None:
+                    out[(name, f, d)] = x[:50]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("old", "new"), [((2, 0), (1, 0)), ((1, 2), (3, 1))], ids=str)
+def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None:
+    """Text steps before tokenize, token steps after it: handed-back pieces are token ranges
+    of the transformed document, cut by the token transform node (tokenize hands the whole
+    encoded text on)."""
+    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+    from torchdata_ext.loader import TokenLoader
+
+    want = text_reference(text_cfg)
+    names = ["web", "code"]
+    coverage: dict = {}
+    ckpt = str(tmp_path / "ckpt")
+    R, W = old
+    for r in range(R):
+        loader = TokenLoader(functools.partial(build, text_cfg), num_workers=W, rank=r, world_size=R)
+        seqs = []
+        for seq in loader:
+            seqs.append(seq)
+            if len(seqs) >= 5 + r:
+                break
+        check_sequences(seqs, names, want, coverage)
+        save_checkpoint(loader, ckpt)
+    R2, W2 = new
+    for r in range(R2):
+        loader = TokenLoader(functools.partial(build, text_cfg), num_workers=W2, rank=r, world_size=R2)
+        load_checkpoint(loader, ckpt)
+        check_sequences(list(loader), names, want, coverage)
+    check_exactly_once(coverage, {k: len(v) for k, v in want.items()})

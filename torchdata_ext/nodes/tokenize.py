@@ -268,7 +268,12 @@ class Tokenize(BaseNode[DocumentBlock]):
         out: list[tuple[str, int, int, int, int]] = []
         for item, _ in self._pending:
             block = item.result() if isinstance(item, Future) else item
-            out.extend(block.pieces())
+            pieces = block.pieces()
+            if block.stop is None:  # whole documents go back as such (stop -1): a transform
+                # node after this one may change their length
+                whole = ((block.start == 0) & block.last).tolist()
+                pieces = [(d, f, k, a, -1 if w else b) for (d, f, k, a, b), w in zip(pieces, whole)]
+            out.extend(pieces)
         return out
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
