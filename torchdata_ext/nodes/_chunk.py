@@ -12,6 +12,12 @@ its pieces arrive contiguous and in order (interleave keeps them so), and the se
 every ``capacity`` tokens from the document's start. The clean point to replay from is the
 cursor itself (Pack's ``source`` / ``consumed`` keys), as for ``concat``: a dropped remainder is
 passed over before the next sequence is emitted, so a state never stands inside one.
+
+A piece made only of a placed BOS or EOS (a document whose tokens end exactly at a sequence's
+end leaves its EOS alone) is never emitted, padded or not: it holds no document token, and a
+rescale, which hands back document tokens only, could not tell whether it was delivered (the
+new owner would emit it again). So the sequences after a rescale are exactly those of the
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -51,12 +57,19 @@ class _Chunk:
         capacity = self._layout.capacity
         while True:
             parts, filled, ran_out = self._fill(capacity)
+            if filled <= 2 and not self._has_document_tokens(parts):
+                if ran_out:  # only a placed BOS/EOS: no sequence (see the module docstring)
+                    raise StopIteration
+                continue
             if filled == capacity:
                 return self._layout.emit(parts)
             if filled and not self._drop_remainder and (self._flush or not ran_out):
                 return self._layout.emit(parts)  # a document's remainder, padded
             if ran_out:
                 raise StopIteration
+
+    def _has_document_tokens(self, parts: list[_Part]) -> bool:
+        return any(self._cursor.pieces(s, a, b) for s, a, b in parts)
 
     def inflight(self) -> list[_Piece]:
         """The rest of the current block (pulled again first after a restore)."""
