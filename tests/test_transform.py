@@ -427,7 +427,8 @@ def text_cfg(tmp_path_factory) -> PipelineConfig:
         data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
         col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=12,
         batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
-        transforms=[Filter(no_spam, on="text"), shout, Map(reverse_and_grow), {"truncate": 50}],
+        transforms=[Filter(no_spam, on="text"), shout, Map(reverse_and_grow), {"min_length": 14},
+                    {"truncate": 50}],
     )  # fmt: skip
 
 
@@ -445,7 +446,7 @@ def text_reference(cfg: PipelineConfig) -> dict:
                     continue
                 tokens = np.frombuffer(shout(text, None).encode(), np.uint8).astype(np.int64)
                 x = reverse_and_grow(tokens, None)
-                if x is not None:
+                if x is not None and len(x) >= 14:
                     out[(name, f, d)] = x[:50]
     return out
 

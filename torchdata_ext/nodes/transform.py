@@ -321,10 +321,23 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         """Pieces a rescale handed back (``start .. stop`` of transformed documents): each
         document read again, transformed, and the piece cut out."""
         assert block.stop is not None and block.tokens is not None
-        pieces, lasts = [], []
+        pieces, lasts, keep = [], [], np.ones(len(block), bool)
         for i, (a, stop) in enumerate(zip(block.start.tolist(), block.stop.tolist())):
             file, doc = int(block.file[i]), int(block.doc[i])
-            data = np.asarray(self.fetch_document(block.dataset, file, doc))
+            if a == 0 and stop < 0:
+                # a whole document a node below this one held (e.g. tokenize reading ahead):
+                # it never went through the steps, which may drop it now
+                raw = self._fetch_source(block.dataset, file, doc)
+                one = DocumentBlock.from_pieces(
+                    block.dataset, [raw], [file], [doc], [0], [True], dtype=_dtype(raw)
+                )
+                out = self._apply(one)
+                if not len(out):
+                    keep[i] = False
+                    continue
+                data = np.asarray(out[0].data)
+            else:
+                data = np.asarray(self.fetch_document(block.dataset, file, doc))
             b = len(data) if stop < 0 else stop
             if not 0 <= a <= b <= len(data):
                 raise ValueError(
@@ -338,9 +351,9 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         return DocumentBlock.from_pieces(
             block.dataset,
             pieces,
-            block.file,
-            block.doc,
-            block.start,
+            block.file[keep],
+            block.doc[keep],
+            block.start[keep],
             lasts,
             shard=block.shard,
             epoch=block.epoch,
