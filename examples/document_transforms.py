@@ -29,9 +29,20 @@ from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
-from torchdata_ext.transforms import Filter, Map
+from torchdata_ext.transforms import Filter
 
-WORDS = "data loader shard token epoch rescale batch sequence worker rank".split()
+WORDS = [
+    "data",
+    "loader",
+    "shard",
+    "token",
+    "epoch",
+    "rescale",
+    "batch",
+    "sequence",
+    "worker",
+    "rank",
+]
 
 
 def quality(text: str, meta) -> bool:
@@ -96,9 +107,10 @@ def cover(coverage: dict, batches, want) -> None:
             at = 0
             for ds, f, d, start, length in np.asarray(prov).tolist():
                 if ds not in (LITERAL, PAD) and length:
-                    assert bytes(x[at : at + length].astype(np.uint8)) == want[(f, d)][
-                        start : start + length
-                    ], (f, d)
+                    assert (
+                        bytes(x[at : at + length].astype(np.uint8))
+                        == want[(f, d)][start : start + length]
+                    ), (f, d)
                     coverage.setdefault((f, d), []).append((start, start + length))
                 at += length
 

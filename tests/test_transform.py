@@ -466,7 +466,9 @@ def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None
     ckpt = str(tmp_path / "ckpt")
     R, W = old
     for r in range(R):
-        loader = TokenLoader(functools.partial(build, text_cfg), num_workers=W, rank=r, world_size=R)
+        loader = TokenLoader(
+            functools.partial(build, text_cfg), num_workers=W, rank=r, world_size=R
+        )
         seqs = []
         for seq in loader:
             seqs.append(seq)
@@ -476,7 +478,9 @@ def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None
         save_checkpoint(loader, ckpt)
     R2, W2 = new
     for r in range(R2):
-        loader = TokenLoader(functools.partial(build, text_cfg), num_workers=W2, rank=r, world_size=R2)
+        loader = TokenLoader(
+            functools.partial(build, text_cfg), num_workers=W2, rank=r, world_size=R2
+        )
         load_checkpoint(loader, ckpt)
         check_sequences(list(loader), names, want, coverage)
     check_exactly_once(coverage, {k: len(v) for k, v in want.items()})

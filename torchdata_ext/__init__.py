@@ -17,11 +17,14 @@ from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
     Collate,
+    FilterDocuments,
     Interleave,
+    MapDocuments,
     Pack,
     ShardReader,
     ShuffleBuffer,
     Tokenize,
+    TransformDocuments,
     merge_reader_states,
 )
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
@@ -37,7 +40,9 @@ __all__ = [
     "DatasetIndex",
     "Document",
     "DocumentBlock",
+    "FilterDocuments",
     "Interleave",
+    "MapDocuments",
     "Pack",
     "PipelineConfig",
     "PipelineDataset",
@@ -49,6 +54,7 @@ __all__ = [
     "ShuffleBuffer",
     "Tokenize",
     "TokenLoader",
+    "TransformDocuments",
     "World",
     "build_datasets",
     "build_pipeline",

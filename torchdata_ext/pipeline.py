@@ -28,7 +28,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.tokenizers import load_tokenizer
-from torchdata_ext.transforms import Transform, from_spec
+from torchdata_ext.transforms import On, Transform, from_spec
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
@@ -198,7 +198,7 @@ class PipelineConfig:
             raise TypeError(
                 f"transforms={specs!r} must be a list of transforms or a mapping dataset -> list"
             )
-        on = "text" if self.tokenizer is not None else "tokens"
+        on: On = "text" if self.tokenizer is not None else "tokens"
         return [from_spec(spec, on) for spec in specs]
 
     # -- loading ----------------------------------------------------------------------------

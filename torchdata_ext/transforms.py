@@ -37,6 +37,7 @@ __all__ = [
     "drop_tokens",
     "from_spec",
     "length_filter",
+    "take_documents",
     "truncate",
 ]
 
@@ -174,7 +175,7 @@ class Map(Transform):
     ) -> None:
         f = _check_fns("Map", fn, block_fn)
         self.fn, self.block_fn, self.on = fn, block_fn, _check_on(on)
-        self.name = name or getattr(f, "__name__", repr(f))
+        self.name = str(name or getattr(f, "__name__", repr(f)))
 
     def apply(self, block: DocumentBlock) -> DocumentBlock:
         if not len(block):
@@ -309,7 +310,7 @@ class Filter(Transform):
     ) -> None:
         f = _check_fns("Filter", fn, block_fn)
         self.fn, self.block_fn, self.on = fn, block_fn, _check_on(on)
-        self.name = name or getattr(f, "__name__", repr(f))
+        self.name = str(name or getattr(f, "__name__", repr(f)))
 
     def keep(self, block: DocumentBlock) -> np.ndarray:
         """The bool keep mask of ``block``'s documents."""
@@ -432,7 +433,9 @@ def from_spec(spec: Any, on: On = "tokens") -> Transform:
         )
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
-        raise ValueError(f"transform {dict(spec)!r}: unknown key(s) {unknown}; use {list(SPEC_KEYS)}")
+        raise ValueError(
+            f"transform {dict(spec)!r}: unknown key(s) {unknown}; use {list(SPEC_KEYS)}"
+        )
     lengths = {k: spec[k] for k in ("min_length", "max_length") if k in spec}
     rest = [k for k in spec if k not in lengths]
     if (lengths and rest) or len(rest) > 1:

@@ -153,7 +153,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         source: BaseNode,
         seq_len: int,
         *,
-        mode: Literal["concat", "pad", "best_fit"] = "concat",
+        mode: Literal["concat", "pad", "best_fit", "chunk"] = "concat",
         bos_token: int | None = None,
         eos_token: int | None = None,
         bol_token: int | None = None,

@@ -40,7 +40,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.transforms import Filter, Map, On, Transform, from_spec, take_documents
+from torchdata_ext.transforms import Filter, Map, On, Transform, from_spec
 
 __all__ = ["FilterDocuments", "MapDocuments", "TransformDocuments"]
 
@@ -115,6 +115,8 @@ class TransformDocuments(BaseNode[DocumentBlock]):
 
     SOURCE_KEY = "source"
     SKIP_KEY = "skip"
+    source: BaseNode[DocumentBlock]
+    steps: list[Transform]
 
     def __init__(
         self,
@@ -204,9 +206,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             ValueError: the steps drop it now (they are not deterministic, or the data changed).
         """
         data = self._fetch_source(dataset, file, doc)
-        block = DocumentBlock.from_pieces(
-            dataset, [data], [file], [doc], [0], [True], dtype=_dtype(data)
-        )
+        block = _one(dataset, file, doc, data)
         out = self._apply(block)
         if not len(out):
             raise ValueError(
@@ -294,9 +294,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         transformed and cut into pieces of piece ``i``'s length (none if dropped)."""
         file, doc = int(block.file[i]), int(block.doc[i])
         data = self._fetch_source(block.dataset, file, doc)
-        one = DocumentBlock.from_pieces(
-            block.dataset, [data], [file], [doc], [0], [True], dtype=_dtype(data)
-        )
+        one = _one(block.dataset, file, doc, data)
         out = self._apply(one)
         if not len(out):
             return out
@@ -328,9 +326,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
                 # a whole document a node below this one held (e.g. tokenize reading ahead):
                 # it never went through the steps, which may drop it now
                 raw = self._fetch_source(block.dataset, file, doc)
-                one = DocumentBlock.from_pieces(
-                    block.dataset, [raw], [file], [doc], [0], [True], dtype=_dtype(raw)
-                )
+                one = _one(block.dataset, file, doc, raw)
                 out = self._apply(one)
                 if not len(out):
                     keep[i] = False
@@ -361,8 +357,11 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         )
 
 
-def _dtype(data: DocData) -> Any:
-    return np.int32 if isinstance(data, str) else np.asarray(data).dtype
+def _one(dataset: str, file: int, doc: int, data: DocData) -> DocumentBlock:
+    """A block of the one whole document ``data``."""
+    dtype = np.int32 if isinstance(data, str) else np.asarray(data).dtype
+    pieces: Any = [data]
+    return DocumentBlock.from_pieces(dataset, pieces, [file], [doc], [0], [True], dtype=dtype)
 
 
 class MapDocuments(TransformDocuments):
