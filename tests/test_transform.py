@@ -484,3 +484,20 @@ def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None
         load_checkpoint(loader, ckpt)
         check_sequences(list(loader), names, want, coverage)
     check_exactly_once(coverage, {k: len(v) for k, v in want.items()})
+
+
+def test_interleave_counts_the_transformed_tokens(cfg) -> None:
+    """Interleave's token shares see the documents as transformed: after the epoch its
+    counters are the transformed documents' tokens, dataset by dataset."""
+    from torchdata_ext.graph import graph_nodes
+    from torchdata_ext.nodes.interleave import Interleave
+
+    node = build_pipeline(cfg, World(0, 1, 0, 1), collate=False)
+    node.reset()
+    for _ in node:
+        pass
+    (mix,) = [n for n in graph_nodes(node) if isinstance(n, Interleave)]
+    counters = mix.state_dict()["tokens_delivered"]  # its own, not the packer's replay point
+    want = mapped_reference(cfg)
+    for name in ("web", "code"):
+        assert counters[name] == sum(len(v) for k, v in want.items() if k[0] == name)
