@@ -177,22 +177,23 @@ def test_user_functions_cannot_write_into_the_block() -> None:
 
 
 # -- the node on a real reader -----------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [None, 6], ids=["whole", "chunked"])
-def test_delivered_documents_equal_the_reference(data, chunk) -> None:
+@pytest.mark.parametrize(("chunk", "block_docs"), [(None, 4), (6, 4), (1, 3), (13, 1)])
+def test_delivered_documents_equal_the_reference(data, chunk, block_docs) -> None:
     """Filter, map (length-changing) and built-ins: the delivered set is the reference set,
     also with documents cut into pieces by the reader (a filter drops all pieces)."""
     index, raw = data
     node = TransformDocuments(
-        reader(index, max_chunksize=chunk),
+        reader(index, max_chunksize=chunk, block_docs=block_docs),
         [Filter(no_bad), reverse_and_grow, {"min_length": 8}, {"truncate": 30}],
     )
     got = delivered(run(node))
     want = reference(raw, [ref_no_bad, ref_grow, ref_min(8), ref_trunc(30)])
     assert 5 < len(want) < len(raw)
     assert_same_docs(got, want)
-    if chunk:  # pieces of at most the reader's size
+    if chunk:  # documents cut by the reader come out cut into pieces of the reader's size
         node.reset()
-        assert max(len(d.data) for b in run(node) for d in b) == chunk
+        cut = [len(d.data) for b in run(node) for d in b if d.start or not d.last]
+        assert cut and max(cut) == chunk
 
 
 def test_block_fn_and_per_document_forms_agree(data) -> None:
@@ -392,6 +393,8 @@ def test_yaml_config_uses_the_builtins(tmp_path, cfg) -> None:
         PipelineConfig(data_path="x", datasets="web", transforms={"wbe": [{"truncate": 3}]})
     with pytest.raises(ValueError, match="unknown key"):
         PipelineConfig(data_path="x", transforms=[{"min": 3}])
+    with pytest.raises(ValueError, match="drop_remainder=True is for pack_mode='chunk' only"):
+        PipelineConfig(data_path="x", drop_remainder=True)
 
 
 def test_no_transform_node_without_transforms(cfg) -> None:

@@ -175,6 +175,11 @@ class PipelineConfig:
                 f"choose from {list(known)}"
             )
 
+        if self.drop_remainder and self.pack_mode != "chunk":
+            raise ValueError(
+                f"drop_remainder=True is for pack_mode='chunk' only (got "
+                f"pack_mode={self.pack_mode!r}); set pack_mode: chunk or drop drop_remainder"
+            )
         for name in self.dataset_weights:  # checked now: a bad spec names itself early
             self.transforms_for(name)
 
