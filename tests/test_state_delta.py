@@ -117,7 +117,11 @@ CONFIGS = {
         pack_mode="chunk", max_chunksize=40, transforms=[{"min_length": 3}, {"truncate": 100}]
     ),
     "text_transforms": dict(
-        datasets="prose", weights="1", file_type="jsonl", col_name="text", tokenizer="byte",
+        datasets="prose",
+        weights="1",
+        file_type="jsonl",
+        col_name="text",
+        tokenizer="byte",
         transforms=[{"min_length": 30}],
     ),  # fmt: skip
 }

@@ -267,6 +267,12 @@ def test_text_transforms(tmp_path) -> None:
     node = TransformDocuments(reader(index), [Filter(no_spam, on="text"), Map(upper, on="text")])
     got = {(d.file, d.doc): d.data for b in run(node) for d in b}
     assert got == {(0, i): t.upper() for i, t in enumerate(texts) if "spam" not in t}
+    check_restore_at_every_step(
+        lambda: TransformDocuments(
+            reader(index, block_docs=2, epochs=2),
+            [Filter(no_spam, on="text"), Map(upper, on="text")],
+        )
+    )
     with pytest.raises(ValueError, match="mix text and token steps"):
         TransformDocuments(reader(index), [Filter(no_spam, on="text"), {"min_length": 2}])
 
