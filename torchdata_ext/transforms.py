@@ -43,6 +43,7 @@ __all__ = [
 
 On = Literal["tokens", "text"]
 SPEC_KEYS = ("min_length", "max_length", "drop_tokens", "truncate")
+_SLICE_COPY_DOCS = 256  # up to this many kept documents are copied slice by slice
 
 
 def _readonly(block: DocumentBlock) -> DocumentBlock:
@@ -77,7 +78,10 @@ def take_documents(block: DocumentBlock, keep: np.ndarray) -> DocumentBlock:
     new_off = np.zeros(len(idx) + 1, np.int64)
     np.cumsum(lengths, out=new_off[1:])
     tokens = texts = None
-    if block.tokens is not None:
+    if block.tokens is not None and 0 < len(idx) <= _SLICE_COPY_DOCS:  # a slice copy each
+        lo = offsets[:-1][idx].tolist()
+        tokens = np.concatenate([block.tokens[a : a + n] for a, n in zip(lo, lengths.tolist())])
+    elif block.tokens is not None:
         shift = np.repeat(offsets[:-1][idx] - new_off[:-1], lengths)
         tokens = block.tokens[np.arange(int(new_off[-1]), dtype=np.int64) + shift]
     else:
@@ -399,6 +403,10 @@ class _Truncate:
         lengths = np.minimum(np.diff(block.offsets), self.n)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
+        if 0 < len(lengths) <= _SLICE_COPY_DOCS:  # a slice copy each
+            lo = block.offsets[:-1].tolist()
+            parts = [block.tokens[a : a + n] for a, n in zip(lo, lengths.tolist())]
+            return np.concatenate(parts), offsets
         shift = np.repeat(block.offsets[:-1] - offsets[:-1], lengths)
         return block.tokens[np.arange(int(offsets[-1]), dtype=np.int64) + shift], offsets
 
