@@ -152,6 +152,19 @@ def test_builtins_equal_their_per_document_definition(docs, lo, n) -> None:
     assert got(Map(reverse_and_grow)) == per_doc(lambda d: reverse_and_grow(d, None))
 
 
+def test_builtins_on_large_blocks_gather_the_same() -> None:
+    """Blocks of many documents take the vectorised gather instead of slice copies."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 9, int(n), dtype=np.int32) for n in rng.integers(0, 20, 600)]
+    block = block_of(docs)
+    for step, ref in ((length_filter(8), ref_min(8)), (truncate(5), ref_trunc(5))):
+        out = step.apply(block)
+        want = [(i, d.tolist()) for i, d in enumerate(docs) if ref(d) is not None]
+        assert [(i, ref(docs[i]).tolist()) for i, _ in want] == list(
+            zip(out.doc.tolist(), [d.data.tolist() for d in out])
+        )
+
+
 def test_specs_build_the_builtins_and_bad_specs_name_the_key() -> None:
     block = block_of([np.arange(10, 10 + k, dtype=np.int32) for k in (1, 3, 5, 9)])
     assert from_spec({"min_length": 3, "max_length": 5}).apply(block).doc.tolist() == [1, 2]
