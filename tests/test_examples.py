@@ -45,3 +45,11 @@ def test_bamba_config() -> None:
     assert "batch['input_ids']: (2, 4096) torch.int64" in out
     assert "loader state:" in out
     assert "OK: Bamba pipeline batch of 2 x 4096 tokens" in out
+
+
+def test_document_transforms() -> None:
+    """Text quality filter + token filters: the reference set, resumed, rescaled 2 -> 3 ranks."""
+    out = _run(str(EXAMPLES / "document_transforms.py"))
+    assert "documents kept, exactly the reference set" in out
+    assert "rescaled 2 -> 3 ranks: every kept document's tokens delivered once, 0 repeated" in out
+    assert "OK: document transforms exact under resume and rescale" in out

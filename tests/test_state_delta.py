@@ -119,6 +119,17 @@ CONFIGS = {
     "text": dict(
         datasets="prose", weights="1", file_type="jsonl", col_name="text", tokenizer="byte"
     ),
+    "chunk_transforms": dict(
+        pack_mode="chunk", max_chunksize=40, transforms=[{"min_length": 3}, {"truncate": 100}]
+    ),
+    "text_transforms": dict(
+        datasets="prose",
+        weights="1",
+        file_type="jsonl",
+        col_name="text",
+        tokenizer="byte",
+        transforms=[{"min_length": 30}],
+    ),  # fmt: skip
 }
 
 

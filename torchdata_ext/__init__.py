@@ -18,11 +18,14 @@ from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
     Collate,
+    FilterDocuments,
     Interleave,
+    MapDocuments,
     Pack,
     ShardReader,
     ShuffleBuffer,
     Tokenize,
+    TransformDocuments,
     merge_reader_states,
 )
 from torchdata_ext.pipeline import (
@@ -46,7 +49,9 @@ __all__ = [
     "DocumentBlock",
     "EvalLoader",
     "EvalSplit",
+    "FilterDocuments",
     "Interleave",
+    "MapDocuments",
     "Pack",
     "PipelineConfig",
     "PipelineDataset",
@@ -58,6 +63,7 @@ __all__ = [
     "ShuffleBuffer",
     "Tokenize",
     "TokenLoader",
+    "TransformDocuments",
     "World",
     "build_datasets",
     "build_eval_pipeline",

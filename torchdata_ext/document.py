@@ -57,10 +57,13 @@ class DocumentBlock:
         last: ``bool`` whether each piece ends its document.
         shard: the logical shard the block was read from (-1 if mixed).
         epoch: the epoch of that shard (-1 if mixed).
-        stop: text blocks only, None unless a rescale handed back parts of text documents:
-            ``int64`` per piece, -1 for a whole text, else the piece is the tokens
-            ``start .. stop`` of the text once tokenized (the tokenize node cuts it; ``last``
-            is decided there).
+        stop: None unless a rescale handed back the pieces: ``int64`` per piece. Text
+            blocks: -1 for a whole text, else the piece is the tokens ``start .. stop`` of the
+            text once tokenized (the tokenize node cuts it; ``last`` is decided there). Token
+            blocks: the ``stop`` that was handed back (the piece is already cut from the
+            document as read); a transform node, in whose coordinates ``start .. stop`` are,
+            cuts it again from the transformed document. A tokenize node with
+            ``cut_handed_back=False`` hands whole documents on with ``stop`` kept.
     """
 
     dataset: str
@@ -135,8 +138,11 @@ class DocumentBlock:
 
     def pieces(self) -> list[tuple[str, int, int, int, int]]:
         """Provenance of every piece: ``(dataset, file, doc, start, stop)`` (stop -1 for text
-        pieces that run to the end of their document)."""
-        ends = self.start + self.lengths if self.tokens is not None else self.stop
+        pieces that run to the end of their document; pieces handed back by a rescale keep
+        the ``stop`` they were handed back with)."""
+        ends = self.stop
+        if ends is None and self.tokens is not None:
+            ends = self.start + self.lengths
         out = []
         for i in range(len(self)):
             stop = -1 if ends is None else int(ends[i])

@@ -3,7 +3,8 @@
 ::
 
     data_path/<dataset>/*.arrow ─► DatasetIndex ─► ShardReader (logical shards, random walk)
-        ─► Tokenize (text only) ─► Interleave (weights, in tokens) ─► Pack (seq_length)
+        ─► [text transforms] ─► Tokenize (text only) ─► [token transforms]
+        ─► Interleave (weights, in tokens) ─► Pack (seq_length)
         ─► ShuffleBuffer ─► Collate (batch_size) ─► Loader / StatefulDataLoader
 
 Every field of IBM Bamba's data config (``data_path``, ``file_type``, ``col_name``,
@@ -36,6 +37,7 @@ from torchdata_ext.tokenizers import (
     load_tokenizer,
     token_ids,
 )
+from torchdata_ext.transforms import On, Transform, from_spec
 from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
@@ -83,7 +85,10 @@ class PipelineConfig:
         byte_offset: the byte tokenizer maps byte ``b`` to id ``b + byte_offset`` (default 1,
             as in ``prepare`` and ``inspect``: id 0, the default EOS and pad, is never a byte).
             BOS/EOS/BOL/EOL/pad ids the tokenizer emits for ordinary text are refused.
-        pack_mode: ``"concat"``, ``"pad"`` or ``"best_fit"``.
+        pack_mode: ``"concat"``, ``"pad"``, ``"best_fit"`` or ``"chunk"`` (each document cut
+            into ``seq_length`` pieces, never two documents in one sequence).
+        drop_remainder: ``chunk`` mode: drop each document's last, partial piece instead of
+            padding it.
         best_fit_window: documents considered at once in ``best_fit`` mode.
         shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
         interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
@@ -114,6 +119,13 @@ class PipelineConfig:
             :func:`build_eval_pipeline` / :class:`~torchdata_ext.evaluation.EvalLoader`
             deliver exactly them.
         eval_seed: the seed of the held-out split (independent of ``seed``; keep it fixed).
+        transforms: document transforms (maps and filters, :mod:`torchdata_ext.transforms`)
+            run on every dataset's documents before interleave: a list for all datasets, or a
+            mapping dataset name -> list (``"*"``: all datasets, applied first). Entries are
+            ``Map``/``Filter`` objects, callables (per-document maps ``fn(data, meta)``, on
+            text for text datasets) or built-in specs: ``{"min_length": 32}``,
+            ``{"max_length": 8192}``, ``{"drop_tokens": [7]}``, ``{"truncate": 2048}`` (token
+            counts). Functions must be deterministic and picklable.
     """
 
     data_path: str = ""
@@ -134,7 +146,7 @@ class PipelineConfig:
     seed: int = 42
     tokenizer: str | None = None
     byte_offset: int = DEFAULT_BYTE_OFFSET
-    pack_mode: Literal["concat", "pad", "best_fit"] = "concat"
+    pack_mode: Literal["concat", "pad", "best_fit", "chunk"] = "concat"
     best_fit_window: int = 1000
     shuffle_buffer: int = 10_000
     interleave_mode: Literal["tokens", "samples"] = "tokens"
@@ -149,6 +161,8 @@ class PipelineConfig:
     output_keys: list[str] | str = field(default_factory=lambda: list(HF_KEYS))
     eval_fraction: float | dict[str, float] = 0.0
     eval_seed: int = 0
+    transforms: list[Any] | dict[str, list[Any]] = field(default_factory=list)
+    drop_remainder: bool = False
 
     def __post_init__(self) -> None:
         self.datasets = _split_list(self.datasets, "datasets")
@@ -190,6 +204,36 @@ class PipelineConfig:
                 f"output_keys={self.output_keys!r}: unknown {unknown or 'none given'}; "
                 f"choose from {list(known)}"
             )
+        if self.drop_remainder and self.pack_mode != "chunk":
+            raise ValueError(
+                f"drop_remainder=True is for pack_mode='chunk' only (got "
+                f"pack_mode={self.pack_mode!r}); set pack_mode: chunk or drop drop_remainder"
+            )
+        for name in self.dataset_weights:  # checked now: a bad spec names itself early
+            self.transforms_for(name)
+
+    def transforms_for(self, dataset: str) -> list[Transform]:
+        """The transform steps of ``dataset``, in order (bare callables work on text when
+        the config has a tokenizer, else on tokens).
+
+        Raises:
+            TypeError / ValueError: a bad ``transforms`` entry, naming it.
+        """
+        specs: Any = self.transforms
+        if isinstance(specs, Mapping):
+            unknown = sorted(set(specs) - {"*", *self.dataset_weights})
+            if unknown:
+                raise ValueError(
+                    f"transforms names datasets {unknown} that are not in the config "
+                    f"(datasets: {list(self.dataset_weights)}; '*' means all)"
+                )
+            specs = [*(specs.get("*") or []), *(specs.get(dataset) or [])]
+        if not isinstance(specs, Sequence) or isinstance(specs, str):
+            raise TypeError(
+                f"transforms={specs!r} must be a list of transforms or a mapping dataset -> list"
+            )
+        on: On = "text" if self.tokenizer is not None else "tokens"
+        return [from_spec(spec, on) for spec in specs]
 
     def _check_eval_split(self) -> None:
         fr = self.eval_fraction
@@ -385,6 +429,7 @@ def _build(
     from torchdata_ext.nodes.reader import ShardReader
     from torchdata_ext.nodes.shuffle import ShuffleBuffer
     from torchdata_ext.nodes.tokenize import Tokenize
+    from torchdata_ext.nodes.transform import TransformDocuments
 
     datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
     evaluating = subset == "eval"
@@ -428,8 +473,21 @@ def _build(
             split=cfg.eval_split(name),
             subset=subset,
         )
+        steps = cfg.transforms_for(name)
+        text_steps = [t for t in steps if t.on == "text"]
+        token_steps = [t for t in steps if t.on == "tokens"]
+        if text_steps:
+            if tokenizer is None:
+                raise ValueError(
+                    f"transforms for dataset {name!r} include text steps {text_steps}, but the "
+                    "config has no tokenizer (the data is tokens): use token transforms"
+                )
+            node = TransformDocuments(node, text_steps)
         if tokenizer is not None:
-            node = Tokenize(node, tokenizer)
+            # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
+            node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
+        if token_steps:
+            node = TransformDocuments(node, token_steps)
         sources[name] = node
     node = Interleave(
         sources,
@@ -449,6 +507,7 @@ def _build(
         pad_token=cfg.pad_token,
         shift=cfg.shift,
         window=cfg.best_fit_window,
+        drop_remainder=cfg.drop_remainder,
         dataset_names=list(datasets),
     )
     if cfg.shuffle_buffer > 1 and not evaluating:

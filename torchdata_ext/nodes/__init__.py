@@ -9,13 +9,17 @@ from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
 from torchdata_ext.nodes.shuffle import ShuffleBuffer
 from torchdata_ext.nodes.tokenize import Tokenize
+from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments, TransformDocuments
 
 __all__ = [
     "Collate",
+    "FilterDocuments",
     "Interleave",
+    "MapDocuments",
     "Pack",
     "ShardReader",
     "ShuffleBuffer",
     "Tokenize",
+    "TransformDocuments",
     "merge_reader_states",
 ]

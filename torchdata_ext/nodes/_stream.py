@@ -1,6 +1,6 @@
 """Pack's input side: upstream blocks read into streams with the document specials placed.
 
-Shared by both packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`). A
+Shared by the packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`, :mod:`._chunk`). A
 :class:`_Cursor` pulls :class:`~torchdata_ext.document.DocumentBlock` s from Pack's source and
 turns each into a :class:`_Stream`: the block's tokens with the BOS/EOS each piece gets, its
 provenance rows, and the token offsets of its units (a piece plus its specials)::
@@ -49,6 +49,16 @@ class _Stream:
     # read in one piece; built on first use by _Layout.runs
     run_at: list[int] | None = None
     _row_off: list[int] | None = None  # row_off as a list, for bisect
+    unit_last: np.ndarray | None = None  # whether each unit ends its document (bool)
+    _doc_ends: np.ndarray | None = None  # stream token offsets where documents end, cached
+
+    def doc_ends(self) -> np.ndarray:
+        """The stream token offsets where documents end (after their EOS), ascending."""
+        ends = self._doc_ends
+        if ends is None:
+            last = np.ones(self.n_units, bool) if self.unit_last is None else self.unit_last
+            ends = self._doc_ends = self.unit_off[1:][last]
+        return ends
 
     @property
     def n_units(self) -> int:
@@ -312,4 +322,4 @@ class _Cursor:
         row_off = np.empty(len(rows) + 1, np.int64)
         row_off[0] = 0
         np.cumsum(rows[:, 4], out=row_off[1:])
-        return _Stream(pre_state, carry_in, out, rows, row_off, unit_off)
+        return _Stream(pre_state, carry_in, out, rows, row_off, unit_off, unit_last=last)

@@ -9,6 +9,7 @@ with ``shift``) between the line-level specials ``bol_token`` and ``eol_token``:
     concat   |B a a a E B b b|  ->  |bol B a a a E B b eol| |bol b b E B c c c eol| ...
     pad      whole units in arrival order, then pad:  |bol B a a a E P P eol| |bol B b b b E P eol|
     best_fit a window of units placed best-fit-decreasing into bins, each bin padded
+    chunk    each document cut alone:  |bol B a a a eol| |bol E P P P eol| |bol B b b E eol|
 
 Every output sequence is one dict of NumPy arrays (see :class:`Pack`), plus a provenance table
 (:mod:`torchdata_ext.provenance`) from which :meth:`Pack.rebuild` recomputes the whole dict.
@@ -19,6 +20,7 @@ side and by mode, each module readable alone::
     _stream.py      upstream blocks -> streams (specials placed), the read cursor
     _concat_pad.py  concat / pad: fill sequences from the stream in order
     _best_fit.py    best_fit: a window of units placed into bins
+    _chunk.py       chunk: each document cut into sequences of its own
     _packed.py      parts of streams -> PackedSequence -> output dict (or batch arrays)
 """
 
@@ -33,6 +35,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext._checks import check_int
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes._best_fit import _BestFit
+from torchdata_ext.nodes._chunk import _Chunk
 from torchdata_ext.nodes._concat_pad import _ConcatPad
 from torchdata_ext.nodes._packed import PackedSequence, _Layout
 from torchdata_ext.nodes._stream import _Cursor, _Mark, _Piece, _Specials
@@ -41,11 +44,12 @@ from torchdata_ext.provenance import PROV_COLUMNS, resolve
 __all__ = ["Pack", "PackedSequence"]
 
 STATE_FORMAT = 1
-_MODES = ("concat", "pad", "best_fit")
+_MODES = ("concat", "pad", "best_fit", "chunk")
 
 
 class _Strategy(Protocol):
-    """What Pack asks of a packing strategy (:mod:`._concat_pad`, :mod:`._best_fit`)."""
+    """What Pack asks of a packing strategy (:mod:`._concat_pad`, :mod:`._best_fit`,
+    :mod:`._chunk`)."""
 
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor, ``bins_done`` sequences of the window already emitted."""
@@ -80,6 +84,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             Truncations Improve Language Modeling") and pad each bin. Bins come out ordered by
             their earliest piece in arrival order, pieces inside a bin in arrival order (a head
             that is only the BOS goes last, so it cannot be read as the start of the next).
+            ``"chunk"`` (epochraft's ``chunk``): each document (with its BOS/EOS) cut into
+            sequences of its own, never two documents in one sequence; its last, partial
+            sequence padded, or dropped with ``drop_remainder``.
         bos_token: placed before the first piece (``start == 0``) of every document, unless the
             document already begins with it.
         eos_token: placed after the last piece (``last``) of every document, unless the
@@ -96,7 +103,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         dtype: the integer dtype of ``input_ids`` and ``labels``.
         flush: at the end of a finite source, emit the last partial sequence padded (concat,
             pad) or pack the last, incomplete window (best_fit); with False drop that
-            sequence (concat, pad) or that whole window (best_fit).
+            sequence (concat, pad, chunk) or that whole window (best_fit).
+        drop_remainder: ``chunk`` mode only: drop each document's last sequence when it is
+            not full (its tokens are never delivered) instead of padding it.
 
     Output, one dict per sequence:
 
@@ -129,7 +138,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
 
     State keys: ``format``, ``mode``, ``seq_len``, ``shift`` (checked on restore); ``source``
     (the upstream state from which the next pull gives the block being consumed; for best_fit
-    the block holding the first piece of the current window); ``consumed`` (concat, pad: tokens
+    the block holding the first piece of the current window); ``consumed`` (concat, pad, chunk: tokens
     of that block, specials included, already packed; best_fit: its pieces before the window);
     ``bins`` (best_fit: bins of the window already emitted); ``open_docs`` (only with
     ``bos_token == eos_token``: ``[dataset, file, doc]`` of chunked documents open at that block
@@ -144,7 +153,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         source: BaseNode,
         seq_len: int,
         *,
-        mode: Literal["concat", "pad", "best_fit"] = "concat",
+        mode: Literal["concat", "pad", "best_fit", "chunk"] = "concat",
         bos_token: int | None = None,
         eos_token: int | None = None,
         bol_token: int | None = None,
@@ -154,6 +163,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         window: int = 1000,
         dtype: np.dtype | type = np.int32,
         flush: bool = True,
+        drop_remainder: bool = False,
         dataset_names: Sequence[str] = (),
     ) -> None:
         super().__init__()
@@ -167,7 +177,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         if mode not in _MODES:
             raise ValueError(f"{mode=} is not a packing mode; use one of {_MODES}")
         check_int("window", window, 1)
-        for name, flag in (("shift", shift), ("flush", flush)):
+        for name, flag in (("shift", shift), ("flush", flush), ("drop_remainder", drop_remainder)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name}={flag!r} must be True or False")
         try:
@@ -202,6 +212,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         self.shift = bool(shift)
         self.window = int(window)
         self.flush = bool(flush)
+        if drop_remainder and mode != "chunk":
+            raise ValueError(f"drop_remainder=True is for mode='chunk' only (got {mode=})")
+        self.drop_remainder = bool(drop_remainder)
         specials = _Specials(
             self.bos_token, self.eos_token, self.bol_token, self.eol_token, self.pad_token
         )
@@ -217,6 +230,10 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         if mode == "best_fit":
             self._strategy = _BestFit(
                 self._cursor, self._layout, window=self.window, flush=self.flush
+            )
+        elif mode == "chunk":
+            self._strategy = _Chunk(
+                self._cursor, self._layout, drop_remainder=self.drop_remainder, flush=self.flush
             )
         else:
             self._strategy = _ConcatPad(

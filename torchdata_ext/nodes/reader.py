@@ -382,6 +382,9 @@ class ShardReader(BaseNode[DocumentBlock]):
                 end = len(data) if stop < 0 else stop
                 pieces.append(data[start:end])
                 lasts.append(end == len(data))
+                # marks the piece as handed back: a transform node downstream, whose
+                # coordinates these are, cuts it again from the transformed document
+                stops.append(stop)
             docs.append(doc)
             starts.append(start)
         self._frozen[str(sid)] = c.as_dict()

@@ -85,6 +85,7 @@ def _encode_block(
     bos_token: int | None,
     eos_token: int | None,
     dtype: np.dtype,
+    cut: bool = True,
 ) -> DocumentBlock:
     """The token block of a text block (runs on a pool thread; touches no node state)."""
     assert block.texts is not None
@@ -106,7 +107,7 @@ def _encode_block(
                 "pass a wider dtype to Tokenize (e.g. np.int64)"
             )
     tokens, offsets = ensure_bos_eos(flat, offsets, bos_token, eos_token, dtype)
-    if block.stop is not None:
+    if block.stop is not None and cut:
         return _cut_handed_back(block, tokens, offsets)
     return DocumentBlock(
         block.dataset,
@@ -116,9 +117,10 @@ def _encode_block(
         block.file,
         block.doc,
         block.start,
-        block.last,
+        block.last if block.stop is None else np.ones(len(block), bool),
         block.shard,
         block.epoch,
+        block.stop,
     )
 
 
@@ -173,6 +175,10 @@ class Tokenize(BaseNode[DocumentBlock]):
         num_threads: encoding threads; 0 encodes in the calling thread (no pool, no prefetch).
         prefetch: at most this many blocks are read and being encoded ahead (>= 1).
         dtype: integer dtype of the output tokens.
+        cut_handed_back: cut the token pieces a rescale handed back out of their encoded texts
+            (default). False hands the whole encoded documents on with ``stop`` kept, for a
+            :class:`~torchdata_ext.nodes.transform.TransformDocuments` after this node, whose
+            coordinates the pieces are in (it cuts them).
     """
 
     SOURCE_KEY = "source"
@@ -187,10 +193,12 @@ class Tokenize(BaseNode[DocumentBlock]):
         num_threads: int = 2,
         prefetch: int = 2,
         dtype: np.dtype | type = np.int32,
+        cut_handed_back: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
             raise TypeError(f"source must be a torchdata.nodes.BaseNode, got {type(source)!r}")
+        self.cut_handed_back = bool(cut_handed_back)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind not in "iu":
             raise TypeError(f"{dtype=} must be an integer dtype such as np.int32 or np.int64")
@@ -260,7 +268,12 @@ class Tokenize(BaseNode[DocumentBlock]):
         out: list[tuple[str, int, int, int, int]] = []
         for item, _ in self._pending:
             block = item.result() if isinstance(item, Future) else item
-            out.extend(block.pieces())
+            pieces = block.pieces()
+            if block.stop is None:  # whole documents go back as such (stop -1): a transform
+                # node after this one may change their length
+                whole = ((block.start == 0) & block.last).tolist()
+                pieces = [(d, f, k, a, -1 if w else b) for (d, f, k, a, b), w in zip(pieces, whole)]
+            out.extend(pieces)
         return out
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
@@ -308,7 +321,9 @@ class Tokenize(BaseNode[DocumentBlock]):
         if block.texts is None:
             return block
         self._check_whole(block)
-        return _encode_block(self.encoder, block, self.bos_token, self.eos_token, self.dtype)
+        return _encode_block(
+            self.encoder, block, self.bos_token, self.eos_token, self.dtype, self.cut_handed_back
+        )
 
     def _fill(self) -> None:
         while not self._exhausted and len(self._pending) < self.prefetch:
@@ -327,7 +342,13 @@ class Tokenize(BaseNode[DocumentBlock]):
                     self.num_threads, thread_name_prefix="torchdata_ext-tokenize"
                 )
             future = self._executor.submit(
-                _encode_block, self.encoder, block, self.bos_token, self.eos_token, self.dtype
+                _encode_block,
+                self.encoder,
+                block,
+                self.bos_token,
+                self.eos_token,
+                self.dtype,
+                self.cut_handed_back,
             )
             self._pending.append((future, state))
 
