@@ -5,7 +5,8 @@ pipeline with a tokenizer (the byte tokenizer) and ``transforms``:
 
 * a text filter (``quality``: enough distinct words) and a text map (``normalize``: collapse
   whitespace), run on the texts before tokenizing;
-* the built-ins ``{"min_length": 24}`` and ``{"drop_tokens": [ord("#")]}`` on the tokens.
+* the built-ins ``{"min_length": 24}`` and ``{"drop_tokens": [HASH]}`` on the tokens (``HASH``
+  is the id of ``#``: the byte tokenizer maps byte ``b`` to id ``b + 1``, id 0 is EOS).
 
 Then it checks what a user relies on: the documents delivered in one epoch are exactly the
 reference set (the same functions applied to the raw texts), a resume on the same topology
@@ -29,6 +30,7 @@ from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
+from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
 from torchdata_ext.transforms import Filter
 
 WORDS = [
@@ -72,13 +74,17 @@ def make_dataset(root: str) -> list[str]:
     return texts
 
 
+BYTE_OFFSET = DEFAULT_BYTE_OFFSET  # what tokenizer="byte" means: byte b is id b + 1
+HASH = ord("#") + BYTE_OFFSET
+
+
 def config(root: str) -> PipelineConfig:
     return PipelineConfig(
         data_path=root, datasets="web", file_type="jsonl", col_name="text", tokenizer="byte",
-        seq_length=64, eos_token=10, logical_shards=12, batch_size=2, shuffle_buffer=8,
+        seq_length=64, eos_token=0, logical_shards=12, batch_size=2, shuffle_buffer=8,
         block_docs=8, epochs=1, seed=3, output_keys="input_ids,labels,provenance",
         transforms=[Filter(quality, on="text"), normalize, {"min_length": 24},
-                    {"drop_tokens": [ord("#")]}],
+                    {"drop_tokens": [HASH]}],
     )  # fmt: skip
 
 
@@ -108,7 +114,7 @@ def cover(coverage: dict, batches, want) -> None:
             for ds, f, d, start, length in np.asarray(prov).tolist():
                 if ds not in (LITERAL, PAD) and length:
                     assert (
-                        bytes(x[at : at + length].astype(np.uint8))
+                        bytes((x[at : at + length] - BYTE_OFFSET).astype(np.uint8))
                         == want[(f, d)][start : start + length]
                     ), (f, d)
                     coverage.setdefault((f, d), []).append((start, start + length))

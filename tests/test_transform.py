@@ -309,6 +309,7 @@ def cfg(tmp_path_factory) -> PipelineConfig:
 def mapped_reference(cfg: PipelineConfig) -> dict:
     """(dataset, file, doc) -> the document after the config's transforms, from raw files."""
     from torchdata_ext.pipeline import build_datasets
+    from torchdata_ext.tokenizers import ByteTokenizer
 
     out = {}
     for name, index in build_datasets(cfg).items():
@@ -447,7 +448,7 @@ def text_cfg(tmp_path_factory) -> PipelineConfig:
             write_jsonl(str(root / name / f"p{f}.jsonl"), texts[f::2])
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=12,
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=12,
         batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
         transforms=[Filter(no_spam, on="text"), shout, Map(reverse_and_grow), {"min_length": 14},
                     {"truncate": 50}],
@@ -456,6 +457,7 @@ def text_cfg(tmp_path_factory) -> PipelineConfig:
 
 def text_reference(cfg: PipelineConfig) -> dict:
     from torchdata_ext.pipeline import build_datasets
+    from torchdata_ext.tokenizers import ByteTokenizer
 
     out = {}
     for name, index in build_datasets(cfg).items():
@@ -466,7 +468,7 @@ def text_reference(cfg: PipelineConfig) -> dict:
                 text = h.get(r, d)
                 if "spam" in text:
                     continue
-                tokens = np.frombuffer(shout(text, None).encode(), np.uint8).astype(np.int64)
+                tokens = ByteTokenizer().encode(shout(text, None)).astype(np.int64)
                 x = reverse_and_grow(tokens, None)
                 if x is not None and len(x) >= 14:
                     out[(name, f, d)] = x[:50]
