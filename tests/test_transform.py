@@ -309,7 +309,6 @@ def cfg(tmp_path_factory) -> PipelineConfig:
 def mapped_reference(cfg: PipelineConfig) -> dict:
     """(dataset, file, doc) -> the document after the config's transforms, from raw files."""
     from torchdata_ext.pipeline import build_datasets
-    from torchdata_ext.tokenizers import ByteTokenizer
 
     out = {}
     for name, index in build_datasets(cfg).items():
