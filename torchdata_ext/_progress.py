@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["DELAY_S", "INTERVAL_S", "Progress"]
+__all__ = ["DELAY_S", "INTERVAL_S", "Progress", "fsspec_callback"]
 
 DELAY_S = 2.0  # a wait shorter than this shows nothing
 INTERVAL_S = 10.0  # seconds between two log lines of one wait
@@ -94,13 +94,14 @@ class Progress:
             self._last_log = now
             self.logger.info("%s: %s after %.0f s", self.what, self._count(), now - self._t0)
 
-    def close(self) -> None:
-        """The wait is over: a closing line if it lasted ``delay`` seconds."""
+    def close(self, ok: bool = True) -> None:
+        """The wait is over: a closing line if it lasted ``delay`` seconds and ``ok`` (it did
+        not fail: the error says the rest)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         elapsed = _clock() - self._t0
-        if elapsed >= self._delay and not self._closed:
+        if ok and elapsed >= self._delay and not self._closed:
             self.logger.info("%s: done, %s in %.1f s", self.what, self._count(), elapsed)
         self._closed = True
 
@@ -118,7 +119,20 @@ class Progress:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(ok=exc_type is None)
+
+
+def fsspec_callback(progress: Progress, base: int = 0) -> Any:
+    """An ``fsspec.callbacks.Callback`` for one transfer (e.g. ``fs.get_file(...,
+    callback=...)``) that keeps ``progress.done`` at ``base`` plus the bytes transferred; a
+    new one per attempt, so a retried transfer is not counted twice."""
+    from fsspec.callbacks import Callback
+
+    class _Bytes(Callback):
+        def call(self, hook_name: str | None = None, **kwargs: Any) -> None:
+            progress.update(base + int(self.value) - progress.done)
+
+    return _Bytes()
 
 
 def _terminal() -> bool:
