@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import posixpath
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torchdata_ext.handlers import (
     FileHandler,
     FlatTokenHandler,
     JsonlHandler,
+    MdsHandler,
     NpyHandler,
     ParquetHandler,
     format_for_url,
@@ -182,6 +184,44 @@ CASES = [
         kind="text",
         expect_doc_lengths=False,
     ),
+    Case(
+        "mds-ndarray-uint32",  # LLM Foundry's layout, with an int and a str column around it
+        "shard.00000.mds",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u),
+            d,
+            extra_columns={"id": ("int", range(len(d))), "zsrc": ("str", ["x"] * len(d))},
+        ),
+        MdsHandler,
+    ),
+    Case(
+        "mds-ndarray-dynamic-zstd",  # dtype and shape stored per sample
+        "shard.00000.mds.zstd",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u), d, encoding="ndarray", compression="zstd", col_name="ids"
+        ),
+        lambda: MdsHandler(col_name="ids"),
+    ),
+    Case(
+        "mds-bytes-gz",  # int64 token bytes (LLM Foundry's older concat_tokens shards)
+        "shard.00000.mds.gz",
+        lambda u, d: T.write_mds(posixpath.dirname(u), d, encoding="bytes", compression="gz"),
+        lambda: MdsHandler(bytes_dtype="int64"),
+    ),
+    Case(
+        "mds-text",
+        "shard.00000.mds",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u),
+            d,
+            col_name="text",
+            encoding="str",
+            extra_columns={"a": ("ndarray:uint16", [[1, 2]] * len(d))},
+        ),  # fmt: skip
+        lambda: MdsHandler(col_name="text"),
+        kind="text",
+        expect_doc_lengths=False,
+    ),
 ]
 CASE_IDS = [c.id for c in CASES]
 
@@ -292,6 +332,10 @@ TRUNCATABLE = [
         "jsonl",
         "jsonl-gz",
         "json-zst",
+        "mds-ndarray-uint32",
+        "mds-ndarray-dynamic-zstd",
+        "mds-bytes-gz",
+        "mds-text",
     }
 ]
 

@@ -41,6 +41,7 @@ from torchdata_ext.handlers.base import (
     get_handler_class,
     registered_formats,
 )
+from torchdata_ext.handlers.mds import drop_mds_side_files
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
 from torchdata_ext.remote import (
     RemoteError,
@@ -222,7 +223,9 @@ class DatasetIndex:
                 check_access(u, storage_options)
             raise
         files = sorted(listed_files)
-        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data
+        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data, nor is
+        # an MDS folder's index.json (or a compressed copy of a listed raw MDS shard)
+        files = drop_mds_side_files(files)
         listed = set(files)
         files = [
             f

@@ -1,4 +1,4 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, and
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, and
 in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
@@ -25,6 +25,7 @@ from torchdata_ext.handlers.base import (
 if TYPE_CHECKING:
     from torchdata_ext.handlers.arrow import ArrowHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
+    from torchdata_ext.handlers.mds import MdsHandler
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
@@ -37,6 +38,7 @@ __all__ = [
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",
+    "MdsHandler",
     "MemoryHandler",
     "MemorySource",
     "NpyHandler",
@@ -55,6 +57,7 @@ _LAZY = {
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "MdsHandler": "torchdata_ext.handlers.mds",
     "MemoryHandler": "torchdata_ext.handlers.memory",
     "MemorySource": "torchdata_ext.handlers.memory",
     "ParquetHandler": "torchdata_ext.handlers.parquet",
