@@ -25,6 +25,7 @@ import pytest
 from torchdata_ext import testing as T
 from torchdata_ext.handlers import (
     ArrowHandler,
+    CborHandler,
     CepedHandler,
     DataFileError,
     FileHandler,
@@ -82,6 +83,7 @@ class Case:
     handler: Callable[[], FileHandler]
     kind: str = "tokens"  # or "text"
     expect_doc_lengths: bool = True
+    empty_kind: str | None = None  # what a file of no documents says it holds, if not kind
 
 
 CASES = [
@@ -184,6 +186,21 @@ CASES = [
         kind="text",
         expect_doc_lengths=False,
     ),
+    Case("cbor-text", "docs.cbor", T.write_cbor, CborHandler, kind="text"),
+    Case(
+        "cbor-text-gz",
+        "docs.cbor.gz",
+        lambda u, d: T.write_cbor(u, d, field="content", extra_fields={"id": range(len(d))}),
+        lambda: CborHandler(col_name="content"),
+        kind="text",
+    ),
+    Case(
+        "cbor-tokens-zst",
+        "docs.cbor.zst",
+        lambda u, d: T.write_cbor(u, [np.asarray(x, np.int64) for x in d], field="input_ids"),
+        lambda: CborHandler(col_name="input_ids"),
+        empty_kind="text",  # records without a schema: an empty file cannot tell
+    ),
     Case(
         "mds-ndarray-uint32",  # LLM Foundry's layout, with an int and a str column around it
         "shard.00000.mds",
@@ -251,8 +268,9 @@ def test_roundtrip(case: Case, base_url: str, n_docs: int) -> None:
     reader = handler.open(url)
     n = handler.length(reader)
     assert n == n_docs
-    assert handler.produces_for(reader) == case.kind
-    assert reader.produces == case.kind
+    kind = case.empty_kind if n_docs == 0 and case.empty_kind else case.kind
+    assert handler.produces_for(reader) == kind
+    assert reader.produces == kind
 
     docs_read = [handler.get(reader, i) for i in range(n)]
     for i in range(n):
@@ -336,6 +354,9 @@ TRUNCATABLE = [
         "mds-ndarray-dynamic-zstd",
         "mds-bytes-gz",
         "mds-text",
+        "cbor-text",
+        "cbor-text-gz",
+        "cbor-tokens-zst",
     }
 ]
 

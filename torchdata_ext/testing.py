@@ -33,6 +33,7 @@ from torchdata_ext.urls import filesystem, is_local
 __all__ = [
     "write_arrow_batches",
     "write_arrow_rows",
+    "write_cbor",
     "write_ceped_npy",
     "write_flat_tokens",
     "write_jsonl",
@@ -446,4 +447,47 @@ def write_mds(
     ext = {"zst": "zstd", "gzip": "gz"}.get(compression or "", compression)
     index = mds_index(shards, columns, ext)
     _write_bytes(posixpath.join(folder, "index.json"), index, storage_options)
+    return out
+
+
+def write_cbor(
+    url: str,
+    docs: Sequence[str] | Docs,
+    field: str = "text",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    extra_fields: Mapping[str, Sequence[Any]] | None = None,
+) -> list[Any]:
+    """Write CBOR records one after another (epochraft's layout): one map ``{field: doc}`` per
+    document, a text or a list of token ids; gzip or zstd compressed for names ending ``.gz``
+    / ``.zst``. Needs ``cbor2``.
+
+    Args:
+        url: destination (any fsspec URL).
+        docs: texts, or token documents (stored as CBOR arrays of integers).
+        field: the record field holding each document.
+        storage_options: fsspec keyword arguments.
+        extra_fields: more fields per record (name -> one value per document).
+
+    Returns:
+        The documents as ``CborHandler`` reads them (tokens as ``int64`` arrays).
+    """
+    import cbor2
+
+    docs = list(docs)
+    text = bool(docs) and isinstance(docs[0], str)
+    out: list[Any] = docs if text else [a.astype(np.int64) for a in _token_arrays(docs)[0]]
+    extra = {k: list(v) for k, v in (extra_fields or {}).items()}
+    records = []
+    for k, doc in enumerate(out):
+        value = doc if text else doc.tolist()
+        records.append(cbor2.dumps({field: value, **{n: v[k] for n, v in extra.items()}}))
+    data = b"".join(records)
+    if url.lower().endswith(".gz"):
+        data = gzip.compress(data)
+    elif url.lower().endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    _write_bytes(url, data, storage_options)
     return out

@@ -1,5 +1,5 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, and
-in-memory documents (``memory``).
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, CBOR,
+and in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
 add a format with :func:`register_handler`. Handler modules are imported lazily by the
@@ -24,6 +24,7 @@ from torchdata_ext.handlers.base import (
 
 if TYPE_CHECKING:
     from torchdata_ext.handlers.arrow import ArrowHandler
+    from torchdata_ext.handlers.cbor import CborHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
     from torchdata_ext.handlers.mds import MdsHandler
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ArrowHandler",
+    "CborHandler",
     "CepedHandler",
     "DataFileError",
     "DocData",
@@ -53,6 +55,7 @@ __all__ = [
 
 _LAZY = {
     "ArrowHandler": "torchdata_ext.handlers.arrow",
+    "CborHandler": "torchdata_ext.handlers.cbor",
     "CepedHandler": "torchdata_ext.handlers.numpy_tokens",
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",

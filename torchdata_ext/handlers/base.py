@@ -120,6 +120,7 @@ _REGISTRY: dict[str, str | type[FileHandler]] = {
     "jsonl": "torchdata_ext.handlers.jsonl:JsonlHandler",
     "memory": "torchdata_ext.handlers.memory:MemoryHandler",
     "mds": "torchdata_ext.handlers.mds:MdsHandler",
+    "cbor": "torchdata_ext.handlers.cbor:CborHandler",
 }
 # suffix (lower case, longest match wins) -> name
 _SUFFIXES: dict[str, str] = {
@@ -140,6 +141,9 @@ _SUFFIXES: dict[str, str] = {
     ".mds.zst": "mds",
     ".mds.gz": "mds",
     ".mds.bz2": "mds",
+    ".cbor": "cbor",
+    ".cbor.gz": "cbor",
+    ".cbor.zst": "cbor",
 }
 
 
