@@ -233,3 +233,32 @@ def test_restore_at_every_step_over_mds(tmp_path: Path, compression, kind) -> No
     else:
         assert sorted(g.tolist() for g in got) == sorted(d.tolist() for d in docs)
     assert [item_key(b) for b in items] == [item_key(b) for b in run(make())]
+
+
+def test_mds_and_its_index_json_on_s3_read_through_the_cache(s3, tmp_path: Path) -> None:
+    from torchdata_ext.remote import ShardCache
+
+    rng = np.random.default_rng(8)
+    docs = [rng.integers(1, 9000, int(rng.integers(1, 30))) for _ in range(25)]
+    so = s3.storage_options
+    write_mds(s3.url("mds"), docs, docs_per_shard=10, compression="zstd", storage_options=so)
+    index = DatasetIndex.build(s3.url("mds"), storage_options=so)
+    assert [posixpath.basename(f) for f in index.files] == [
+        f"shard.{k:05d}.mds.zstd" for k in range(3)
+    ]
+    cache = ShardCache(tmp_path / "cache")
+    reader = ShardReader(index, 4, world=World(), epochs=1, cache=cache, seed=1)
+    got = [d.data.tolist() for b in run(reader) for d in b]
+    assert sorted(got) == sorted(d.tolist() for d in docs)
+    assert reader.io_stats()["downloads"] == 3
+
+
+def test_inspect_reads_a_prepared_mds_folder(prepared: Path) -> None:
+    import io
+
+    summary = torchdata_ext.inspect_dataset(str(prepared / "web"), out=io.StringIO())
+    assert summary["documents"] == len(TEXTS)
+    assert summary["tokens"] == sum(len(_tok(t)) for t in TEXTS)
+    one = torchdata_ext.inspect_dataset(str(prepared / "web"), doc=7, tokenizer="byte",
+                                        out=io.StringIO())  # fmt: skip
+    assert one["text"] == TEXTS[7]
