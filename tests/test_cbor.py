@@ -12,6 +12,7 @@ from harness import check_restore_at_every_step, run
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.handlers import CborHandler, DataFileError, handler_for_url
 from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_cbor
 
 cbor2 = pytest.importorskip("cbor2")
@@ -52,14 +53,20 @@ def test_the_pipeline_tokenizes_cbor_text_exactly(tmp_path: Path) -> None:
     write_cbor(str(tmp_path / "chat" / "b.cbor.gz"), TEXTS[25:])
     cfg = PipelineConfig(
         data_path=str(tmp_path), datasets="chat", file_type="cbor", col_name="text",
-        tokenizer="byte", seq_length=32, eos_token=10, bos_token=None, logical_shards=4,
+        tokenizer="byte", seq_length=32, eos_token=0, bos_token=None, logical_shards=4,
         batch_size=2, shuffle_buffer=1, epochs=1,
     )  # fmt: skip
-    seqs = run(build_pipeline(cfg, World(), collate=False))
-    stream = np.concatenate([np.concatenate([s["input_ids"], s["labels"][-1:]]) for s in seqs])
-    docs = bytes(stream[stream != cfg.pad_token].astype(np.uint8)).split(b"\n")
-    got = sorted(d.decode() for d in docs if d)
-    assert got == sorted(TEXTS)
+    pieces: dict[tuple, dict[int, list[int]]] = {}  # (file, doc) -> start -> token ids
+    for seq in run(build_pipeline(cfg, World(), collate=False)):
+        full = np.concatenate([seq["input_ids"], seq["labels"][-1:]])
+        pos = 0
+        for ds, f, d, start, length in seq["provenance"].tolist():
+            if ds not in (LITERAL, PAD):
+                pieces.setdefault((f, d), {})[start] = full[pos : pos + length].tolist()
+            pos += length
+    ids = [sum((p[k] for k in sorted(p)), []) for p in pieces.values()]
+    texts = [bytes(b - 1 for b in doc).decode() for doc in ids]  # byte b is id b + 1
+    assert sorted(texts) == sorted(TEXTS)
 
 
 def test_restore_at_every_step_over_cbor_tokens(tmp_path: Path) -> None:
