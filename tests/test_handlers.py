@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import posixpath
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,11 +25,13 @@ import pytest
 from torchdata_ext import testing as T
 from torchdata_ext.handlers import (
     ArrowHandler,
+    CborHandler,
     CepedHandler,
     DataFileError,
     FileHandler,
     FlatTokenHandler,
     JsonlHandler,
+    MdsHandler,
     NpyHandler,
     ParquetHandler,
     format_for_url,
@@ -80,6 +83,7 @@ class Case:
     handler: Callable[[], FileHandler]
     kind: str = "tokens"  # or "text"
     expect_doc_lengths: bool = True
+    empty_kind: str | None = None  # what a file of no documents says it holds, if not kind
 
 
 CASES = [
@@ -182,6 +186,59 @@ CASES = [
         kind="text",
         expect_doc_lengths=False,
     ),
+    Case("cbor-text", "docs.cbor", T.write_cbor, CborHandler, kind="text"),
+    Case(
+        "cbor-text-gz",
+        "docs.cbor.gz",
+        lambda u, d: T.write_cbor(u, d, field="content", extra_fields={"id": range(len(d))}),
+        lambda: CborHandler(col_name="content"),
+        kind="text",
+    ),
+    Case(
+        "cbor-tokens-zst",
+        "docs.cbor.zst",
+        lambda u, d: T.write_cbor(u, [np.asarray(x, np.int64) for x in d], field="input_ids"),
+        lambda: CborHandler(col_name="input_ids"),
+        empty_kind="text",  # records without a schema: an empty file cannot tell
+    ),
+    Case(
+        "mds-ndarray-uint32",  # LLM Foundry's layout, with an int and a str column around it
+        "shard.00000.mds",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u),
+            d,
+            extra_columns={"id": ("int", range(len(d))), "zsrc": ("str", ["x"] * len(d))},
+        ),
+        MdsHandler,
+    ),
+    Case(
+        "mds-ndarray-dynamic-zstd",  # dtype and shape stored per sample
+        "shard.00000.mds.zstd",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u), d, encoding="ndarray", compression="zstd", col_name="ids"
+        ),
+        lambda: MdsHandler(col_name="ids"),
+    ),
+    Case(
+        "mds-bytes-gz",  # int64 token bytes (LLM Foundry's older concat_tokens shards)
+        "shard.00000.mds.gz",
+        lambda u, d: T.write_mds(posixpath.dirname(u), d, encoding="bytes", compression="gz"),
+        lambda: MdsHandler(bytes_dtype="int64"),
+    ),
+    Case(
+        "mds-text",
+        "shard.00000.mds",
+        lambda u, d: T.write_mds(
+            posixpath.dirname(u),
+            d,
+            col_name="text",
+            encoding="str",
+            extra_columns={"a": ("ndarray:uint16", [[1, 2]] * len(d))},
+        ),  # fmt: skip
+        lambda: MdsHandler(col_name="text"),
+        kind="text",
+        expect_doc_lengths=False,
+    ),
 ]
 CASE_IDS = [c.id for c in CASES]
 
@@ -211,8 +268,9 @@ def test_roundtrip(case: Case, base_url: str, n_docs: int) -> None:
     reader = handler.open(url)
     n = handler.length(reader)
     assert n == n_docs
-    assert handler.produces_for(reader) == case.kind
-    assert reader.produces == case.kind
+    kind = case.empty_kind if n_docs == 0 and case.empty_kind else case.kind
+    assert handler.produces_for(reader) == kind
+    assert reader.produces == kind
 
     docs_read = [handler.get(reader, i) for i in range(n)]
     for i in range(n):
@@ -292,6 +350,13 @@ TRUNCATABLE = [
         "jsonl",
         "jsonl-gz",
         "json-zst",
+        "mds-ndarray-uint32",
+        "mds-ndarray-dynamic-zstd",
+        "mds-bytes-gz",
+        "mds-text",
+        "cbor-text",
+        "cbor-text-gz",
+        "cbor-tokens-zst",
     }
 ]
 

@@ -370,3 +370,19 @@ def test_strip_tokens_in_whole_document_blocks(tmp_path, min_length, block_docs)
     assert got == want
     for (f, d), tokens in list(want.items())[:20]:
         assert np.asarray(reader.fetch_document(index.name, f, d)).tolist() == tokens
+
+
+def test_empty_documents_are_dropped_with_their_offsets(tmp_path) -> None:
+    # an empty document among whole-document blocks: its offset was kept while its file/doc
+    # entries were dropped, so the block's pieces and provenance no longer matched
+    docs = [np.array([1_000 + i] * (i % 3), np.uint32) for i in range(30)]  # every 3rd empty
+    write_arrow_batches(str(tmp_path / "a.arrow"), docs)
+    index = DatasetIndex.build(str(tmp_path))
+    reader = ShardReader(index, 4, world=World(), epochs=1, block_docs=3, seed=1)
+    got = []
+    for block in run(reader):
+        assert len(block.file) == len(block.doc) == len(block)
+        for d in block:
+            assert d.data.tolist() == docs[d.doc].tolist()  # provenance names the document
+            got.append(d.doc)
+    assert sorted(got) == [i for i in range(30) if i % 3]

@@ -704,3 +704,47 @@ def test_eviction_takes_the_least_recently_used_file_nobody_holds(tmp_path) -> N
     assert cache.stats()["prefetch_skipped"] == 1 and cached() == {"b", "c"}
     cache.acquire(url["a"])
     assert cached() == {"a", "b", "c"} and cache.disk_usage() <= int(2.5 * size) + size
+
+
+class _Ticks:
+    """A clock for torchdata_ext._progress that advances ``step`` seconds per reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_slow_listing_counting_and_downloads_log_progress(s3, tmp_path, monkeypatch, caplog):
+    so = s3.storage_options
+    docs = make_docs(90, 7, base=5_000_000)
+    for f in range(3):
+        write_arrow_batches(
+            s3.url("slow", f"p{f}.arrow"), docs[f * 30 : (f + 1) * 30], storage_options=so
+        )
+    patterns = [s3.url("slow", "p0.arrow"), s3.url("slow", "p{1,2}.arrow")]
+    caplog.set_level(logging.INFO, logger="torchdata_ext")
+    fast = DatasetIndex.build(patterns, storage_options=so, write_counts=False)
+    assert [r.getMessage() for r in caplog.records] == []  # a short wait says nothing
+    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))
+    index = DatasetIndex.build(patterns, storage_options=so, write_counts=False)
+    assert index.files == fast.files and index.total_docs == 90
+    lines = [r.getMessage() for r in caplog.records]
+    where = ", ".join(patterns)
+    assert lines == [
+        f"listing {where}: 2 of 2 patterns (3 files) after 2 s",  # not a TTY: log lines
+        f"listing {where}: done, 2 of 2 patterns (3 files) in 3.0 s",
+        "counting the documents of 'slow': 2 of 3 files after 2 s",
+        "counting the documents of 'slow': done, 3 of 3 files in 4.0 s",
+    ]
+    caplog.clear()
+    cache = ShardCache(tmp_path / "c")
+    local = cache.acquire(index.files[0], so)
+    size = os.path.getsize(local)
+    lines = [r.getMessage() for r in caplog.records if "downloading" in r.getMessage()]
+    assert lines[0].startswith(f"downloading {index.files[0]}: ")
+    assert lines[-1].startswith(f"downloading {index.files[0]}: done, {size:,} of {size:,} B in")
+    cache.release(index.files[0], so)
+    cache.close()

@@ -214,3 +214,101 @@ class _HideProtocol(BaseNode[dict]):
 
     def get_state(self) -> dict:
         return self.node.state_dict()
+
+
+class _Ticks:
+    """A clock for torchdata_ext._progress that advances ``step`` seconds per reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_slow_fill_logs_its_progress_and_size(index, monkeypatch, caplog) -> None:
+    idx, _ = index
+    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))  # 1 s per pull
+    caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
+    node = make(idx, 40)
+    next(node)
+    lines = [r.getMessage() for r in caplog.records]
+    # rate-limited: the first line after 2 s, then one per 10 s, and a closing line
+    assert lines[0] == "filling the shuffle buffer: 2 of 40 items after 2 s"
+    assert lines[1] == "filling the shuffle buffer: 12 of 40 items after 12 s"
+    assert lines[-1] == "filling the shuffle buffer: done, 40 of 40 items in 41.0 s"
+    assert len(lines) == 5  # 2, 12, 22, 32 s and done
+    caplog.clear()
+    for _ in range(30):  # drawing from the full buffer is no wait
+        next(node)
+    assert caplog.records == []
+
+
+def test_a_fast_fill_logs_nothing(index, caplog) -> None:
+    idx, _ = index
+    caplog.set_level("DEBUG", logger="torchdata_ext")
+    node = make(idx, 40)
+    node.worker_share = 500
+    assert len(run(node)) == 120
+    assert caplog.records == []
+
+
+def test_restore_of_a_large_buffer_logs_its_rebuild(index, monkeypatch, caplog) -> None:
+    idx, _ = index
+    node = make(idx, 40)
+    next(node)
+    state = node.state_dict()
+    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))
+    caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
+    make(idx, 40).reset(state)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s"
+    assert lines[-1] == "rebuilding the shuffle buffer: done, 40 of 40 items in 41.0 s"
+
+
+def test_a_buffer_larger_than_the_workers_share_warns_once(index, caplog) -> None:
+    idx, _ = index
+    calls = []
+
+    def share() -> int:
+        calls.append(1)
+        return 30
+
+    node = make(idx, 40)
+    node.worker_share = share
+    caplog.set_level("WARNING", logger="torchdata_ext.nodes.shuffle")
+    run(node)
+    node.reset()
+    run(node)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and len(calls) == 1
+    assert "holds 40 items but this worker's share of the data is only ~30" in warnings[0]
+    caplog.clear()
+    fits = make(idx, 30)
+    fits.worker_share = 30
+    run(fits)
+    assert caplog.records == []
+
+
+def test_the_pipeline_tells_the_buffer_the_workers_share(tmp_path, caplog) -> None:
+    from torchdata_ext import PipelineConfig, build_pipeline
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 100, 50).astype(np.uint32) for _ in range(64)]  # 3,200 tokens
+    write_arrow_batches(str(tmp_path / "web" / "a.arrow"), docs)
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web", weights="1", seq_length=16, eos_token=0,
+        logical_shards=8, shuffle_buffer=60, batch_size=2, seed=1,
+    )  # fmt: skip
+    caplog.set_level("WARNING", logger="torchdata_ext.nodes.shuffle")
+    # 3,200 tokens / (4 workers x 16) = 50 sequences < 60
+    node = build_pipeline(cfg, World(rank=1, world_size=2, worker_id=0, num_workers=2))
+    node.reset()
+    next(node)
+    assert "share of the data is only ~50" in caplog.text
+    caplog.clear()
+    node = build_pipeline(cfg, World(rank=0, world_size=1, worker_id=0, num_workers=1))
+    node.reset()
+    next(node)  # 200 sequences for one worker: fits
+    assert caplog.text == ""

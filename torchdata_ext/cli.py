@@ -5,8 +5,8 @@ This module only parses arguments, calls the library and prints: the work is
 (both also exported as ``torchdata_ext.prepare`` and ``torchdata_ext.inspect_dataset``), whose
 docstrings describe the formats, the resumable parts and the report.
 
-``torchdata-ext prepare IN... --out DIR`` tokenizes JSONL/Parquet/``.txt`` text into Arrow or
-flat ``.npy`` token shards; each option is the keyword argument of the same name. Without
+``torchdata-ext prepare IN... --out DIR`` tokenizes JSONL/Parquet/``.txt`` text into Arrow,
+flat ``.npy`` or Mosaic MDS token shards; each option is the keyword argument of the same name. Without
 ``--shard-id``/``--num-shards`` inside a Slurm array job, the part is the array task
 (``SLURM_ARRAY_TASK_ID`` of ``SLURM_ARRAY_TASK_COUNT``). It prints the result as JSON.
 
@@ -56,12 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     pp = sub.add_parser(
         "prepare",
         help="tokenize text files into shard files",
-        description="Tokenize JSONL/Parquet/.txt text into Arrow or flat .npy token shards "
+        description="Tokenize JSONL/Parquet/.txt text into Arrow, flat .npy or MDS token shards "
         "(resumable; see python -m pydoc torchdata_ext.prepare_data).",
     )
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
-    pp.add_argument("--format", choices=("arrow", "npy"), default="arrow")
+    pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
     pp.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
     pp.add_argument(
         "--byte-offset",

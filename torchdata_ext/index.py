@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from torchdata_ext._progress import Progress
 from torchdata_ext.handlers.base import (
     FileHandler,
     format_for_url,
@@ -40,6 +41,7 @@ from torchdata_ext.handlers.base import (
     get_handler_class,
     registered_formats,
 )
+from torchdata_ext.handlers.mds import drop_mds_side_files
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
 from torchdata_ext.remote import (
     RemoteError,
@@ -204,18 +206,26 @@ class DatasetIndex:
             suffixes = suffixes or None
         else:
             suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
-        where = ", ".join(expanded)
+        listed_files: set[str] = set()
         try:
-            files = with_retries(
-                lambda: expand_urls(expanded, storage_options, suffixes=suffixes),
-                where,
-                what="list",
-            )
+            with Progress(
+                f"listing {', '.join(expanded)}", logger, total=len(expanded), unit="patterns"
+            ) as progress:
+                for u in expanded:
+                    found = with_retries(
+                        partial(expand_urls, u, storage_options, suffixes=suffixes), u, what="list"
+                    )
+                    listed_files.update(found)
+                    progress.unit = f"patterns ({len(listed_files):,} files)"
+                    progress.update()
         except FileNotFoundError:
             for u in expanded:  # say so if the bucket is missing or refuses these credentials
                 check_access(u, storage_options)
             raise
-        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data
+        files = sorted(listed_files)
+        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data, nor is
+        # an MDS folder's index.json (or a compressed copy of a listed raw MDS shard)
+        files = drop_mds_side_files(files)
         listed = set(files)
         files = [
             f
@@ -317,16 +327,20 @@ class DatasetIndex:
         if not missing:
             return
         handler = self.handler()
-        for i in missing:
-            url = self.files[i]
-            reader = with_retries(partial(handler.open, url), url, what="open")
-            try:
-                self.doc_counts[i] = handler.length(reader)
-                lengths = handler.doc_lengths(reader)
-                is_text = handler.produces_for(reader) == "text"
-                self.token_counts[i] = -1 if lengths is None or is_text else int(lengths.sum())
-            finally:
-                handler.close(reader)
+        with Progress(
+            f"counting the documents of {self.name!r}", logger, total=len(missing), unit="files"
+        ) as progress:
+            for i in missing:
+                url = self.files[i]
+                reader = with_retries(partial(handler.open, url), url, what="open")
+                try:
+                    self.doc_counts[i] = handler.length(reader)
+                    lengths = handler.doc_lengths(reader)
+                    is_text = handler.produces_for(reader) == "text"
+                    self.token_counts[i] = -1 if lengths is None or is_text else int(lengths.sum())
+                finally:
+                    handler.close(reader)
+                progress.update()
         if write == "data" and counts_url is None:
             self._write_counts(root, sizes)
         elif write == "cache":

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from torchdata_ext.handlers.base import format_for_url, registered_formats
+from torchdata_ext.handlers.mds import drop_mds_side_files
 from torchdata_ext.index import DatasetIndex, read_data_sources
 from torchdata_ext.prepared_meta import PreparedMeta, read_meta
 from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET, as_encoder, load_tokenizer
@@ -179,7 +180,7 @@ def _file_type_of(path: str, file_type: str | None, storage_options: dict[str, A
         return file_type
     urls = read_data_sources(path, storage_options) if path.endswith(".txt") else [path]
     suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
-    files = expand_urls(urls, storage_options, suffixes=suffixes)
+    files = drop_mds_side_files(expand_urls(urls, storage_options, suffixes=suffixes))
     return format_for_url(files[0])
 
 

@@ -16,6 +16,7 @@ means what it means there; the rest select the tokenizer, packing mode and shuff
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -458,6 +459,7 @@ def _build(
                 dtype=cfg.dtype,
             )
     sources: dict[str, BaseNode] = {}
+    readers: list[ShardReader] = []
     for name, index in datasets.items():
         node: BaseNode = ShardReader(
             index,
@@ -473,6 +475,7 @@ def _build(
             split=cfg.eval_split(name),
             subset=subset,
         )
+        readers.append(node)
         steps = cfg.transforms_for(name)
         text_steps = [t for t in steps if t.on == "text"]
         token_steps = [t for t in steps if t.on == "tokens"]
@@ -511,11 +514,25 @@ def _build(
         dataset_names=list(datasets),
     )
     if cfg.shuffle_buffer > 1 and not evaluating:
-        node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed)
+        share = functools.partial(_worker_share, cfg, list(datasets.values()), readers)
+        node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed, worker_share=share)
     if collate:
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
+
+
+def _worker_share(
+    cfg: PipelineConfig, datasets: list[DatasetIndex], readers: list[Any]
+) -> int | None:
+    """Packed sequences in one worker's share of one pass over all datasets (their tokens over
+    the global workers, per sequence); None while unknown (text datasets count no tokens, or
+    the readers have not found their world yet)."""
+    tokens = [index.total_tokens for index in datasets]
+    world = readers[0].world if readers else None
+    if world is None or any(t < 0 for t in tokens):
+        return None
+    return sum(tokens) // (world.total_workers * cfg.seq_length)
 
 
 def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:

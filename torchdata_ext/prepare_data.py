@@ -15,7 +15,9 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``format="arrow"`` (Bamba layout): Arrow IPC files, one record batch per document, one
   ``uint32`` column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``uint32`` ``.npy`` token
   arrays, every document followed by ``eos_token`` (default 0), plus ``data_sources.txt``
-  listing them. Both get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file).
+  listing them. ``format="mds"`` (Mosaic MDS, as ``mosaicml-streaming`` and LLM Foundry read
+  it): one sample per document in an ``ndarray:uint32`` column ``tokens``, plus ``index.json``.
+  All get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file).
 * ``tokenizer="byte"`` is :class:`~torchdata_ext.tokenizers.ByteTokenizer` with
   ``offset=byte_offset`` (default 1, as in the pipeline config and ``inspect``, so id 0 stays
   free for EOS; ids 1..256 are bytes); otherwise the path of a Hugging Face ``tokenizer.json``.
@@ -25,7 +27,7 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
   refuses a config that disagrees with it and ``inspect`` decodes with it. A run into a folder
   whose file says otherwise (another part with other settings) is refused.
 * Outputs hold at most ``max_tokens_per_file`` tokens (a longer document gets a file of its
-  own; documents are never split) and are named ``part{shard_id:05d}_{n:05d}.arrow|npy``.
+  own; documents are never split) and are named ``part{shard_id:05d}_{n:05d}.arrow|npy|mds``.
 * ``shard_id=K, num_shards=N`` (e.g. a Slurm array): part K takes the K-th of N contiguous,
   equal slices of the sorted input files (:func:`split_inputs`), so the parts in order hold the
   same documents, in the same order, as one run over everything.
@@ -83,6 +85,8 @@ PROGRESS_VERSION = 1
 _PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer"}
 _TOKENIZE_BATCH = 256  # texts per encode_batch call
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
+_SUFFIX = {"arrow": ".arrow", "npy": ".npy", "mds": ".mds"}
+_MDS_COLUMNS = {"tokens": "ndarray:uint32"}
 
 
 @dataclass
@@ -138,7 +142,7 @@ def prepare(
     Args:
         inputs: input URLs (files, folders, globs, braces).
         out: the output folder (fsspec URL).
-        format: ``"arrow"`` or ``"npy"``.
+        format: ``"arrow"``, ``"npy"`` or ``"mds"``.
         tokenizer: ``"byte"`` or the path of a ``tokenizer.json``.
         byte_offset: the byte tokenizer's id offset (ids ``< byte_offset`` stay free;
             default 1, the same as the pipeline config's and ``inspect``'s).
@@ -208,7 +212,7 @@ def prepare(
         result.resumed = True
     check_same_settings(out, meta, storage_options)
     _remove_stale_temps(fs, out_path, shard_id)
-    suffix = ".arrow" if format == "arrow" else ".npy"
+    suffix = _SUFFIX[format]
 
     def out_url(n: int) -> str:
         return unstrip(fs, posixpath.join(out_path, f"part{shard_id:05d}_{n:05d}{suffix}"))
@@ -225,7 +229,7 @@ def prepare(
 
     from tqdm import tqdm
 
-    encode = _npy_bytes if format == "npy" else _arrow_bytes
+    encode = {"npy": _npy_bytes, "arrow": _arrow_bytes, "mds": _mds_bytes}[format]
     eos = None if eos_token is None else np.array([eos_token], np.uint32)
     buf: list[np.ndarray] = []
     buf_tokens = 0
@@ -318,8 +322,8 @@ def _check_arguments(
     format: str, shard_id: int, num_shards: int, max_tokens_per_file: int, num_proc: int
 ) -> None:
     """Raise ``ValueError`` naming the first bad argument of :func:`prepare`."""
-    if format not in ("arrow", "npy"):
-        raise ValueError(f"{format=} must be 'arrow' or 'npy'")
+    if format not in _SUFFIX:
+        raise ValueError(f"{format=} must be 'arrow', 'npy' or 'mds'")
     if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise ValueError(f"{shard_id=} must be in 0..{num_shards=}-1 and num_shards >= 1")
     if max_tokens_per_file < 1:
@@ -489,6 +493,13 @@ def _npy_bytes(docs: Sequence[np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+def _mds_bytes(docs: Sequence[np.ndarray]) -> bytes:
+    """An MDS shard: one sample per document, one ``ndarray:uint32`` column ``tokens``."""
+    from torchdata_ext.handlers.mds_writer import encode_mds_shard
+
+    return encode_mds_shard([{"tokens": d} for d in docs], _MDS_COLUMNS)
+
+
 def _is_stale_temp(name: str, shard_id: int) -> bool:
     """Whether ``name`` is a temporary file a killed run of part ``shard_id`` left behind:
     ``write_bytes_atomic``'s ``.<name>.tmp-<hex>`` or the ``.tmp-<name>-<hex>`` of earlier
@@ -518,8 +529,9 @@ def _finalize(
     eos_token: int | None,
     storage_options: dict[str, Any],
 ) -> None:
-    """Write ``data_sources.txt`` (npy) and the counts file from every complete output."""
-    suffix = ".arrow" if format == "arrow" else ".npy"
+    """Write ``data_sources.txt`` (npy) or ``index.json`` (mds) and the counts file from every
+    complete output."""
+    suffix = _SUFFIX[format]
     names = sorted(
         p
         for p in fs.ls(out_path, detail=False)
@@ -541,6 +553,10 @@ def _finalize(
             write_counts="data",  # prepare's own output: the counts go next to it
         )
     else:
+        if format == "mds":
+            from torchdata_ext.handlers.mds_writer import write_mds_index
+
+            write_mds_index(out, [unstrip(fs, p) for p in names], _MDS_COLUMNS, storage_options)
         DatasetIndex.build(
-            out, file_type="arrow", storage_options=storage_options, write_counts="data"
+            out, file_type=format, storage_options=storage_options, write_counts="data"
         )

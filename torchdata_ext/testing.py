@@ -33,9 +33,11 @@ from torchdata_ext.urls import filesystem, is_local
 __all__ = [
     "write_arrow_batches",
     "write_arrow_rows",
+    "write_cbor",
     "write_ceped_npy",
     "write_flat_tokens",
     "write_jsonl",
+    "write_mds",
     "write_parquet",
 ]
 
@@ -373,3 +375,119 @@ def write_jsonl(
         raise ValueError(f"{compression=} must be 'infer', None, 'gz' or 'zst'")
     _write_bytes(url, data, storage_options)
     return texts
+
+
+def write_mds(
+    folder: str,
+    docs: Docs | Sequence[str],
+    *,
+    col_name: str = "tokens",
+    encoding: str = "ndarray:uint32",
+    docs_per_shard: int | None = None,
+    compression: str | None = None,
+    extra_columns: Mapping[str, tuple[str, Sequence[Any]]] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Write a Mosaic MDS folder: ``shard.NNNNN.mds`` files (``.mds.zstd`` / ``.mds.gz`` when
+    compressed) and ``index.json``, one sample per document (see
+    :mod:`torchdata_ext.handlers.mds`).
+
+    Args:
+        folder: destination folder (any fsspec URL).
+        docs: token documents (an ``ndarray`` or ``bytes`` column), or texts (``str``).
+        col_name: the document column.
+        encoding: its MDS encoding: ``ndarray``, ``ndarray:<dtype>``, ``str``, or ``bytes``
+            (tokens written as ``int64`` bytes, as LLM Foundry did).
+        docs_per_shard: samples per shard file (default: all in one).
+        compression: None, ``"zstd"`` or ``"gz"`` (the shards are stored compressed only).
+        extra_columns: more columns: name -> (encoding, one value per document).
+        storage_options: fsspec keyword arguments.
+
+    Returns:
+        The documents as ``MdsHandler`` reads them (``bytes`` columns with
+        ``bytes_dtype="int64"``).
+    """
+    from torchdata_ext.handlers.mds_writer import encode_mds_shard, mds_index
+
+    kind, _, rest = encoding.partition(":")
+    if kind == "str":
+        out: list[Any] = list(docs)
+        for k, text in enumerate(out):
+            if not isinstance(text, str):
+                raise TypeError(f"document {k} is a {type(text).__name__}, not a str")
+        values: list[Any] = out
+    else:
+        dtype = np.int64 if kind == "bytes" else (rest.split(":")[0] or None)
+        out, _ = _token_arrays(docs, dtype)
+        values = [a.astype("<i8").tobytes() for a in out] if kind == "bytes" else out
+    columns = {col_name: encoding, **{c: e for c, (e, _) in (extra_columns or {}).items()}}
+    extra = {c: list(v) for c, (_, v) in (extra_columns or {}).items()}
+    step = docs_per_shard or max(1, len(values))
+    shards = []
+    for n, lo in enumerate(range(0, max(1, len(values)), step)):
+        samples = [
+            {col_name: values[i], **{c: v[i] for c, v in extra.items()}}
+            for i in range(lo, min(lo + step, len(values)))
+        ]
+        raw = encode_mds_shard(samples, columns, compression)
+        name = f"shard.{n:05d}.mds"
+        zipped = None
+        if compression in ("zstd", "zst"):
+            import zstandard
+
+            zipped = zstandard.ZstdCompressor().compress(raw)
+        elif compression in ("gz", "gzip"):
+            zipped = gzip.compress(raw)
+        elif compression is not None:
+            raise ValueError(f"{compression=} must be None, 'zstd' or 'gz'")
+        ext = {"zst": "zstd", "gzip": "gz"}.get(compression or "", compression)
+        stored = f"{name}.{ext}" if zipped is not None else name
+        _write_bytes(posixpath.join(folder, stored), zipped or raw, storage_options)
+        shards.append((name, len(samples), len(raw), None if zipped is None else len(zipped)))
+    ext = {"zst": "zstd", "gzip": "gz"}.get(compression or "", compression)
+    index = mds_index(shards, columns, ext)
+    _write_bytes(posixpath.join(folder, "index.json"), index, storage_options)
+    return out
+
+
+def write_cbor(
+    url: str,
+    docs: Sequence[str] | Docs,
+    field: str = "text",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    extra_fields: Mapping[str, Sequence[Any]] | None = None,
+) -> list[Any]:
+    """Write CBOR records one after another (epochraft's layout): one map ``{field: doc}`` per
+    document, a text or a list of token ids; gzip or zstd compressed for names ending ``.gz``
+    / ``.zst``. Needs ``cbor2``.
+
+    Args:
+        url: destination (any fsspec URL).
+        docs: texts, or token documents (stored as CBOR arrays of integers).
+        field: the record field holding each document.
+        storage_options: fsspec keyword arguments.
+        extra_fields: more fields per record (name -> one value per document).
+
+    Returns:
+        The documents as ``CborHandler`` reads them (tokens as ``int64`` arrays).
+    """
+    import cbor2
+
+    docs = list(docs)
+    text = bool(docs) and isinstance(docs[0], str)
+    out: list[Any] = docs if text else [a.astype(np.int64) for a in _token_arrays(docs)[0]]
+    extra = {k: list(v) for k, v in (extra_fields or {}).items()}
+    records = []
+    for k, doc in enumerate(out):
+        value = doc if text else doc.tolist()
+        records.append(cbor2.dumps({field: value, **{n: v[k] for n, v in extra.items()}}))
+    data = b"".join(records)
+    if url.lower().endswith(".gz"):
+        data = gzip.compress(data)
+    elif url.lower().endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdCompressor().compress(data)
+    _write_bytes(url, data, storage_options)
+    return out

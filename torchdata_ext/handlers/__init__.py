@@ -1,5 +1,5 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, and
-in-memory documents (``memory``).
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, CBOR,
+and in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
 add a format with :func:`register_handler`. Handler modules are imported lazily by the
@@ -24,19 +24,23 @@ from torchdata_ext.handlers.base import (
 
 if TYPE_CHECKING:
     from torchdata_ext.handlers.arrow import ArrowHandler
+    from torchdata_ext.handlers.cbor import CborHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
+    from torchdata_ext.handlers.mds import MdsHandler
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
 
 __all__ = [
     "ArrowHandler",
+    "CborHandler",
     "CepedHandler",
     "DataFileError",
     "DocData",
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",
+    "MdsHandler",
     "MemoryHandler",
     "MemorySource",
     "NpyHandler",
@@ -51,10 +55,12 @@ __all__ = [
 
 _LAZY = {
     "ArrowHandler": "torchdata_ext.handlers.arrow",
+    "CborHandler": "torchdata_ext.handlers.cbor",
     "CepedHandler": "torchdata_ext.handlers.numpy_tokens",
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "MdsHandler": "torchdata_ext.handlers.mds",
     "MemoryHandler": "torchdata_ext.handlers.memory",
     "MemorySource": "torchdata_ext.handlers.memory",
     "ParquetHandler": "torchdata_ext.handlers.parquet",

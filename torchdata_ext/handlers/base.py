@@ -119,6 +119,8 @@ _REGISTRY: dict[str, str | type[FileHandler]] = {
     "npy": "torchdata_ext.handlers.numpy_tokens:NpyHandler",
     "jsonl": "torchdata_ext.handlers.jsonl:JsonlHandler",
     "memory": "torchdata_ext.handlers.memory:MemoryHandler",
+    "mds": "torchdata_ext.handlers.mds:MdsHandler",
+    "cbor": "torchdata_ext.handlers.cbor:CborHandler",
 }
 # suffix (lower case, longest match wins) -> name
 _SUFFIXES: dict[str, str] = {
@@ -134,6 +136,14 @@ _SUFFIXES: dict[str, str] = {
     ".json.gz": "jsonl",
     ".jsonl.zst": "jsonl",
     ".json.zst": "jsonl",
+    ".mds": "mds",
+    ".mds.zstd": "mds",
+    ".mds.zst": "mds",
+    ".mds.gz": "mds",
+    ".mds.bz2": "mds",
+    ".cbor": "cbor",
+    ".cbor.gz": "cbor",
+    ".cbor.zst": "cbor",
 }
 
 

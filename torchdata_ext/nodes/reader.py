@@ -644,7 +644,9 @@ class ShardReader(BaseNode[DocumentBlock]):
                 return None
             lo, hi, lengths, doc_ids = lo[idx], hi[idx], lengths[idx], doc_ids[idx]
         n = len(lengths)
-        if lengths.sum() != len(flat):  # something stripped or dropped: gather what is kept
+        # something stripped or dropped (an empty document drops nothing from flat, but its
+        # offset must go): gather what is kept
+        if n != len(docs) or lengths.sum() != len(flat):
             out_offsets = np.zeros(n + 1, np.int64)
             np.cumsum(lengths, out=out_offsets[1:])
             shift = np.repeat(lo - out_offsets[:-1], lengths)

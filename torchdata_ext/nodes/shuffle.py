@@ -8,6 +8,11 @@ compact integer array, and rebuilt on restore by ``rebuild`` (by default the sou
 about a megabyte instead of 160 MB. Items without provenance are kept in the state as they are
 (fine for small buffers and small items).
 
+Long waits say what they are doing: a fill that lasts more than a couple of seconds logs its
+progress (items so far of ``buffer_size``), as does rebuilding the items on restore, and a
+buffer larger than this worker's share of the data (``worker_share``) warns once: filling it
+reads the whole share (and more epochs), so the first batch waits for all of it.
+
 Draws are counter-based: draw ``i`` picks slot ``mix_seed(seed, i) % len(buffer)``, so the state
 holds the draw counter, not an RNG.
 
@@ -34,16 +39,20 @@ stream is identical.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._progress import Progress
 from torchdata_ext.provenance import PROV_COLUMNS
 from torchdata_ext.walk import mix_seed
 
 __all__ = ["ShuffleBuffer"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _DRAW_TAG = 0x53485546
@@ -62,6 +71,10 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             default: ``source.rebuild`` when the source has it. Only used for items that carry
             a ``provenance_key`` entry.
         provenance_key: the dict key holding an item's provenance table.
+        worker_share: how many items this worker's share of one pass over the data makes (e.g.
+            its tokens / sequence length), or a function returning it (None: unknown), called
+            at the first fill, when the world is known; a larger ``buffer_size`` warns once.
+            None: no check.
 
     When the source ends (finite runs), the buffer drains: every buffered item is still
     delivered, in random order, then ``StopIteration``.
@@ -77,6 +90,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         seed: int = 0,
         rebuild: Callable[[np.ndarray], T] | None = None,
         provenance_key: str = "provenance",
+        worker_share: int | Callable[[], int | None] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)):
@@ -90,6 +104,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self.seed = int(seed)
         self._rebuild = rebuild if rebuild is not None else getattr(source, "rebuild", None)
         self.provenance_key = provenance_key
+        self.worker_share = worker_share
+        self._share_checked = False
         next_packed = getattr(source, "next_packed", None)
         materialize = getattr(source, "materialize", None)
         self._packed = callable(next_packed) and callable(materialize)
@@ -127,13 +143,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
 
     def _draw(self) -> Any:
         buf = self._buf
-        while not self._exhausted and len(buf) < self.buffer_size:
-            try:
-                buf.append(self._pull())
-            except StopIteration:
-                self._exhausted = True
-            else:
-                self._touch(len(buf) - 1)
+        if not self._exhausted and len(buf) < self.buffer_size:
+            self._fill()
         if not buf:
             raise StopIteration
         j = mix_seed(self.seed, _DRAW_TAG, self._draws) % len(buf)
@@ -195,6 +206,40 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return state
 
     # -- helpers -------------------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Pull until the buffer is full or the source ends, reporting a long fill."""
+        if not self._share_checked:
+            self._share_checked = True
+            self._check_share()
+        buf = self._buf
+        unit = "sequences" if self._packed else "items"
+        with Progress(
+            "filling the shuffle buffer", logger, total=self.buffer_size, unit=unit, bar=False
+        ) as progress:
+            progress.done = len(buf)
+            while not self._exhausted and len(buf) < self.buffer_size:
+                try:
+                    buf.append(self._pull())
+                except StopIteration:
+                    self._exhausted = True
+                else:
+                    self._touch(len(buf) - 1)
+                    progress.update()
+
+    def _check_share(self) -> None:
+        """Warn (once) when the buffer holds more items than this worker's share of the data."""
+        share = self.worker_share() if callable(self.worker_share) else self.worker_share
+        if share is None or self.buffer_size <= share:
+            return
+        logger.warning(
+            "the shuffle buffer holds %d items but this worker's share of the data is only ~%d: "
+            "the first batch waits until the buffer has read all of it (and more epochs), "
+            "and items of several epochs mix; use a buffer_size (shuffle_buffer) below that, "
+            "or fewer workers",
+            self.buffer_size,
+            share,
+        )
+
     def _next_source(self) -> T:
         return next(self.source)
 
@@ -270,7 +315,14 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
             rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
         bounds = np.concatenate([[0], np.cumsum(counts)])
-        return [self._rebuild(rows[bounds[i] : bounds[i + 1]]) for i in range(len(counts))]
+        out = []
+        with Progress(
+            "rebuilding the shuffle buffer", logger, total=len(counts), bar=False
+        ) as progress:
+            for i in range(len(counts)):
+                out.append(self._rebuild(rows[bounds[i] : bounds[i + 1]]))
+                progress.update()
+        return out
 
 
 class _StaleGroup:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
+from torchdata_ext._progress import Progress, fsspec_callback
 from torchdata_ext.remote import disk
 from torchdata_ext.remote.disk import Entry
 from torchdata_ext.remote.files import default_cache_dir, is_remote, private_filesystem
@@ -453,12 +454,19 @@ class ShardCache:
         if parts is None:
             return False
         t0 = time.perf_counter()
+        # a foreground wait may show a bar; a prefetch thread's only logs
+        progress = Progress(
+            f"downloading {entry.url}", logger, total=total, unit="B", bar=not prefetch
+        )
         try:
-            for (rurl, rpath, _, size), tmp in zip(sizes, parts):
-                with_retries(
-                    partial(_get_file, fs, rpath, tmp, size),
-                    rurl, self.retry, what="download", on_retry=count_retry,
-                )  # fmt: skip
+            with progress:
+                done = 0
+                for (rurl, rpath, _, size), tmp in zip(sizes, parts):
+                    with_retries(
+                        partial(_get_file, fs, rpath, tmp, size, progress, done),
+                        rurl, self.retry, what="download", on_retry=count_retry,
+                    )  # fmt: skip
+                    done += size
             # companions first: the main file appearing is what marks the entry complete
             for (_, _, local, _), tmp in list(zip(sizes, parts))[::-1]:
                 os.replace(tmp, local)
@@ -519,8 +527,8 @@ class ShardCache:
         return freed
 
 
-def _get_file(fs: Any, rpath: str, tmp: str, size: int) -> None:
-    fs.get_file(rpath, tmp)
+def _get_file(fs: Any, rpath: str, tmp: str, size: int, progress: Progress, done: int) -> None:
+    fs.get_file(rpath, tmp, callback=fsspec_callback(progress, done))
     got = os.path.getsize(tmp)
     if got != size:
         raise IncompleteDownload(
