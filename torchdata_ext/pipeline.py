@@ -106,6 +106,18 @@ class PipelineConfig:
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
         storage_options: fsspec options (credentials, endpoint) for ``data_path``.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+        phases: a curriculum (``Concat``): a list of phases, each a mapping with ``datasets``
+            (names, list or comma-separated string), optional ``weights`` (as ``weights``) and
+            an optional stop rule ``max_tokens`` / ``max_documents`` (for the whole run, all
+            ranks x workers together). A phase without one ends when its datasets are
+            exhausted (needs ``epochs``). Each dataset belongs to one phase; ``datasets`` may be
+            left empty (it becomes all phases' datasets) and ``weights`` must be. Empty: no
+            phases, ``datasets`` mixed at ``weights``.
+        max_tokens: a token budget (``Take``): an int ends the run after exactly that many
+            document tokens over all ranks x workers (each worker delivers its share, then
+            Pack flushes and the shuffle buffer drains); a mapping dataset -> int caps each
+            named dataset's tokens for the run. None: no budget.
+        max_documents: the same in documents (whole documents; counted at their start).
         output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
             ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
             Default: what a Hugging Face causal LM with packed-sequence attention consumes
@@ -163,8 +175,12 @@ class PipelineConfig:
     eval_seed: int = 0
     transforms: list[Any] | dict[str, list[Any]] = field(default_factory=list)
     drop_remainder: bool = False
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | dict[str, int] | None = None
+    max_documents: int | dict[str, int] | None = None
 
     def __post_init__(self) -> None:
+        self._check_phases()
         self.datasets = _split_list(self.datasets, "datasets")
         raw_weights = _split_list(self.weights, "weights")
         try:
@@ -211,6 +227,23 @@ class PipelineConfig:
             )
         for name in self.dataset_weights:  # checked now: a bad spec names itself early
             self.transforms_for(name)
+        for budget in ("max_tokens", "max_documents"):
+            value = getattr(self, budget)
+            if isinstance(value, Mapping):
+                unknown = [k for k in value if k not in self.dataset_weights]
+                if unknown:
+                    raise ValueError(
+                        f"{budget} names {unknown}, which are not datasets "
+                        f"({list(self.dataset_weights)}); give a dataset name or one int for "
+                        "the whole run"
+                    )
+                setattr(
+                    self,
+                    budget,
+                    {str(k): check_int(f"{budget}[{k!r}]", v, 0) for k, v in value.items()},
+                )
+            elif value is not None:
+                setattr(self, budget, check_int(budget, value, 0))
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -253,6 +286,68 @@ class PipelineConfig:
         fr = self.eval_fraction
         f = fr.get(dataset, 0.0) if isinstance(fr, Mapping) else fr
         return EvalSplit(float(f), self.eval_seed) if f else None
+
+    def _check_phases(self) -> None:
+        """Normalise ``phases`` to ``{"datasets": [...], "weights": [...], "max_tokens",
+        "max_documents"}`` dicts and check them."""
+        if not self.phases:
+            self.phases = []
+            return
+        if isinstance(self.phases, (str, Mapping)) or not isinstance(self.phases, Sequence):
+            raise TypeError(f"phases={self.phases!r} must be a list of mappings")
+        known = {"datasets", "weights", "max_tokens", "max_documents"}
+        if _split_list(self.weights, "weights"):
+            raise ValueError(
+                f"weights={self.weights!r} with phases: give each phase its own weights "
+                "(phases[i].weights) and leave weights empty"
+            )
+        out: list[dict[str, Any]] = []
+        owner: dict[str, int] = {}
+        for i, raw in enumerate(self.phases):
+            if not isinstance(raw, Mapping):
+                raise TypeError(f"phases[{i}]={raw!r} must be a mapping (datasets, weights, ...)")
+            unknown = sorted(set(raw) - known)
+            if unknown:
+                raise ValueError(f"phases[{i}] has unknown keys {unknown}; known: {sorted(known)}")
+            names = _split_list(raw.get("datasets"), f"phases[{i}].datasets")
+            if not names:
+                raise ValueError(f"phases[{i}] has no datasets; list the datasets it mixes")
+            try:
+                weights = [float(w) for w in _split_list(raw.get("weights"), "weights")]
+            except ValueError:
+                raise ValueError(
+                    f"phases[{i}].weights={raw.get('weights')!r} must be numbers"
+                ) from None
+            if weights and (len(weights) != len(names) or any(w <= 0 for w in weights)):
+                raise ValueError(
+                    f"phases[{i}].weights={weights} must be one number > 0 per dataset {names}"
+                )
+            for name in names:
+                if name in owner:
+                    raise ValueError(
+                        f"dataset {name!r} is in phases[{owner[name]}] and phases[{i}]; a "
+                        "dataset belongs to one phase (its epoch cursor is not shared)"
+                    )
+                owner[name] = i
+            phase = {"datasets": names, "weights": weights or [1.0] * len(names)}
+            for budget in ("max_tokens", "max_documents"):
+                v = raw.get(budget)
+                phase[budget] = None if v is None else check_int(f"phases[{i}].{budget}", v, 0)
+            ends = phase["max_tokens"] is not None or phase["max_documents"] is not None
+            if not ends and self.epochs is None and i < len(self.phases) - 1:
+                raise ValueError(
+                    f"phases[{i}] never ends (no max_tokens/max_documents and epochs=None), so "
+                    "the later phases would never start; give it a budget or set epochs"
+                )
+            out.append(phase)
+        declared = _split_list(self.datasets, "datasets")
+        if declared and set(declared) != set(owner):
+            raise ValueError(
+                f"datasets={declared} differs from the phases' datasets {list(owner)}; leave "
+                "datasets empty with phases"
+            )
+        self.datasets = declared or list(owner)
+        self.phases = out
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -424,6 +519,7 @@ def _build(
     import torch
 
     from torchdata_ext.nodes.collate import Collate
+    from torchdata_ext.nodes.concat import Concat
     from torchdata_ext.nodes.interleave import Interleave
     from torchdata_ext.nodes.pack import Pack
     from torchdata_ext.nodes.reader import ShardReader
@@ -488,14 +584,30 @@ def _build(
             node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
         if token_steps:
             node = TransformDocuments(node, token_steps)
-        sources[name] = node
-    node = Interleave(
-        sources,
-        {n: w for n, w in cfg.dataset_weights.items() if n in sources},
-        mode=cfg.interleave_mode,
-        seed=cfg.seed,
-        quantum_tokens=cfg.mix_quantum_tokens,
-    )
+        sources[name] = node if evaluating else _budget(node, cfg, name, f"dataset:{name}", world)
+
+    def mix(weights: Mapping[str, float]) -> BaseNode:
+        return Interleave(
+            {n: sources[n] for n in weights if n in sources},
+            {n: w for n, w in weights.items() if n in sources},
+            mode=cfg.interleave_mode,
+            seed=cfg.seed,
+            quantum_tokens=cfg.mix_quantum_tokens,
+        )
+
+    if (
+        cfg.phases and not evaluating
+    ):  # a curriculum: each phase a mix, ending at its budget or exhausted
+        node = Concat(
+            [
+                _budget(mix(dict(zip(p["datasets"], p["weights"]))), p, None, f"phase{i}", world)
+                for i, p in enumerate(cfg.phases)
+            ]
+        )
+    else:
+        node = mix(cfg.dataset_weights)
+    if not evaluating:  # held-out data is evaluated whole: no budgets
+        node = _budget(node, cfg, None, "run", world)
     node = Pack(
         node,
         cfg.seq_length,
@@ -516,6 +628,26 @@ def _build(
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
+
+
+def _budget(
+    node: BaseNode, where: Any, dataset: str | None, name: str, world: World | None
+) -> BaseNode:
+    """``node`` under a ``Take`` if ``where`` (a config or a phase mapping) sets a budget for
+    ``dataset`` (a mapping entry) or for the whole run / phase (``dataset`` None: an int)."""
+    limits = []
+    for key in ("max_tokens", "max_documents"):
+        v = where[key] if isinstance(where, Mapping) else getattr(where, key)
+        if dataset is not None:
+            v = v.get(dataset) if isinstance(v, Mapping) else None
+        elif isinstance(v, Mapping):
+            v = None
+        limits.append(v)
+    if limits == [None, None]:
+        return node
+    from torchdata_ext.nodes.take import Take
+
+    return Take(node, max_tokens=limits[0], max_documents=limits[1], name=name, world=world)
 
 
 def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:
