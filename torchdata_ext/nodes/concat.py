@@ -90,11 +90,13 @@ class Concat(BaseNode[T], Generic[T]):
                     )
                 seen[name] = i
         self._phase = 0
-        self._final: dict[int, Any] = {}  # the states of phases that ended (they never change)
+        # the states of the phases not being delivered: they change only when delivered, so
+        # each is taken once (and the same object handed out until then)
+        self._idle: dict[int, Any] = {}
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._final = {}
+        self._idle = {}
         if initial_state is None:
             self._phase = 0
             for node in self.phases:
@@ -115,18 +117,21 @@ class Concat(BaseNode[T], Generic[T]):
             try:
                 return next(self.phases[self._phase])
             except StopIteration:
-                self._final[self._phase] = self.phases[self._phase].state_dict()
+                self._idle[self._phase] = self.phases[self._phase].state_dict()
                 self._phase += 1
+                self._idle.pop(self._phase, None)
         raise StopIteration
 
     def get_state(self) -> dict[str, Any]:
-        return {
-            self.PHASE_KEY: self._phase,
-            self.PHASES_KEY: {
-                str(i): self._final[i] if i in self._final else node.state_dict()
-                for i, node in enumerate(self.phases)
-            },
-        }
+        states = {}
+        for i, node in enumerate(self.phases):
+            if i == self._phase:
+                states[str(i)] = node.state_dict()
+                continue
+            if i not in self._idle:
+                self._idle[i] = node.state_dict()
+            states[str(i)] = self._idle[i]
+        return {self.PHASE_KEY: self._phase, self.PHASES_KEY: states}
 
     @property
     def phase(self) -> int:
