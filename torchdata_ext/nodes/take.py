@@ -126,12 +126,14 @@ class Take(BaseNode[DocumentBlock]):
         self._before: Any = None  # the source's state before the cut block
         self._tail: list[_Piece] = []  # pieces of the cut block not emitted
         self._ended = False
+        self._src_state: Any = None  # the source's state since the last pull, once taken
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.world = self._given_world or World.detect()
         self._cut, self._before, self._tail, self._ended = None, None, [], False
+        self._src_state = None
         if initial_state is None:
             self.source.reset()
             share = budget_share
@@ -180,7 +182,9 @@ class Take(BaseNode[DocumentBlock]):
         if self._ended or self._tokens == 0:
             self._ended = True
             raise StopIteration
-        before = self.source.state_dict()
+        # the node above usually took this node's state just before (Pack does, per block)
+        before = self._src_state if self._src_state is not None else self.source.state_dict()
+        self._src_state = None
         block = next(self.source)  # the source's end is this node's end
         pieces, extra = self._cut_at(block)
         if pieces == len(block):
@@ -195,12 +199,17 @@ class Take(BaseNode[DocumentBlock]):
         return head
 
     def get_state(self) -> dict[str, Any]:
-        cut = self._cut is not None
+        if self._cut is not None:
+            src = self._before
+        else:
+            if self._src_state is None:
+                self._src_state = self.source.state_dict()
+            src = self._src_state
         return {
             self.NAME_KEY: self.name,
             self.TOKENS_KEY: self._tokens,
             self.DOCUMENTS_KEY: self._docs,
-            self.SOURCE_KEY: self._before if cut else self.source.state_dict(),
+            self.SOURCE_KEY: src,
             self.CUT_KEY: list(self._cut) if self._cut is not None else None,
         }
 
