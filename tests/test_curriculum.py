@@ -259,3 +259,20 @@ def test_rescale_with_a_dataset_budget_under_the_mix(root, tmp_path, old, new) -
     for steps in (2, 6):
         delivered = _checkpoint_then_finish(cfg, tmp_path / str(steps), old, new, steps)
         check_delivery(cfg, delivered, {"code": 400})
+
+
+def test_evaluation_data_is_not_budgeted(root) -> None:
+    """The held-out split is evaluated whole: build_eval_pipeline ignores phases and budgets
+    (the same documents as without them), while training stops at exactly max_tokens."""
+    from torchdata_ext.pipeline import build_eval_pipeline
+
+    plain = base(root, datasets="web,code,math", eval_fraction=0.2)
+    cfg = base(
+        root, eval_fraction=0.2, max_tokens=100,
+        phases=[{"datasets": "web", "max_tokens": 50}, {"datasets": "code,math"}],
+    )  # fmt: skip
+    held_out = sorted(rows(list(build_eval_pipeline(plain, World(), collate=False))))
+    assert held_out and sorted(rows(list(build_eval_pipeline(cfg, World(), collate=False)))) == (
+        held_out
+    )
+    assert sum(b - a for *_, a, b in rows(list(build(cfg, World())))) == 100
