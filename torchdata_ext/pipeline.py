@@ -7,6 +7,9 @@
         ─► Interleave (weights, in tokens) ─► Pack (seq_length)
         ─► ShuffleBuffer ─► Collate (batch_size) ─► Loader / StatefulDataLoader
 
+With ``phases`` one Interleave per phase goes into a ``Concat``; ``max_tokens`` /
+``max_documents`` put a ``Take`` over a dataset's reader (a mapping) or over the mix (an int).
+
 Every field of IBM Bamba's data config (``data_path``, ``file_type``, ``col_name``,
 ``datasets``, ``weights``, ``seq_length``, ``bos_token``, ``eos_token``, ``bol_token``,
 ``eol_token``, ``strip_tokens``, ``logical_shards``, ``num_workers``, ``batch_size``, ``seed``)
@@ -27,6 +30,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
+from torchdata_ext.curriculum import check_budget, check_phases, with_budget
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.prepared_meta import check_config, read_meta
 from torchdata_ext.split import EvalSplit, Subset
@@ -227,23 +231,9 @@ class PipelineConfig:
             )
         for name in self.dataset_weights:  # checked now: a bad spec names itself early
             self.transforms_for(name)
+        names = list(self.dataset_weights)
         for budget in ("max_tokens", "max_documents"):
-            value = getattr(self, budget)
-            if isinstance(value, Mapping):
-                unknown = [k for k in value if k not in self.dataset_weights]
-                if unknown:
-                    raise ValueError(
-                        f"{budget} names {unknown}, which are not datasets "
-                        f"({list(self.dataset_weights)}); give a dataset name or one int for "
-                        "the whole run"
-                    )
-                setattr(
-                    self,
-                    budget,
-                    {str(k): check_int(f"{budget}[{k!r}]", v, 0) for k, v in value.items()},
-                )
-            elif value is not None:
-                setattr(self, budget, check_int(budget, value, 0))
+            setattr(self, budget, check_budget(budget, getattr(self, budget), names))
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -288,66 +278,12 @@ class PipelineConfig:
         return EvalSplit(float(f), self.eval_seed) if f else None
 
     def _check_phases(self) -> None:
-        """Normalise ``phases`` to ``{"datasets": [...], "weights": [...], "max_tokens",
-        "max_documents"}`` dicts and check them."""
-        if not self.phases:
+        if self.phases:
+            self.phases, self.datasets = check_phases(
+                self.phases, weights=self.weights, datasets=self.datasets, epochs=self.epochs
+            )
+        else:
             self.phases = []
-            return
-        if isinstance(self.phases, (str, Mapping)) or not isinstance(self.phases, Sequence):
-            raise TypeError(f"phases={self.phases!r} must be a list of mappings")
-        known = {"datasets", "weights", "max_tokens", "max_documents"}
-        if _split_list(self.weights, "weights"):
-            raise ValueError(
-                f"weights={self.weights!r} with phases: give each phase its own weights "
-                "(phases[i].weights) and leave weights empty"
-            )
-        out: list[dict[str, Any]] = []
-        owner: dict[str, int] = {}
-        for i, raw in enumerate(self.phases):
-            if not isinstance(raw, Mapping):
-                raise TypeError(f"phases[{i}]={raw!r} must be a mapping (datasets, weights, ...)")
-            unknown = sorted(set(raw) - known)
-            if unknown:
-                raise ValueError(f"phases[{i}] has unknown keys {unknown}; known: {sorted(known)}")
-            names = _split_list(raw.get("datasets"), f"phases[{i}].datasets")
-            if not names:
-                raise ValueError(f"phases[{i}] has no datasets; list the datasets it mixes")
-            try:
-                weights = [float(w) for w in _split_list(raw.get("weights"), "weights")]
-            except ValueError:
-                raise ValueError(
-                    f"phases[{i}].weights={raw.get('weights')!r} must be numbers"
-                ) from None
-            if weights and (len(weights) != len(names) or any(w <= 0 for w in weights)):
-                raise ValueError(
-                    f"phases[{i}].weights={weights} must be one number > 0 per dataset {names}"
-                )
-            for name in names:
-                if name in owner:
-                    raise ValueError(
-                        f"dataset {name!r} is in phases[{owner[name]}] and phases[{i}]; a "
-                        "dataset belongs to one phase (its epoch cursor is not shared)"
-                    )
-                owner[name] = i
-            phase = {"datasets": names, "weights": weights or [1.0] * len(names)}
-            for budget in ("max_tokens", "max_documents"):
-                v = raw.get(budget)
-                phase[budget] = None if v is None else check_int(f"phases[{i}].{budget}", v, 0)
-            ends = phase["max_tokens"] is not None or phase["max_documents"] is not None
-            if not ends and self.epochs is None and i < len(self.phases) - 1:
-                raise ValueError(
-                    f"phases[{i}] never ends (no max_tokens/max_documents and epochs=None), so "
-                    "the later phases would never start; give it a budget or set epochs"
-                )
-            out.append(phase)
-        declared = _split_list(self.datasets, "datasets")
-        if declared and set(declared) != set(owner):
-            raise ValueError(
-                f"datasets={declared} differs from the phases' datasets {list(owner)}; leave "
-                "datasets empty with phases"
-            )
-        self.datasets = declared or list(owner)
-        self.phases = out
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -584,7 +520,9 @@ def _build(
             node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
         if token_steps:
             node = TransformDocuments(node, token_steps)
-        sources[name] = node if evaluating else _budget(node, cfg, name, f"dataset:{name}", world)
+        sources[name] = (
+            node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
+        )
 
     def mix(weights: Mapping[str, float]) -> BaseNode:
         return Interleave(
@@ -595,19 +533,20 @@ def _build(
             quantum_tokens=cfg.mix_quantum_tokens,
         )
 
-    if (
-        cfg.phases and not evaluating
-    ):  # a curriculum: each phase a mix, ending at its budget or exhausted
+    # a curriculum: each phase a mix, ending at its budget or when exhausted
+    if cfg.phases and not evaluating:
         node = Concat(
             [
-                _budget(mix(dict(zip(p["datasets"], p["weights"]))), p, None, f"phase{i}", world)
+                with_budget(
+                    mix(dict(zip(p["datasets"], p["weights"]))), p, None, f"phase{i}", world
+                )
                 for i, p in enumerate(cfg.phases)
             ]
         )
     else:
         node = mix(cfg.dataset_weights)
     if not evaluating:  # held-out data is evaluated whole: no budgets
-        node = _budget(node, cfg, None, "run", world)
+        node = with_budget(node, cfg, None, "run", world)
     node = Pack(
         node,
         cfg.seq_length,
@@ -628,26 +567,6 @@ def _build(
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
     return node
-
-
-def _budget(
-    node: BaseNode, where: Any, dataset: str | None, name: str, world: World | None
-) -> BaseNode:
-    """``node`` under a ``Take`` if ``where`` (a config or a phase mapping) sets a budget for
-    ``dataset`` (a mapping entry) or for the whole run / phase (``dataset`` None: an int)."""
-    limits = []
-    for key in ("max_tokens", "max_documents"):
-        v = where[key] if isinstance(where, Mapping) else getattr(where, key)
-        if dataset is not None:
-            v = v.get(dataset) if isinstance(v, Mapping) else None
-        elif isinstance(v, Mapping):
-            v = None
-        limits.append(v)
-    if limits == [None, None]:
-        return node
-    from torchdata_ext.nodes.take import Take
-
-    return Take(node, max_tokens=limits[0], max_documents=limits[1], name=name, world=world)
 
 
 def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:
