@@ -236,13 +236,24 @@ def test_rescale_mid_phase(phase_cfg, tmp_path, old, new, steps) -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new"), [((2, 0), (3, 0)), ((3, 0), (2, 0)), ((1, 2), (1, 3))], ids=str
+    ("old", "new", "mode"),
+    [
+        ((2, 0), (3, 0), "concat"),
+        ((3, 0), (2, 0), "concat"),
+        ((1, 2), (1, 3), "concat"),
+        ((1, 2), (2, 1), "best_fit"),
+        ((2, 0), (3, 0), "pad"),
+    ],
+    ids=str,
 )
-def test_rescale_mid_budget(root, tmp_path, old, new) -> None:
+def test_rescale_mid_budget(root, tmp_path, old, new, mode) -> None:
     """A run budget with endless readers, checkpointed mid-budget (tokens held by the packer and
     the shuffle buffer are credited back, the remaining budget re-split): the run delivers
     exactly max_tokens over both topologies, no token twice."""
-    cfg = base(root, datasets="web,code", weights="2,1", epochs=None, max_tokens=1501)
+    cfg = base(
+        root, datasets="web,code", weights="2,1", epochs=None, max_tokens=1501, pack_mode=mode,
+        best_fit_window=7,
+    )  # fmt: skip
     delivered = _checkpoint_then_finish(cfg, tmp_path, old, new, 4)
     assert sum(b - a for *_, a, b in delivered) == 1501
     check_delivery(cfg, delivered, tokens_by_dataset(delivered, cfg))
