@@ -287,3 +287,16 @@ def test_evaluation_data_is_not_budgeted(root) -> None:
         held_out
     )
     assert sum(b - a for *_, a, b in rows(list(build(cfg, World())))) == 100
+
+
+def test_budget_counts_transformed_tokens_across_a_rescale(root, tmp_path) -> None:
+    """With a document transform (truncate to 15 tokens) the budget counts the tokens as
+    transformed, and still delivers exactly max_tokens over a 2 -> 3 rank rescale."""
+    cfg = base(
+        root, datasets="web,code", weights="2,1", epochs=None, max_tokens=901,
+        transforms={"*": [{"truncate": 15}]},
+    )  # fmt: skip
+    delivered = _checkpoint_then_finish(cfg, tmp_path, (2, 0), (3, 0), 4)
+    assert sum(b - a for *_, a, b in delivered) == 901
+    assert max(b for *_, b in delivered) <= 15
+    check_delivery(cfg, delivered, tokens_by_dataset(delivered, cfg))
