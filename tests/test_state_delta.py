@@ -116,6 +116,12 @@ CONFIGS = {
     "pad_chunks": dict(pack_mode="pad", max_chunksize=40),
     "best_fit": dict(pack_mode="best_fit", best_fit_window=9),
     "samples_no_buffer": dict(interleave_mode="samples", shuffle_buffer=1),
+    "phases_budgets": dict(
+        datasets="",
+        weights="",
+        max_tokens={"books": 900},
+        phases=[{"datasets": "web", "max_tokens": 700}, {"datasets": "code,books"}],
+    ),  # fmt: skip
     "text": dict(
         datasets="prose", weights="1", file_type="jsonl", col_name="text", tokenizer="byte"
     ),

@@ -4,7 +4,8 @@ The standard pipeline, stage by stage: file handlers (:mod:`torchdata_ext.handle
 shard files over fsspec; :class:`DatasetIndex` lists and counts a dataset's documents;
 :class:`ShardReader` cuts them into logical shards and walks each shard in a seeded random
 order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`Pack`,
-:class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches;
+:class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches
+(:class:`Concat` delivers curriculum phases in turn, :class:`Take` ends a stream at a budget);
 :func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
 runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
 restores and rescales it. :func:`prepare` tokenizes text files into token shards and
@@ -18,12 +19,14 @@ from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
     Collate,
+    Concat,
     FilterDocuments,
     Interleave,
     MapDocuments,
     Pack,
     ShardReader,
     ShuffleBuffer,
+    Take,
     Tokenize,
     TransformDocuments,
     merge_reader_states,
@@ -44,6 +47,7 @@ from torchdata_ext.world import World
 __all__ = [
     "ByteTokenizer",
     "Collate",
+    "Concat",
     "DatasetIndex",
     "Document",
     "DocumentBlock",
@@ -61,6 +65,7 @@ __all__ = [
     "ShardCache",
     "ShardReader",
     "ShuffleBuffer",
+    "Take",
     "Tokenize",
     "TokenLoader",
     "TransformDocuments",

@@ -6,7 +6,8 @@ Two kinds of walk:
   attributes), e.g. to collect the readers' I/O counters or to take a rescale cut.
 * :func:`walk_state` visits a graph *state* (nested dicts and lists of plain data), and the
   finders built on it pick out what rescaling and checkpoints need: the reader states
-  (:func:`reader_states`), the interleave token counters (:func:`token_counters`) and the
+  (:func:`reader_states`), the interleave token counters (:func:`token_counters`), the
+  budgets of ``Take`` nodes (:func:`budget_states`) and the
   per-dataset summary a checkpoint manifest records (:func:`graph_summary`).
 
 Nothing here imports the loader, rescaling or checkpoint modules, so all of them can import it.
@@ -20,6 +21,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 __all__ = [
+    "budget_states",
     "graph_nodes",
     "graph_summary",
     "is_reader_state",
@@ -92,6 +94,16 @@ def token_counters(graph: dict[str, Any]) -> dict[tuple, dict[str, int]]:
         (*p, "tokens_delivered"): x["tokens_delivered"]
         for p, x in walk_state(graph)
         if isinstance(x, dict) and isinstance(x.get("tokens_delivered"), dict)
+    }
+
+
+_BUDGET_STATE_KEYS = frozenset({"name", "remaining_tokens", "remaining_documents", "source", "cut"})
+
+
+def budget_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The states of the budget (``Take``) nodes inside a graph state, by path."""
+    return {
+        p: x for p, x in walk_state(graph) if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
     }
 
 

@@ -7,6 +7,9 @@
         ─► Interleave (weights, in tokens) ─► Pack (seq_length)
         ─► ShuffleBuffer ─► Collate (batch_size) ─► Loader / StatefulDataLoader
 
+With ``phases`` one Interleave per phase goes into a ``Concat``; ``max_tokens`` /
+``max_documents`` put a ``Take`` over a dataset's reader (a mapping) or over the mix (an int).
+
 Every field of IBM Bamba's data config (``data_path``, ``file_type``, ``col_name``,
 ``datasets``, ``weights``, ``seq_length``, ``bos_token``, ``eos_token``, ``bol_token``,
 ``eol_token``, ``strip_tokens``, ``logical_shards``, ``num_workers``, ``batch_size``, ``seed``)
@@ -28,6 +31,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
+from torchdata_ext.curriculum import check_budget, check_phases, with_budget
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.prepared_meta import check_config, read_meta
 from torchdata_ext.split import EvalSplit, Subset
@@ -107,6 +111,18 @@ class PipelineConfig:
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
         storage_options: fsspec options (credentials, endpoint) for ``data_path``.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+        phases: a curriculum (``Concat``): a list of phases, each a mapping with ``datasets``
+            (names, list or comma-separated string), optional ``weights`` (as ``weights``) and
+            an optional stop rule ``max_tokens`` / ``max_documents`` (for the whole run, all
+            ranks x workers together). A phase without one ends when its datasets are
+            exhausted (needs ``epochs``). Each dataset belongs to one phase; ``datasets`` may be
+            left empty (it becomes all phases' datasets) and ``weights`` must be. Empty: no
+            phases, ``datasets`` mixed at ``weights``.
+        max_tokens: a token budget (``Take``): an int ends the run after exactly that many
+            document tokens over all ranks x workers (each worker delivers its share, then
+            Pack flushes and the shuffle buffer drains); a mapping dataset -> int caps each
+            named dataset's tokens for the run. None: no budget.
+        max_documents: the same in documents (whole documents; counted at their start).
         output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
             ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
             Default: what a Hugging Face causal LM with packed-sequence attention consumes
@@ -164,8 +180,12 @@ class PipelineConfig:
     eval_seed: int = 0
     transforms: list[Any] | dict[str, list[Any]] = field(default_factory=list)
     drop_remainder: bool = False
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | dict[str, int] | None = None
+    max_documents: int | dict[str, int] | None = None
 
     def __post_init__(self) -> None:
+        self._check_phases()
         self.datasets = _split_list(self.datasets, "datasets")
         raw_weights = _split_list(self.weights, "weights")
         try:
@@ -212,6 +232,9 @@ class PipelineConfig:
             )
         for name in self.dataset_weights:  # checked now: a bad spec names itself early
             self.transforms_for(name)
+        names = list(self.dataset_weights)
+        for budget in ("max_tokens", "max_documents"):
+            setattr(self, budget, check_budget(budget, getattr(self, budget), names))
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -254,6 +277,14 @@ class PipelineConfig:
         fr = self.eval_fraction
         f = fr.get(dataset, 0.0) if isinstance(fr, Mapping) else fr
         return EvalSplit(float(f), self.eval_seed) if f else None
+
+    def _check_phases(self) -> None:
+        if self.phases:
+            self.phases, self.datasets = check_phases(
+                self.phases, weights=self.weights, datasets=self.datasets, epochs=self.epochs
+            )
+        else:
+            self.phases = []
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -425,6 +456,7 @@ def _build(
     import torch
 
     from torchdata_ext.nodes.collate import Collate
+    from torchdata_ext.nodes.concat import Concat
     from torchdata_ext.nodes.interleave import Interleave
     from torchdata_ext.nodes.pack import Pack
     from torchdata_ext.nodes.reader import ShardReader
@@ -491,14 +523,33 @@ def _build(
             node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
         if token_steps:
             node = TransformDocuments(node, token_steps)
-        sources[name] = node
-    node = Interleave(
-        sources,
-        {n: w for n, w in cfg.dataset_weights.items() if n in sources},
-        mode=cfg.interleave_mode,
-        seed=cfg.seed,
-        quantum_tokens=cfg.mix_quantum_tokens,
-    )
+        sources[name] = (
+            node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
+        )
+
+    def mix(weights: Mapping[str, float]) -> BaseNode:
+        return Interleave(
+            {n: sources[n] for n in weights if n in sources},
+            {n: w for n, w in weights.items() if n in sources},
+            mode=cfg.interleave_mode,
+            seed=cfg.seed,
+            quantum_tokens=cfg.mix_quantum_tokens,
+        )
+
+    # a curriculum: each phase a mix, ending at its budget or when exhausted
+    if cfg.phases and not evaluating:
+        node = Concat(
+            [
+                with_budget(
+                    mix(dict(zip(p["datasets"], p["weights"]))), p, None, f"phase{i}", world
+                )
+                for i, p in enumerate(cfg.phases)
+            ]
+        )
+    else:
+        node = mix(cfg.dataset_weights)
+    if not evaluating:  # held-out data is evaluated whole: no budgets
+        node = with_budget(node, cfg, None, "run", world)
     node = Pack(
         node,
         cfg.seq_length,

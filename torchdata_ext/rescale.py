@@ -12,6 +12,12 @@ three steps (no file I/O here: :mod:`torchdata_ext.checkpoint` reads the states 
 3. **The hand-back** (:func:`rescale_worker_states`): the new worker's readers start from the
    merged old cursors of its shards, with the in-flight pieces of those shards returned to them
    (delivered first), and the interleave token counters are the old ones re-split.
+
+Budgets (:class:`~torchdata_ext.nodes.take.Take`) are per run, each worker holding its share:
+the cut reads each old worker's live remaining budget and adds back what the nodes above the
+``Take`` held in flight (it goes back to the readers and passes the ``Take`` again); each old
+worker's sum is then split exactly among the new workers that read it, so the new shares add
+up to exactly what the run had left.
 """
 
 from __future__ import annotations
@@ -22,9 +28,17 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.graph import graph_nodes, graph_summary, reader_states, set_at, token_counters
+from torchdata_ext.graph import (
+    budget_states,
+    graph_nodes,
+    graph_summary,
+    reader_states,
+    set_at,
+    token_counters,
+)
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
+from torchdata_ext.nodes.take import Take
 from torchdata_ext.shards import (
     count_new_readers,
     old_workers_to_read,
@@ -36,6 +50,7 @@ from torchdata_ext.world import World
 __all__ = ["old_workers_needed", "rescale_worker_states"]
 
 Piece = tuple[str, int, int, int, int]  # (dataset, file, doc, start, stop)
+Budget = tuple[int | None, int | None]  # (tokens, documents) left; None: not budgeted
 
 
 def old_workers_needed(n_logical_shards: int, old_total: int, new_world: World) -> list[int]:
@@ -63,18 +78,22 @@ def _holds_nothing(node: BaseNode) -> bool:
 
 def _live_cut(
     graph_state: dict[str, Any], world: World, build: Callable[[World], BaseNode]
-) -> tuple[dict[str, dict[str, Any]], list[Piece]]:
+) -> tuple[dict[str, dict[str, Any]], list[Piece], dict[str, Budget]]:
     """Restore an old worker's graph and return a consistent cut: each reader's live state
-    (after everything it handed out) and every piece held in flight above it."""
+    (after everything it handed out), every piece held in flight above it, and each budget's
+    live remaining share plus what was held in flight above its ``Take`` (by budget name)."""
     root = build(world)
     graph_state = _with_added_sources(graph_state, root)
     root.reset(graph_state)
     readers: dict[str, dict[str, Any]] = {}
     pieces: list[Piece] = []
+    held: list[tuple[BaseNode, list[Piece]]] = []
     nodes = graph_nodes(root)
     for node in nodes:  # first every node's held data (a node may pull while reporting) ...
         if hasattr(node, "inflight"):
-            pieces.extend(node.inflight())
+            got = node.inflight()
+            pieces.extend(got)
+            held.append((node, got))
         elif not _holds_nothing(node):
             raise ValueError(
                 f"cannot rescale: node {type(node).__name__} does not report the data it holds "
@@ -84,11 +103,50 @@ def _live_cut(
     for node in nodes:  # ... then the readers' cursors after everything they handed out
         if isinstance(node, ShardReader):
             readers[node.dataset.name] = node.state_dict()
+    budgets = _budgets_left(nodes, held)
     for node in nodes:
         close = getattr(node, "close", None)
         if callable(close):
             close()
-    return readers, pieces
+    return readers, pieces, budgets
+
+
+def _budgets_left(
+    nodes: list[BaseNode], held: list[tuple[BaseNode, list[Piece]]]
+) -> dict[str, Budget]:
+    """Each ``Take``'s remaining share plus the tokens (documents started) of its datasets held
+    in flight by nodes above it: those pass it again after the hand-back."""
+    out: dict[str, Budget] = {}
+    for take in nodes:
+        if not isinstance(take, Take):
+            continue
+        if take.name in out:
+            raise ValueError(
+                f"cannot rescale: two Take nodes are named {take.name!r}; give each budget "
+                "its own name (it matches the budget across workers)"
+            )
+        below = graph_nodes(take)  # the Take and its sources
+        ids = {id(n) for n in below}
+        datasets = {n.dataset.name for n in below if isinstance(n, ShardReader)}
+        tokens, docs = take.remaining
+        for node, got in held:
+            if id(node) in ids:
+                continue
+            for ds, _f, _d, start, stop in got:
+                if ds not in datasets:
+                    continue
+                if tokens is not None:
+                    if stop < 0:
+                        raise ValueError(
+                            f"cannot rescale budget {take.name!r}: {type(node).__name__} holds "
+                            f"text of dataset {ds!r} above it, whose tokens are not known "
+                            "(put the Take after Tokenize)"
+                        )
+                    tokens += stop - start
+                if docs is not None and start == 0:
+                    docs += 1
+        out[take.name] = (tokens, docs)
+    return out
 
 
 def _with_added_sources(graph_state: dict[str, Any], root: BaseNode) -> dict[str, Any]:
@@ -142,7 +200,10 @@ def rescale_worker_states(
     worker starts from a fresh graph whose reader cursors are the merged old cursors of its
     shards, with the in-flight pieces of its shards handed back to those shards (delivered
     first), and whose interleave token counters are the old ones re-split (each old worker's
-    counters divided evenly among the new workers that read it).
+    counters divided evenly among the new workers that read it). Budgets (``Take``) are split
+    the same way: each old worker's remaining share, plus what nodes above its ``Take`` held
+    in flight (it passes the ``Take`` again), divided exactly among the new workers that read
+    it, so the new shares sum to exactly what the run had left.
 
     Raises:
         ValueError: the graph has no reader, its datasets use different logical shard counts,
@@ -170,9 +231,10 @@ def rescale_worker_states(
     in_checkpoint = {name for g in needed for name in graph_summary(old_graphs[g])}
     by_dataset: dict[str, list[dict[str, Any]]] = {}
     returned: dict[str, list[tuple[int, int, int, int]]] = {}
+    budgets: dict[int, dict[str, Budget]] = {}
     for g in needed:
         old_world = World(g // old_workers, old_ranks, g % old_workers, old_workers)
-        readers, pieces = _live_cut(old_graphs[g], old_world, build)
+        readers, pieces, budgets[g] = _live_cut(old_graphs[g], old_world, build)
         for name, st in readers.items():
             if name not in in_checkpoint:
                 continue  # an added dataset: its reader state stays fresh
@@ -218,6 +280,22 @@ def rescale_worker_states(
             for k in new:
                 summed[k] = int(total / old_w * weights.get(k, 0.0)) if total_w else 0
         set_at(box, path, summed)
+    for path, st in budget_states(box).items():  # budgets: the same exact split
+        for idx, key in enumerate((Take.TOKENS_KEY, Take.DOCUMENTS_KEY)):
+            if st[key] is None:
+                continue
+            share = 0
+            for g in needed:
+                pair = budgets[g].get(st[Take.NAME_KEY])
+                left = None if pair is None else pair[idx]
+                if left is None:
+                    raise ValueError(
+                        f"budget {st[Take.NAME_KEY]!r} ({key}) is in this pipeline but not in "
+                        "the checkpoint; a budget cannot be added across a checkpoint"
+                    )
+                parts, i = readers_of[g], new_world.global_worker - first_reader[g]
+                share += left // parts + (i < left % parts)
+            set_at(box, (*path, key), share)
     return box["graph"]
 
 
