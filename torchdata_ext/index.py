@@ -38,6 +38,7 @@ from torchdata_ext.handlers.base import (
     format_for_url,
     get_handler,
     get_handler_class,
+    handler_accepts,
     registered_formats,
 )
 from torchdata_ext.handlers.numpy_tokens import OFFSETS_SUFFIX
@@ -147,6 +148,7 @@ class DatasetIndex:
         name: str | None = None,
         file_type: str | None = None,
         col_name: str | None = None,
+        eos_token: int | None = None,
         storage_options: dict[str, Any] | None = None,
         handler_options: dict[str, Any] | None = None,
         counts: str | None = None,
@@ -161,6 +163,10 @@ class DatasetIndex:
             file_type: a registered format name (``"arrow"``, ``"parquet"``, ``"npy"``,
                 ``"ceped"``, ``"flat"``, ``"jsonl"``, ...); default: chosen by file suffix.
             col_name: the token or text field, passed to the handler.
+            eos_token: the token id that ends every document, passed to the formats that split
+                token streams on it (``"flat"``, ``"npy"``: whether ``file_type`` names them or
+                the files' suffix chose them) and not to the others (Arrow, Parquet, ...), so
+                one value serves datasets of any format. ``handler_options["eos_token"]`` wins.
             storage_options: fsspec keyword arguments (credentials, endpoint, ...).
             handler_options: further handler arguments (e.g. ``{"eos_token": 0}`` for flat
                 token files).
@@ -230,6 +236,8 @@ class DatasetIndex:
                     "pass file_type=... or point urls at one format"
                 )
             file_type = kinds.pop()
+        if eos_token is not None and handler_accepts(get_handler_class(file_type), "eos_token"):
+            handler_options.setdefault("eos_token", eos_token)
         root = _common_dir(files)
         if name is None:
             name = posixpath.basename(root.rstrip("/")) or "dataset"
