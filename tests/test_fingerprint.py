@@ -52,7 +52,9 @@ def _size(url: str) -> int:
 @pytest.fixture(params=["local", "memory"])
 def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A dataset of two Arrow files, on local disk or on ``memory://``."""
-    base = str(tmp_path / "web") if request.param == "local" else f"memory://fp-{uuid.uuid4().hex}/web"
+    base = (
+        str(tmp_path / "web") if request.param == "local" else f"memory://fp-{uuid.uuid4().hex}/web"
+    )
     docs = _docs(1)
     _write(base, "p0.arrow", docs[:60])
     _write(base, "p1.arrow", docs[60:])
@@ -104,9 +106,10 @@ def test_a_file_rewritten_in_place_is_refused_naming_it(root: str, tmp_path: Pat
     ckpt, _ = saved(root, tmp_path / "c")
     rewrite_p1(root)
     # same names and document counts: the dataset fingerprint alone does not see it
-    assert DatasetIndex.build(root).fingerprint() == json.loads(
-        (ckpt / "manifest.json").read_text()
-    )["datasets"]["web"]["fingerprint"]
+    assert (
+        DatasetIndex.build(root).fingerprint()
+        == json.loads((ckpt / "manifest.json").read_text())["datasets"]["web"]["fingerprint"]
+    )
     with pytest.raises(ChangedFilesError, match=r"dataset 'web': 1 file\(s\): p1\.arrow \(") as e:
         load_checkpoint(loader_of(root), str(ckpt))
     assert "first/last 64 KiB" in str(e.value) and "allow_changed_files=True" in str(e.value)
@@ -236,7 +239,10 @@ def test_copies_match_when_times_are_kept(tmp_path: Path) -> None:
     original = DatasetIndex.build(root).file_fingerprints()
     assert compare(original, DatasetIndex.build(str(kept)).file_fingerprints()) == []
     changed = compare(original, DatasetIndex.build(str(lost)).file_fingerprints())
-    assert [(c.file, c.what) for c in changed] == [("p0.arrow", ("version",)), ("p1.arrow", ("version",))]
+    assert [(c.file, c.what) for c in changed] == [
+        ("p0.arrow", ("version",)),
+        ("p1.arrow", ("version",)),
+    ]
 
 
 def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,3 +262,59 @@ def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.Monke
     assert fp["size"] == len(data) and fp["version"].startswith("ETag=")
     assert fp["sha256"] == _expected_digest(data)
     assert ranges == [(0, SAMPLE_BYTES), (4 * SAMPLE_BYTES, 5 * SAMPLE_BYTES)]
+
+
+# -- torch.distributed: each rank reads a share, every rank gets every file ---------------------
+def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        read: list[str] = []
+        real = fingerprint._sampled_sha256
+
+        def counting(url: str, size: int, storage_options):
+            read.append(url.rsplit("/", 1)[-1])
+            return real(url, size, storage_options)
+
+        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+        loader = loader_of(root, rank=rank, ranks=2)
+        take(iter(loader), 2)
+        save_checkpoint(loader, folder)
+        load_checkpoint(loader_of(root, rank=rank, ranks=2), folder)  # unchanged: loads
+        dist.barrier()
+        if rank == 0:
+            rewrite_p1(root)
+        dist.barrier()
+        try:
+            load_checkpoint(loader_of(root, rank=rank, ranks=2), folder)
+            error = ""
+        except ChangedFilesError as exc:
+            error = str(exc)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"read": read, "error": error}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path / "web")
+    _write(root, "p0.arrow", _docs(1)[:60])
+    _write(root, "p1.arrow", _docs(1)[60:])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(port, root, str(tmp_path / "c"), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # rank 0 fingerprinted p0 and rank 1 p1, once each before the change; p1's new version once
+    assert got[0]["read"] == ["p0.arrow"]
+    assert got[1]["read"] == ["p1.arrow", "p1.arrow"]
+    for g in got:  # every rank refuses, naming the file another rank read
+        assert "dataset 'web': 1 file(s): p1.arrow (" in g["error"]
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert sorted(manifest["file_fingerprints"]["datasets"]["web"]) == ["p0.arrow", "p1.arrow"]

@@ -91,7 +91,9 @@ def test_flat_npy_without_eos_token_asks_for_it(data_path: Path) -> None:
 
 
 def test_eos_token_reaches_only_the_handlers_that_take_it(data_path: Path) -> None:
-    assert handler_accepts(NpyHandler, "eos_token") and handler_accepts(FlatTokenHandler, "eos_token")
+    assert handler_accepts(NpyHandler, "eos_token") and handler_accepts(
+        FlatTokenHandler, "eos_token"
+    )
     assert not handler_accepts(ArrowHandler, "eos_token")
     assert not handler_accepts(CepedHandler, "eos_token")
     web = DatasetIndex.build(str(data_path / "web"), eos_token=0)
