@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import run
+from harness import check_restore_at_every_step, run
 
 import torchdata_ext
 from torchdata_ext import DatasetIndex, World
@@ -82,6 +82,12 @@ def test_arrow_and_flat_npy_prepared_datasets_load_in_one_pipeline(data_path: Pa
     # Arrow documents as prepared; .npy documents end with the EOS prepare wrote after each
     assert got["web"] == collections.Counter(_ids(t) for t in WEB)
     assert got["books"] == collections.Counter((*_ids(t), 0) for t in BOOKS)
+
+
+def test_mixed_formats_restore_at_every_step(data_path: Path) -> None:
+    cfg = _config(data_path, epochs=None, shuffle_buffer=8)
+    datasets = build_datasets(cfg)
+    check_restore_at_every_step(lambda: build_pipeline(cfg, World(), datasets), max_steps=12)
 
 
 def test_flat_npy_without_eos_token_asks_for_it(data_path: Path) -> None:
