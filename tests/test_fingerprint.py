@@ -262,6 +262,13 @@ def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.Monke
     assert fp["size"] == len(data) and fp["version"].startswith("ETag=")
     assert fp["sha256"] == _expected_digest(data)
     assert ranges == [(0, SAMPLE_BYTES), (4 * SAMPLE_BYTES, 5 * SAMPLE_BYTES)]
+    # many files: read on a thread pool through the same client, each digest its own file's
+    blobs = [data[k * 1000 : k * 1000 + 70_000 + k] for k in range(5)]
+    urls = [s3.url(f"f{k}.bin") for k in range(5)]
+    for u, b in zip(urls, blobs):
+        fs.pipe_file(filesystem(u, s3.storage_options)[1], b)
+    got = fingerprint.file_fingerprints(urls, s3.storage_options)
+    assert [g["sha256"] for g in got] == [_expected_digest(b) for b in blobs]
 
 
 # -- torch.distributed: each rank reads a share, every rank gets every file ---------------------
