@@ -120,6 +120,15 @@ def test_a_file_rewritten_in_place_is_refused_naming_it(root: str, tmp_path: Pat
         load_checkpoint(loader_of(root, rank=1, ranks=2), str(ckpt))
 
 
+def test_a_file_with_other_document_counts_is_named(root: str, tmp_path: Path) -> None:
+    ckpt, _ = saved(root, tmp_path / "c")
+    _write(root, "p1.arrow", _docs(1)[60:100])  # 40 documents instead of 60
+    with pytest.raises(ValueError, match=r"document counts differ.*changed files: dataset 'web': "
+                       r"1 file\(s\): p1\.arrow \(size \d+ -> \d+\)") as e:  # fmt: skip
+        load_checkpoint(loader_of(root), str(ckpt), allow_changed_files=True)
+    assert "p0.arrow" not in str(e.value)
+
+
 def test_the_override_restores_with_a_warning_naming_the_file(
     root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

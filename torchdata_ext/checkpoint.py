@@ -23,12 +23,9 @@ content (the canonical JSON without that key) under ``"sha256"``; the manifest s
 ``"checksums": "sha256"``. A load checks exactly the files it reads. Checkpoints written before
 checksums (no ``"checksums"`` in the manifest) still load, unchecked.
 
-Data files: the manifest records each data file's fingerprint (size, version, sha256 of its
-first and last 64 KiB: :mod:`torchdata_ext.fingerprint`) under ``"file_fingerprints"``, once
-per dataset. A load compares them with the data before anything is restored and refuses a file
-that changed in place (:class:`~torchdata_ext.fingerprint.ChangedFilesError`, naming it) unless
-``allow_changed_files=True``. With ``torch.distributed`` initialised, the ranks fingerprint a
-share of the files each and gather the rest (every rank takes part in save and load).
+Data files: the manifest records each data file's fingerprint (:mod:`torchdata_ext.fingerprint`)
+under ``"file_fingerprints"``; a load refuses a file changed in place, naming it, before anything
+is restored (unless ``allow_changed_files=True``).
 
 Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
 reads only the old workers' files it needs (the old owners of its logical shards) and
@@ -53,7 +50,9 @@ from torchdata_ext.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
     dataset_fingerprints,
+    describe,
     is_collective,
+    listed_changes,
 )
 
 # graph_nodes, _reader_states and _token_counters are imported from here by examples and tests
@@ -299,11 +298,9 @@ def load_checkpoint(
         allow_new_datasets: accept sub-datasets that the checkpoint does not have; they start
             their first epoch, at their target share of the tokens so far. Documents of the
             other datasets already delivered stay delivered.
-        allow_changed_files: accept data files whose fingerprint (size, modification time or
-            ETag, first and last 64 KiB) differs from the one recorded at save time, with a
-            warning naming them. Only for changes known to be harmless (the same bytes copied
-            without keeping modification times): a file whose documents changed changes the
-            stream. Files, document counts, seed and logical shards must still match.
+        allow_changed_files: accept data files whose fingerprint (size, mtime or ETag, first
+            and last 64 KiB) differs from the saved one, with a warning naming them: only for
+            harmless changes (the same bytes copied without keeping modification times).
 
     Raises:
         ChangedFilesError: a data file changed since the save (a ``ValueError`` naming the
@@ -430,7 +427,9 @@ def _check_datasets(
                     what = {"fingerprint": "files or document counts", "split": "held-out split"}
                     problems.append(
                         f"dataset {name!r}: {what.get(key, key)} differ (checkpoint {key}="
-                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r})"
+                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r}"
+                        + (_listed_changes(root, manifest, name) if key == "fingerprint" else "")
+                        + ")"
                     )
     if problems:
         raise ValueError(
@@ -448,6 +447,14 @@ def _check_datasets(
             "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
         )
     return added, reweighted
+
+
+def _listed_changes(root: BaseNode, manifest: dict[str, Any], name: str) -> str:
+    """Dataset ``name``'s files missing, added or resized since the save, or ``""``."""
+    recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
+    index = _datasets_of(root).get(name)
+    changes = [] if recorded is None or index is None else listed_changes(recorded, index)
+    return f"; changed files: {describe({name: changes})}" if changes else ""
 
 
 def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:

@@ -56,6 +56,7 @@ __all__ = [
     "file_fingerprints",
     "file_stat",
     "is_collective",
+    "listed_changes",
     "stat_from_info",
 ]
 
@@ -251,6 +252,25 @@ def compare(
         if what:
             out.append(FileChange(name, tuple(what), old, new))
     return out
+
+
+def listed_changes(
+    recorded: Mapping[str, Mapping[str, Any]], index: DatasetIndex
+) -> list[FileChange]:
+    """:func:`compare` on what the index's listing says (names and sizes), reading no file:
+    the files missing, added or resized since ``recorded``.
+
+    Args:
+        recorded: file name -> fingerprint, as for :func:`compare`.
+        index: the dataset now; an index built by hand (no ``file_stats``) gives ``[]``.
+    """
+    if not index.file_stats:
+        return []
+    listed = {
+        f: {"size": size, "version": "", "sha256": ""}
+        for f, (size, _) in zip(index.file_names(), index.file_stats)
+    }
+    return compare(recorded, listed)
 
 
 class ChangedFilesError(ValueError):
