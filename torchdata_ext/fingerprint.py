@@ -149,14 +149,28 @@ def file_fingerprints(
     """
     if stats is not None and len(stats) != len(urls):
         raise ValueError(f"{len(stats)} stats for {len(urls)} urls; pass one (size, version) each")
+    out: list[dict[str, Any] | None] = [None] * len(urls)
+    if stats is not None:  # digests this process already has: no thread, no request
+        with _lock:
+            for i, (u, (size, version)) in enumerate(zip(urls, stats)):
+                digest = _digests.get((u, size, version)) if version else None
+                if digest is not None:
+                    out[i] = {"size": size, "version": version, "sha256": digest}
+    todo = [i for i, fp in enumerate(out) if fp is None]
     jobs = [
-        partial(file_fingerprint, u, storage_options, stat=None if stats is None else stats[i])
-        for i, u in enumerate(urls)
+        partial(
+            file_fingerprint, urls[i], storage_options, stat=None if stats is None else stats[i]
+        )
+        for i in todo
     ]
     if len(jobs) <= 1:
-        return [job() for job in jobs]
-    with ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="fingerprint") as pool:
-        return list(pool.map(lambda job: job(), jobs))
+        done = [job() for job in jobs]
+    else:
+        with ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="fingerprint") as pool:
+            done = list(pool.map(lambda job: job(), jobs))
+    for i, fp in zip(todo, done):
+        out[i] = fp
+    return [fp for fp in out if fp is not None]
 
 
 def _sampled_sha256(url: str, size: int, storage_options: dict[str, Any] | None) -> str:
