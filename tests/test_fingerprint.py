@@ -170,6 +170,24 @@ def test_each_file_is_read_once_per_process(
     assert sorted(reads) == ["p0.arrow", "p1.arrow", "p1.arrow"]
 
 
+def test_in_memory_datasets_have_no_files_to_fingerprint(tmp_path: Path) -> None:
+    docs = _docs(1)
+
+    def build_memory(world: World) -> ShardReader:
+        return ShardReader(DatasetIndex.from_documents("mem", docs), 8, world=world, seed=1)
+
+    loader = TokenLoader(build_memory, rank=0, world_size=1)
+    it = iter(loader)
+    take(it, 2)
+    save_checkpoint(loader, str(tmp_path / "c"))
+    rest = take(it, 3)
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["file_fingerprints"]["datasets"] == {"mem": {}}
+    again = TokenLoader(build_memory, rank=0, world_size=1)
+    load_checkpoint(again, str(tmp_path / "c"))
+    assert take(iter(again), 3) == rest
+
+
 def test_a_checkpoint_without_file_fingerprints_still_loads(root: str, tmp_path: Path) -> None:
     ckpt, rest = saved(root, tmp_path / "c")
     path = ckpt / "manifest.json"

@@ -161,8 +161,11 @@ class DatasetIndex:
 
         Returns:
             ``{name relative to the common folder: {"size", "version", "sha256"}}``, the form
-            :func:`torchdata_ext.fingerprint.compare` takes.
+            :func:`torchdata_ext.fingerprint.compare` takes. Empty for an in-memory dataset
+            (:meth:`from_documents`).
         """
+        if self.file_type == "memory":  # documents held by this process: no file can change
+            return {}
         which = range(len(self.files)) if select is None else [int(i) for i in select]
         names = self.file_names()
         stats = [self.file_stats[i] for i in which] if self.file_stats else None
