@@ -5,6 +5,7 @@ delivers exactly what ``prepare`` wrote."""
 from __future__ import annotations
 
 import collections
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -90,10 +91,15 @@ def test_mixed_formats_restore_at_every_step(data_path: Path) -> None:
     check_restore_at_every_step(lambda: build_pipeline(cfg, World(), datasets), max_steps=12)
 
 
-def test_flat_npy_without_eos_token_asks_for_it(data_path: Path) -> None:
+def test_flat_npy_without_eos_token_asks_for_it(data_path: Path, tmp_path: Path) -> None:
     cfg = _config(data_path, eos_token=None, datasets="books", weights="1")
-    with pytest.raises(ValueError, match=r"books/part\d+_\d+\.npy.*no eos_token; pass eos_token"):
+    with pytest.raises(ValueError, match=r"prepared with eos_token=0.*set eos_token=0"):
         run(build_pipeline(cfg, World(), collate=False))
+    # flat tokens with no metadata, no offsets and no eos_token: the file is named
+    shutil.copytree(data_path / "books", tmp_path / "books", ignore=shutil.ignore_patterns("meta"))
+    with pytest.raises(ValueError, match=r"books/part\d+_\d+\.npy.*no eos_token; pass eos_token"):
+        run(build_pipeline(_config(tmp_path, eos_token=None, datasets="books", weights="1"),
+                           World(), collate=False))  # fmt: skip
 
 
 def test_eos_token_reaches_only_the_handlers_that_take_it(data_path: Path) -> None:
