@@ -3,6 +3,7 @@
 Folder layout (``url/``)::
 
     manifest.json            format, topology (ranks, workers), logical shards, fingerprints
+                             (of each dataset, and of each data file: file_fingerprints)
     rank_00000.json          per rank: which logical worker produces the next batch, and the
                              sha256 of each of the rank's worker files
     worker_000000.pkl        per global worker: its graph state (pickled plain data)
@@ -21,6 +22,10 @@ Each rank hashes the worker files it writes and records the digests in its ``ran
 content (the canonical JSON without that key) under ``"sha256"``; the manifest says
 ``"checksums": "sha256"``. A load checks exactly the files it reads. Checkpoints written before
 checksums (no ``"checksums"`` in the manifest) still load, unchecked.
+
+Data files: the manifest records each data file's fingerprint (:mod:`torchdata_ext.fingerprint`)
+under ``"file_fingerprints"``; a load refuses a file changed in place, naming it, before anything
+is restored (unless ``allow_changed_files=True``).
 
 Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
 reads only the old workers' files it needs (the old owners of its logical shards) and
@@ -41,13 +46,24 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.fingerprint import (
+    SAMPLE_BYTES,
+    check_data_files,
+    dataset_fingerprints,
+    describe,
+    is_collective,
+    listed_changes,
+)
+
 # graph_nodes, _reader_states and _token_counters are imported from here by examples and tests
 from torchdata_ext.graph import graph_nodes as graph_nodes
 from torchdata_ext.graph import graph_summary
 from torchdata_ext.graph import reader_states as _reader_states  # noqa: F401
 from torchdata_ext.graph import token_counters as _token_counters  # noqa: F401
+from torchdata_ext.index import DatasetIndex
 from torchdata_ext.loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.remote import remove_file, write_bytes_atomic
 from torchdata_ext.rescale import old_workers_needed, rescale_worker_states
 from torchdata_ext.urls import filesystem
@@ -179,6 +195,14 @@ def save_checkpoint(
         storage_options: fsspec options for ``url``.
     """
     state = loader.state_dict()
+    # before anything in url changes: a failure here leaves an earlier checkpoint there intact
+    configured = None
+    data_files: dict[str, Any] = {}
+    if loader.rank == 0 or is_collective(loader.world_size):
+        configured = _configured(loader)
+        data_files = dataset_fingerprints(
+            _datasets_of(configured[0]), rank=loader.rank, world_size=loader.world_size
+        )
     _start_save(url, loader.rank, storage_options)
     files = {}
     for g, st in state["workers"].items():
@@ -194,13 +218,12 @@ def save_checkpoint(
         posixpath.join(url, _rank_name(loader.rank)), _sealed_json(meta), storage_options
     )
     _barrier()
-    if loader.rank == 0:
+    if loader.rank == 0 and configured is not None:
         any_graph = next(iter(state["workers"].values()))["graph"]
         datasets = graph_summary(any_graph)
         # the weights are the pipeline's targets (a state restored with new weights and not
         # yet run still holds the old ones)
-        _, configured = _configured(loader)
-        for name, summary in configured.items():
+        for name, summary in configured[1].items():
             if name in datasets:
                 datasets[name]["weight"] = summary["weight"]
         manifest = {
@@ -210,6 +233,7 @@ def save_checkpoint(
             "num_workers": loader.logical_workers,
             "datasets": datasets,
             "checksums": _CHECKSUMS,
+            "file_fingerprints": {"sample_bytes": SAMPLE_BYTES, "datasets": data_files},
         }
         write_bytes_atomic(posixpath.join(url, _MANIFEST), _sealed_json(manifest), storage_options)
     _barrier()
@@ -260,6 +284,7 @@ def load_checkpoint(
     storage_options: dict[str, Any] | None = None,
     allow_weight_changes: bool = False,
     allow_new_datasets: bool = False,
+    allow_changed_files: bool = False,
 ) -> None:
     """Restore ``loader`` (not yet iterating) from folder ``url``, rescaling if the number of
     ranks or workers changed. Reads only the files this rank needs.
@@ -273,12 +298,33 @@ def load_checkpoint(
         allow_new_datasets: accept sub-datasets that the checkpoint does not have; they start
             their first epoch, at their target share of the tokens so far. Documents of the
             other datasets already delivered stay delivered.
+        allow_changed_files: accept data files whose fingerprint (size, mtime or ETag, first
+            and last 64 KiB) differs from the saved one, with a warning naming them: only for
+            harmless changes (the same bytes copied without keeping modification times).
+
+    Raises:
+        ChangedFilesError: a data file changed since the save (a ``ValueError`` naming the
+            files and what differs; see :mod:`torchdata_ext.fingerprint`).
+        ValueError: the checkpoint is of other data, seed, logical shards or weights, or one
+            of its files is corrupt.
+        FileNotFoundError: no complete checkpoint at ``url``.
     """
     manifest = read_manifest(url, storage_options)
     checked = manifest.get("checksums") == _CHECKSUMS
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
-    added, reweighted = _check_datasets(loader, manifest, allow_weight_changes, allow_new_datasets)
+    root, mine = _configured(loader)
+    added, reweighted = _check_datasets(
+        root, mine, manifest, allow_weight_changes, allow_new_datasets
+    )
+    check_data_files(
+        manifest.get("file_fingerprints"),
+        _datasets_of(root),
+        rank=loader.rank,
+        world_size=loader.world_size,
+        allow_changed_files=allow_changed_files,
+        where=f"loader checkpoint {url}",
+    )
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         meta = _read_rank(url, loader.rank, storage_options, checked)
         graphs = {
@@ -342,14 +388,15 @@ def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:
 
 
 def _check_datasets(
-    loader: TokenLoader,
+    root: BaseNode,
+    mine: dict[str, Any],
     manifest: dict[str, Any],
     allow_weight_changes: bool = False,
     allow_new_datasets: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """Refuse a checkpoint of other data; return the names of the accepted added datasets and
-    of those whose weight changed (accepted)."""
-    root, mine = _configured(loader)
+    """Refuse a checkpoint of other data than graph ``root`` (summary ``mine``, from
+    :func:`_configured`); return the names of the accepted added datasets and of those whose
+    weight changed (accepted)."""
     theirs = manifest["datasets"]
     problems = []
     added: list[str] = []
@@ -380,7 +427,9 @@ def _check_datasets(
                     what = {"fingerprint": "files or document counts", "split": "held-out split"}
                     problems.append(
                         f"dataset {name!r}: {what.get(key, key)} differ (checkpoint {key}="
-                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r})"
+                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r}"
+                        + (_listed_changes(root, manifest, name) if key == "fingerprint" else "")
+                        + ")"
                     )
     if problems:
         raise ValueError(
@@ -398,6 +447,19 @@ def _check_datasets(
             "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
         )
     return added, reweighted
+
+
+def _listed_changes(root: BaseNode, manifest: dict[str, Any], name: str) -> str:
+    """Dataset ``name``'s files missing, added or resized since the save, or ``""``."""
+    recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
+    index = _datasets_of(root).get(name)
+    changes = [] if recorded is None or index is None else listed_changes(recorded, index)
+    return f"; changed files: {describe({name: changes})}" if changes else ""
+
+
+def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:
+    """The datasets a graph reads, by name."""
+    return {n.dataset.name: n.dataset for n in graph_nodes(root) if isinstance(n, ShardReader)}
 
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------------

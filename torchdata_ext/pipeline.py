@@ -386,9 +386,6 @@ def _yaml_where(exc: Exception) -> str:
 def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
     """The ``DatasetIndex`` of every dataset of ``cfg``, by name."""
     out: dict[str, DatasetIndex] = {}
-    handler_options: dict[str, Any] = {}
-    if cfg.file_type in ("flat", "npy") and cfg.eos_token is not None:
-        handler_options["eos_token"] = cfg.eos_token
     for name in cfg.dataset_weights:
         url = join(cfg.data_path, name) if cfg.datasets else cfg.data_path
         out[name] = DatasetIndex.build(
@@ -396,8 +393,8 @@ def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
             name=name,
             file_type=cfg.file_type,
             col_name=cfg.col_name,
+            eos_token=cfg.eos_token,  # to the formats that split on it, whatever file_type
             storage_options=cfg.storage_options,
-            handler_options=handler_options,
         )
     return out
 

@@ -16,6 +16,7 @@ Users add a format by subclassing :class:`FileHandler` and calling :func:`regist
 from __future__ import annotations
 
 import importlib
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -29,6 +30,7 @@ __all__ = [
     "format_for_url",
     "get_handler",
     "get_handler_class",
+    "handler_accepts",
     "handler_for_url",
     "register_handler",
     "registered_formats",
@@ -194,6 +196,17 @@ def get_handler_class(file_type: str) -> type[FileHandler]:
         ValueError: no format of that name is registered; lists the known names.
     """
     return _resolve(file_type)
+
+
+def handler_accepts(handler: type[FileHandler], option: str) -> bool:
+    """Whether handler class ``handler`` takes keyword argument ``option`` (e.g.
+    ``"eos_token"``, which only the flat-token formats need); a ``**kwargs`` takes any."""
+    params = inspect.signature(handler.__init__).parameters.values()
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == option and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
 
 
 def get_handler(file_type: str, **options: Any) -> FileHandler:
