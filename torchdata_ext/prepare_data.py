@@ -513,9 +513,9 @@ def _left_out(result: PrepareResult) -> str:
     parts = [
         f"{n:,} {what}"
         for n, what in (
-            (result.sampled_out, "sampled out (data_fraction)"),
-            (result.too_short, "shorter than min_length"),
-            (result.too_long, "longer than max_length"),
+            (result.sampled_out, "not in the sample"),
+            (result.too_short, "too short"),
+            (result.too_long, "too long"),
         )
         if n
     ]
