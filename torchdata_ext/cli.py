@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
     pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
-    pp.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
+    pp.add_argument(
+        "--tokenizer", default="byte", help="'byte', a tokenizer.json path or a cached HF model"
+    )
     pp.add_argument(
         "--byte-offset",
         type=int,
