@@ -14,6 +14,7 @@ saying so and what to do.
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
@@ -55,12 +56,12 @@ def load_cached_tokenizer(name: str) -> Any:
         "tokenizer.json"
     )
     try:
-        from transformers import AutoTokenizer
+        auto: Any = importlib.import_module("transformers").AutoTokenizer
     except ImportError:
-        AutoTokenizer = None  # noqa: N806 (the class's own name)
-    if AutoTokenizer is not None:
+        auto = None
+    if auto is not None:
         try:
-            return AutoTokenizer.from_pretrained(name, local_files_only=True, cache_dir=cache)
+            return auto.from_pretrained(name, local_files_only=True, cache_dir=cache)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FileNotFoundError(
