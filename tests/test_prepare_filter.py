@@ -14,11 +14,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torchdata_ext
 from torchdata_ext import PipelineConfig, World, build_pipeline
 from torchdata_ext.cli import main
 from torchdata_ext.prepare_data import PrepareResult
+from torchdata_ext.prepare_filter import DocFilter
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl, write_parquet
 
@@ -314,3 +317,24 @@ def test_data_sources_lists_absolute_paths_the_pipeline_reads_back(
     assert sum(got.values()) == len(kept) > 20
     # each prepared document once, with the EOS that ends it in the flat file
     assert got == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(-(2**40), 2**40),
+    name=st.text("abcxyz0123._-", min_size=1, max_size=12),
+    records=st.lists(st.integers(0, 10**9), max_size=40),
+    cut=st.integers(0, 40),
+    fractions=st.tuples(st.floats(0.01, 1.0), st.floats(0.01, 1.0)).map(sorted),
+)
+def test_the_sample_rule_is_elementwise_nested_and_as_documented(
+    seed: int, name: str, records: list[int], cut: int, fractions: list[float]
+) -> None:
+    small, large = (DocFilter(f, seed) for f in fractions)
+    arr = np.array(records, dtype=np.int64)
+    whole = small.sampled(f"/any/folder/{name}", arr)
+    # the same per document however the records are batched, and wherever the file lives
+    parts = [small.sampled(f"s3://b/{name}", arr[:cut]), small.sampled(name, arr[cut:])]
+    assert np.array_equal(whole, np.concatenate(parts))
+    assert whole.tolist() == [in_sample(seed, name, r, fractions[0]) for r in records]
+    assert not (whole & ~large.sampled(name, arr)).any()  # a smaller fraction: a subset
