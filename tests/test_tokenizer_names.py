@@ -54,7 +54,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     import torchdata_ext.prepare_data as prepare_data
 
-    monkeypatch.setattr(prepare_data, "_ENCODERS", {})  # prepare loads a spec once per process
+    monkeypatch.setattr(prepare_data, "_TOKENIZERS", {})  # prepare loads a spec once per process
 
     root = tmp_path / "hf-cache"
     root.mkdir()
@@ -114,7 +114,9 @@ def test_a_cached_tokenizer_json_without_transformers(
     assert config["tokenizer"] == NAME
 
 
-def test_a_cached_model_through_transformers(cache: Path, tmp_path: Path) -> None:
+def test_a_cached_model_through_transformers(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     transformers = pytest.importorskip("transformers")
     snap = snapshot(cache)
     fast = transformers.PreTrainedTokenizerFast(
@@ -122,8 +124,14 @@ def test_a_cached_model_through_transformers(cache: Path, tmp_path: Path) -> Non
     )
     fast.save_pretrained(str(snap))
     (snap / "config.json").write_text(json.dumps({"model_type": "bert"}))  # AutoTokenizer reads it
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append((a, k)) or real(*a, **k))  # fmt: skip
     loaded = load_tokenizer(NAME, byte_offset=1)
-    assert type(loaded).__module__.startswith("transformers")
+    assert isinstance(loaded, tokenizers.Tokenizer)  # the fast tokenizer's backend
+    assert calls and calls[0][0] == (NAME,) and calls[0][1]["local_files_only"] is True
+    assert [e.ids for e in loaded.encode_batch(TEXTS)] == fast(TEXTS)["input_ids"] == IDS
     assert arrow_docs(prepare_by_name(tmp_path).outputs) == IDS
 
 

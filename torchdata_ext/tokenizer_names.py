@@ -4,7 +4,8 @@ only: nothing is ever downloaded.
 :func:`~torchdata_ext.tokenizers.load_tokenizer` comes here for a spec that is no file and
 looks like a model name. With ``transformers`` installed, the tokenizer is
 ``AutoTokenizer.from_pretrained(name, local_files_only=True)``, as Bolmo's data script loads
-it (the model's ``config.json`` and tokenizer files must be cached). Without it, the model's
+it (the model's ``config.json`` and tokenizer files must be cached), used through its
+``tokenizers`` backend so that every tool sees one kind of tokenizer. Without it, the model's
 cached ``tokenizer.json`` is loaded with ``tokenizers`` (``huggingface_hub``, which
 ``tokenizers`` depends on, finds it). The cache is ``HF_HUB_CACHE`` (default
 ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``), as for every Hugging Face library; fill it
@@ -36,10 +37,12 @@ def is_model_name(spec: str) -> bool:
 
 def load_cached_tokenizer(name: str) -> Any:
     """The tokenizer of model ``name`` from the local Hugging Face cache (see the module
-    docstring): a ``transformers`` tokenizer, or a ``tokenizers.Tokenizer``.
+    docstring), as a ``tokenizers.Tokenizer`` (a ``transformers`` fast tokenizer's backend,
+    which encodes as the ``transformers`` tokenizer does, special tokens included).
 
     Raises:
         FileNotFoundError: ``name`` is not in the cache (naming the cache and the fixes).
+        ValueError: ``transformers`` loads it as a slow tokenizer (no ``tokenizers`` backend).
         ImportError: ``huggingface_hub`` is missing (it comes with ``tokenizers``).
     """
     try:
@@ -61,13 +64,21 @@ def load_cached_tokenizer(name: str) -> Any:
         auto = None
     if auto is not None:
         try:
-            return auto.from_pretrained(name, local_files_only=True, cache_dir=cache)
+            loaded = auto.from_pretrained(name, local_files_only=True, cache_dir=cache)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FileNotFoundError(
                 f"tokenizer={name!r}: no such file, and transformers found no model of that "
                 f"name in the local cache {cache} ({first}); {fixes}"
             ) from None
+        backend = getattr(loaded, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                f"tokenizer={name!r}: transformers loads it as {type(loaded).__name__}, which has "
+                "no Hugging Face tokenizers backend (a slow tokenizer); save it as a fast "
+                "tokenizer (tokenizer.json) and pass that path"
+            )
+        return backend
     path = try_to_load_from_cache(name, "tokenizer.json", cache_dir=cache)
     if not isinstance(path, str):
         other = try_to_load_from_cache(name, "tokenizer_config.json", cache_dir=cache)

@@ -218,9 +218,8 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
             :data:`DEFAULT_BYTE_OFFSET`.
 
     Returns:
-        A :class:`ByteTokenizer` or a ``tokenizers.Tokenizer`` (a ``transformers`` tokenizer
-        for a cached model name when ``transformers`` is installed); wrap it with
-        :func:`as_encoder` for ``encode_batch``; its ``decode`` is its own.
+        A :class:`ByteTokenizer` or a ``tokenizers.Tokenizer`` (wrap it with :func:`as_encoder`
+        for ``encode_batch``; its ``decode`` is its own).
 
     Raises:
         ImportError: ``tokenizers`` is not installed.
