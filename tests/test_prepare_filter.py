@@ -222,6 +222,19 @@ def test_progress_records_the_filters_and_old_progress_files_resume(inputs, tmp_
         run_parts(str(root), plain, 1, min_length=3)
 
 
+def test_parts_of_one_folder_must_share_the_sample(inputs, tmp_path: Path) -> None:
+    root, _ = inputs
+    out = tmp_path / "o"
+    kw = dict(shard_id=0, num_shards=2, progress=False)
+    torchdata_ext.prepare(str(root), str(out), data_fraction=0.5, seed=1, **kw)
+    kw["shard_id"] = 1
+    with pytest.raises(ValueError, match=r"\(_progress_part00000.json: data_fraction=0.5, seed=1\)"
+                       r".* pass the same data_fraction, seed or use another"):  # fmt: skip
+        torchdata_ext.prepare(str(root), str(out), data_fraction=0.6, seed=2, **kw)
+    assert not list(out.glob("part00001_*"))
+    torchdata_ext.prepare(str(root), str(out), data_fraction=0.5, seed=1, **kw)  # the same: fine
+
+
 def test_a_part_that_keeps_nothing_warns_and_finishes(tmp_path: Path) -> None:
     write_jsonl(str(tmp_path / "in.jsonl"), ["short", "tiny"])
     with pytest.warns(UserWarning, match=r"none of the 2 documents .* 2 longer than max_length=3"):

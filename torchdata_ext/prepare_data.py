@@ -65,7 +65,13 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
-from torchdata_ext.prepare_filter import FILTER_DEFAULTS, DocFilter
+from torchdata_ext.prepare_filter import (
+    FILTER_DEFAULTS,
+    DocFilter,
+    check_same_filter,
+    left_out_summary,
+    warn_nothing_kept,
+)
 from torchdata_ext.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.tokenizers import (
@@ -234,6 +240,7 @@ def prepare(
     else:
         result.resumed = True
     check_same_settings(out, meta, storage_options)
+    check_same_filter(_other_parts_configs(fs, out_path, shard_id), config, out)
     _remove_stale_temps(fs, out_path, shard_id)
     suffix = _SUFFIX[format]
 
@@ -311,7 +318,8 @@ def prepare(
         if slow_for_tests:
             time.sleep(slow_for_tests)
     if seen and not buf and int(state["next_output"]) == 0:
-        _warn_nothing_kept(result, seen, len(mine), doc_filter)
+        warn_nothing_kept(doc_filter, seen, len(mine), result.sampled_out, result.too_short,
+                          result.too_long)  # fmt: skip
     elif mine and not buf and int(state["next_output"]) == 0:
         bar.close()
         many = len(mine) > 1
@@ -330,7 +338,8 @@ def prepare(
         print(
             f"part {shard_id}/{num_shards}: {result.documents:,} documents, {result.tokens:,} "
             f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
-            f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s){_left_out(result)}",
+            f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)"
+            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long)}",
             file=sys.stderr,
         )
     if undecodable_files:
@@ -383,6 +392,20 @@ def _check_tokens(
             f"{encoding=} is not a known text encoding; e.g. 'utf-8', 'latin-1', 'cp1252'"
         ) from None
     get_handler("jsonl", compression=compression)  # raises naming compression
+
+
+def _other_parts_configs(fs: Any, out_path: str, shard_id: int) -> dict[str, dict[str, Any]]:
+    """The settings the other parts' progress files in ``out`` record, by file name."""
+    try:
+        names = fs.glob(posixpath.join(out_path, "_progress_part*.json"))
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for p in names:
+        name = posixpath.basename(p)
+        if name != f"_progress_part{shard_id:05d}.json":
+            out[name] = {**_PROGRESS_DEFAULTS, **json.loads(fs.cat_file(p)).get("config", {})}
+    return out
 
 
 def _saved_progress(
@@ -505,34 +528,6 @@ def _tokenize_file(task: tuple[str, int, _Tokenize]) -> _FileDocs:
         sampled_out=int(nonempty.size - records.size),
         too_short=int(short.sum()),
         too_long=int(long.sum()),
-    )
-
-
-def _left_out(result: PrepareResult) -> str:
-    """The summary's account of the documents the filters left out ("" when none)."""
-    parts = [
-        f"{n:,} {what}"
-        for n, what in (
-            (result.sampled_out, "not in the sample"),
-            (result.too_short, "too short"),
-            (result.too_long, "too long"),
-        )
-        if n
-    ]
-    return f"; left out: {', '.join(parts)}" if parts else ""
-
-
-def _warn_nothing_kept(result: PrepareResult, seen: int, files: int, doc_filter: DocFilter) -> None:
-    """Warn that a part's inputs held documents but the filters kept none of them."""
-    f = doc_filter
-    warnings.warn(
-        f"none of the {seen} documents of this part's {files} input file(s) was kept "
-        f"({result.sampled_out} sampled out by data_fraction={f.data_fraction}, "
-        f"{result.too_short} shorter than min_length={f.min_length}, {result.too_long} longer "
-        f"than max_length={f.max_length}); the part wrote no file. Raise data_fraction or "
-        "widen the length range if that is not what you meant",
-        UserWarning,
-        stacklevel=3,
     )
 
 

@@ -20,6 +20,7 @@ Both are evaluated with NumPy over all the documents of a batch at once.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,13 @@ import numpy as np
 from torchdata_ext._checks import check_int
 from torchdata_ext.split import file_key, heldout_mask
 
-__all__ = ["FILTER_DEFAULTS", "DocFilter"]
+__all__ = [
+    "FILTER_DEFAULTS",
+    "DocFilter",
+    "check_same_filter",
+    "left_out_summary",
+    "warn_nothing_kept",
+]
 
 # the settings as a prepare progress file records them, at the values of a run without them
 # (progress files written before these options resume as such a run)
@@ -115,3 +122,56 @@ class DocFilter:
         if self.max_length is None:
             return np.zeros(lengths.shape, dtype=bool)
         return lengths > self.max_length
+
+
+def check_same_filter(others: dict[str, dict[str, Any]], config: dict[str, Any], out: str) -> None:
+    """Refuse a part whose sample or length range differs from another part's in ``out``.
+
+    Args:
+        others: the settings other parts' progress files record, by file name.
+        config: this part's settings (holding the keys of :data:`FILTER_DEFAULTS`).
+        out: the output folder, for the message.
+
+    Raises:
+        ValueError: naming the other part's file and the settings that differ.
+    """
+    for name, other in sorted(others.items()):
+        diff = [k for k in FILTER_DEFAULTS if other.get(k) != config[k]]
+        if diff:
+            theirs = ", ".join(f"{k}={other.get(k)!r}" for k in diff)
+            raise ValueError(
+                f"{out} holds parts prepared with other settings ({name}: {theirs}); every part "
+                "of one folder must keep the same sample and length range: pass the same "
+                f"{', '.join(diff)} or use another out folder"
+            )
+
+
+def left_out_summary(sampled_out: int, too_short: int, too_long: int) -> str:
+    """The summary line's account of the documents the filters left out ("" when none)."""
+    parts = [
+        f"{n:,} {what}"
+        for n, what in (
+            (sampled_out, "not in the sample"),
+            (too_short, "too short"),
+            (too_long, "too long"),
+        )
+        if n
+    ]
+    return f"; left out: {', '.join(parts)}" if parts else ""
+
+
+def warn_nothing_kept(
+    doc_filter: DocFilter, seen: int, files: int, sampled_out: int, too_short: int, too_long: int
+) -> None:
+    """Warn (for the caller of ``prepare``) that a part's inputs held ``seen`` documents but
+    the filters kept none of them."""
+    f = doc_filter
+    warnings.warn(
+        f"none of the {seen} documents of this part's {files} input file(s) was kept "
+        f"({sampled_out} sampled out by data_fraction={f.data_fraction}, {too_short} shorter "
+        f"than min_length={f.min_length}, {too_long} longer than max_length={f.max_length}); "
+        "the part wrote no file. Raise data_fraction or widen the length range if that is not "
+        "what you meant",
+        UserWarning,
+        stacklevel=3,
+    )
