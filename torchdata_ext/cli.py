@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
     pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
-    pp.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path")
+    pp.add_argument(
+        "--tokenizer", default="byte", help="'byte', a tokenizer.json path or a cached HF model"
+    )
     pp.add_argument(
         "--byte-offset",
         type=int,
@@ -84,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
     pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     pp.add_argument("--slow-for-tests", type=float, default=0.0, help=argparse.SUPPRESS)
+    pp.add_argument(
+        "--data-fraction", type=float, default=1.0, help="keep a seeded sample of this share"
+    )
+    pp.add_argument("--seed", type=int, default=0, help="seed of the --data-fraction sample")
+    pp.add_argument("--min-length", type=int, default=None, help="fewest tokens (without EOS)")
+    pp.add_argument("--max-length", type=int, default=None, help="most tokens (without EOS)")
 
     ip = sub.add_parser("inspect", help="summarize a dataset or print one document")
     ip.add_argument("path", help="dataset folder, file, glob or data_sources.txt (URL)")
@@ -209,6 +217,10 @@ def _run(args: argparse.Namespace) -> None:
             compression=compression,
             progress=args.progress,
             slow_for_tests=args.slow_for_tests,
+            data_fraction=args.data_fraction,
+            seed=args.seed,
+            min_length=args.min_length,
+            max_length=args.max_length,
         )
         what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
         print(json.dumps({"status": what, **asdict(res)}, indent=1))

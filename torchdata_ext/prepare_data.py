@@ -26,6 +26,9 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
   its offset, vocabulary size, BOS/EOS ids, dtype, format and package version; the pipeline
   refuses a config that disagrees with it and ``inspect`` decodes with it. A run into a folder
   whose file says otherwise (another part with other settings) is refused.
+* ``data_fraction``/``seed`` keep a seeded sample of the documents (the same for a seed
+  whatever ``num_proc``/``num_shards``), ``min_length``/``max_length`` a range of token counts
+  (without EOS); what they leave out is counted (:mod:`torchdata_ext.prepare_filter`).
 * Outputs hold at most ``max_tokens_per_file`` tokens (a longer document gets a file of its
   own; documents are never split) and are named ``part{shard_id:05d}_{n:05d}.arrow|npy|mds``.
 * ``shard_id=K, num_shards=N`` (e.g. a Slurm array): part K takes the K-th of N contiguous,
@@ -62,6 +65,13 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.prepare_filter import (
+    FILTER_DEFAULTS,
+    DocFilter,
+    check_same_filter,
+    left_out_summary,
+    warn_nothing_kept,
+)
 from torchdata_ext.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.tokenizers import (
@@ -83,6 +93,7 @@ INPUT_SUFFIXES = (*registered_formats()["jsonl"], *_PARQUET_SUFFIXES, ".txt")
 PROGRESS_VERSION = 1
 # settings added after PROGRESS_VERSION 1, at the values every earlier run used
 _PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer"}
+_PROGRESS_DEFAULTS.update(FILTER_DEFAULTS)  # data_fraction, seed, min_length, max_length
 _TOKENIZE_BATCH = 256  # texts per encode_batch call
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
 _SUFFIX = {"arrow": ".arrow", "npy": ".npy", "mds": ".mds"}
@@ -101,6 +112,9 @@ class PrepareResult:
         skipped: the part was already complete; nothing was written.
         undecodable_documents: documents (of this call) with bytes that are not valid in
             ``encoding``, written with U+FFFD in their place.
+        sampled_out: documents (of this call) left out by ``data_fraction``.
+        too_short / too_long: documents (of this call, in the sample) left out by
+            ``min_length`` / ``max_length``.
     """
 
     out: str
@@ -110,6 +124,9 @@ class PrepareResult:
     resumed: bool = False
     skipped: bool = False
     undecodable_documents: int = 0
+    sampled_out: int = 0
+    too_short: int = 0
+    too_long: int = 0
 
 
 def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[str]:
@@ -136,6 +153,10 @@ def prepare(
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = None,
     slow_for_tests: float = 0.0,
+    data_fraction: float = 1.0,
+    seed: int = 0,
+    min_length: int | None = None,
+    max_length: int | None = None,
 ) -> PrepareResult:
     """Tokenize text files into shards in ``out`` (see the module docstring); resumable.
 
@@ -160,6 +181,12 @@ def prepare(
         progress: show a tqdm bar and a closing summary on stderr (None: the bar only on a
             terminal; False: neither).
         slow_for_tests: seconds to sleep per input file (tests of kills).
+        data_fraction: keep a seeded sample of about this share of the documents, in
+            ``(0, 1]``: the same documents for the same ``seed`` whatever ``num_proc`` and
+            ``num_shards`` (:mod:`torchdata_ext.prepare_filter`).
+        seed: the sample's seed (used only when ``data_fraction < 1``).
+        min_length / max_length: keep only documents of at least / at most this many tokens
+            after tokenizing, not counting the appended ``eos_token`` (None: no bound).
 
     Returns:
         What this call did (:class:`PrepareResult`).
@@ -171,6 +198,7 @@ def prepare(
     """
     _check_arguments(format, shard_id, num_shards, max_tokens_per_file, num_proc)
     _check_tokens(tokenizer, byte_offset, eos_token, encoding, compression)
+    doc_filter = DocFilter(data_fraction, seed, min_length, max_length)
     if format == "npy" and eos_token is None:
         eos_token = 0
     storage_options = dict(storage_options or {})
@@ -203,6 +231,7 @@ def prepare(
         "encoding": codecs.lookup(encoding).name,
         "compression": compression,
     }
+    config.update(doc_filter.as_config())
     ppath = posixpath.join(out_path, f"_progress_part{shard_id:05d}.json")
     result = PrepareResult(out=out)
     state = _saved_progress(fs, ppath, config, out, shard_id)
@@ -211,6 +240,7 @@ def prepare(
     else:
         result.resumed = True
     check_same_settings(out, meta, storage_options)
+    check_same_filter(_other_parts_configs(fs, out_path, shard_id), config, out)
     _remove_stale_temps(fs, out_path, shard_id)
     suffix = _SUFFIX[format]
 
@@ -253,26 +283,32 @@ def prepare(
 
     t0 = time.perf_counter()
     first_file, first_doc = int(state["input"]), int(state["doc"])
-    tokenize = _Tokenize(tokenizer, byte_offset, text_field, encoding, compression, storage_options)
+    tokenize = _Tokenize(
+        tokenizer, byte_offset, text_field, encoding, compression, storage_options, doc_filter
+    )
     undecodable_files: list[str] = []
-    for i, (docs, undecodable) in enumerate(
+    seen = 0  # non-empty texts read, kept or not
+    for i, got in enumerate(
         _tokenized(mine, first_file, first_doc, tokenize, num_proc), start=first_file
     ):
-        if undecodable:
-            result.undecodable_documents += undecodable
+        if got.undecodable:
+            result.undecodable_documents += got.undecodable
             undecodable_files.append(mine[i])
-        j0 = first_doc if i == first_file else 0
-        for k, doc in enumerate(docs):
+        seen += got.seen
+        result.sampled_out += got.sampled_out
+        result.too_short += got.too_short
+        result.too_long += got.too_long
+        for doc, pos in zip(got.docs, got.positions.tolist()):
             if eos is not None:
                 if eos_token in doc:
                     raise ValueError(
-                        f"{mine[i]}: document {j0 + k} contains eos_token={eos_token} (the "
+                        f"{mine[i]}: document {pos} contains eos_token={eos_token} (the "
                         "tokenizer added it), which would split it when read back; choose "
                         "another eos_token"
                     )
                 doc = np.concatenate([doc, eos])
             if buf and buf_tokens + doc.size > max_tokens_per_file:
-                flush((i, j0 + k))
+                flush((i, pos))
             buf.append(doc)
             buf_tokens += doc.size
             result.documents += 1
@@ -281,7 +317,10 @@ def prepare(
         bar.set_postfix(files=f"{i + 1}/{len(mine)}")
         if slow_for_tests:
             time.sleep(slow_for_tests)
-    if mine and not buf and int(state["next_output"]) == 0:
+    if seen and not buf and int(state["next_output"]) == 0:
+        warn_nothing_kept(doc_filter, seen, len(mine), result.sampled_out, result.too_short,
+                          result.too_long)  # fmt: skip
+    elif mine and not buf and int(state["next_output"]) == 0:
         bar.close()
         many = len(mine) > 1
         raise ValueError(
@@ -299,7 +338,8 @@ def prepare(
         print(
             f"part {shard_id}/{num_shards}: {result.documents:,} documents, {result.tokens:,} "
             f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
-            f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)",
+            f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)"
+            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long)}",
             file=sys.stderr,
         )
     if undecodable_files:
@@ -354,6 +394,20 @@ def _check_tokens(
     get_handler("jsonl", compression=compression)  # raises naming compression
 
 
+def _other_parts_configs(fs: Any, out_path: str, shard_id: int) -> dict[str, dict[str, Any]]:
+    """The settings the other parts' progress files in ``out`` record, by file name."""
+    try:
+        names = fs.glob(posixpath.join(out_path, "_progress_part*.json"))
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for p in names:
+        name = posixpath.basename(p)
+        if name != f"_progress_part{shard_id:05d}.json":
+            out[name] = {**_PROGRESS_DEFAULTS, **json.loads(fs.cat_file(p)).get("config", {})}
+    return out
+
+
 def _saved_progress(
     fs: Any, ppath: str, config: dict[str, Any], out: str, shard_id: int
 ) -> dict[str, Any] | None:
@@ -384,6 +438,7 @@ class _Tokenize:
     encoding: str
     compression: str | None
     storage_options: dict[str, Any]
+    doc_filter: DocFilter = DocFilter()
 
 
 def _read_texts(url: str, how: _Tokenize) -> tuple[list[str], set[int]]:
@@ -431,22 +486,49 @@ def _encoder(spec: str, byte_offset: int) -> Encoder:
     return as_encoder(_tokenizer(spec, byte_offset))
 
 
-def _tokenize_file(task: tuple[str, int, _Tokenize]) -> tuple[list[np.ndarray], int]:
-    """Tokens (``uint32``) of the non-empty texts of one input file, from text ``start`` on,
-    and how many of those texts had undecodable bytes."""
+@dataclass
+class _FileDocs:
+    """The documents of one input file that :func:`prepare` keeps, and what it left out."""
+
+    docs: list[np.ndarray]  # kept documents (uint32), in order
+    positions: np.ndarray  # each one's position among the file's non-empty texts (progress "doc")
+    undecodable: int  # kept documents with bytes that were not valid ``encoding``
+    seen: int  # non-empty texts read (from ``start``), kept or not
+    sampled_out: int = 0
+    too_short: int = 0
+    too_long: int = 0
+
+
+def _tokenize_file(task: tuple[str, int, _Tokenize]) -> _FileDocs:
+    """Tokens (``uint32``) of the non-empty texts of one input file, from non-empty text
+    ``start`` on, that ``how.doc_filter`` keeps (the sample is drawn before tokenizing)."""
     url, start, how = task
     encoder = _encoder(how.tokenizer, how.byte_offset)
     all_texts, undecodable = _read_texts(url, how)
-    keep = [i for i, t in enumerate(all_texts) if t][start:]
-    texts = [all_texts[i] for i in keep]
-    out = []
+    nonempty = np.flatnonzero([bool(t) for t in all_texts])[start:]  # record indexes
+    in_sample = how.doc_filter.sampled(url, nonempty)
+    records = nonempty[in_sample]
+    positions = np.arange(start, start + nonempty.size)[in_sample]
+    texts = [all_texts[i] for i in records.tolist()]
+    tokenized = []
     for lo in range(0, len(texts), _TOKENIZE_BATCH):
         for ids in encoder.encode_batch(texts[lo : lo + _TOKENIZE_BATCH]):
             arr = np.asarray(ids)
             if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint32).max):
                 raise ValueError(f"{url}: token ids out of the uint32 range")
-            out.append(arr.astype(np.uint32))
-    return out, len(undecodable.intersection(keep))
+            tokenized.append(arr.astype(np.uint32))
+    lengths = np.fromiter(map(len, tokenized), dtype=np.int64, count=len(tokenized))
+    short, long = how.doc_filter.too_short(lengths), how.doc_filter.too_long(lengths)
+    ok = ~(short | long)
+    return _FileDocs(
+        docs=[d for d, keep in zip(tokenized, ok.tolist()) if keep],
+        positions=positions[ok],
+        undecodable=len(undecodable.intersection(records[ok].tolist())),
+        seen=int(nonempty.size),
+        sampled_out=int(nonempty.size - records.size),
+        too_short=int(short.sum()),
+        too_long=int(long.sum()),
+    )
 
 
 def _tokenized(
@@ -455,9 +537,9 @@ def _tokenized(
     first_doc: int,
     tokenize: _Tokenize,
     num_proc: int,
-) -> Iterator[tuple[list[np.ndarray], int]]:
-    """Each input file's documents (from ``first_file``, document ``first_doc``), in order,
-    with the number of them that had undecodable bytes."""
+) -> Iterator[_FileDocs]:
+    """Each input file's kept documents (from ``first_file``, non-empty text ``first_doc``),
+    in order (:class:`_FileDocs`)."""
     tasks = [
         (files[i], first_doc if i == first_file else 0, tokenize)
         for i in range(first_file, len(files))

@@ -211,7 +211,8 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
 
     Args:
         spec: ``"byte"`` for :class:`ByteTokenizer`, else the path or fsspec URL of a Hugging
-            Face ``tokenizer.json`` (needs the ``tokenizers`` package).
+            Face ``tokenizer.json`` (needs the ``tokenizers`` package), or a model name already
+            in the local Hugging Face cache (:mod:`torchdata_ext.tokenizer_names`).
         byte_offset: the byte tokenizer's id offset (ignored for a ``tokenizer.json``); the
             config, ``prepare`` and ``inspect`` all pass theirs, default
             :data:`DEFAULT_BYTE_OFFSET`.
@@ -222,7 +223,7 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
 
     Raises:
         ImportError: ``tokenizers`` is not installed.
-        FileNotFoundError: no file at ``spec``.
+        FileNotFoundError: no file at ``spec`` (nor a cached model of that name).
         ValueError: the file is not a ``tokenizer.json``.
     """
     if spec == "byte":
@@ -235,6 +236,10 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
         ) from None
     fs, path = filesystem(spec)
     if not fs.exists(path):
+        from torchdata_ext.tokenizer_names import is_model_name, load_cached_tokenizer
+
+        if is_model_name(spec):  # "owner/name": from the local Hugging Face cache, no download
+            return load_cached_tokenizer(spec)
         raise FileNotFoundError(
             f"tokenizer={spec!r}: no such file; pass 'byte' or the path of a tokenizer.json"
         )
