@@ -327,8 +327,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
 
 class _StaleGroup:
     """The provenance tables of the blocks one state found changed (a few per batch), made
-    into ``(counts, rows)`` pairs together, on first use: one concatenation and one narrowing
-    for all of them. Holds only the tables (small arrays, never written), not the items."""
+    into ``(counts, rows)`` pairs together, on first use (one concatenation for all of them).
+    Holds only the tables (small arrays, never written), not the items."""
 
     __slots__ = ("_pairs", "_sizes", "_tables")
 
@@ -346,14 +346,14 @@ class _StaleGroup:
 
 def _pairs(tables: list[np.ndarray], sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per block of ``sizes[i]`` consecutive tables: the rows per item and the rows
-    (``[n, 5]``), views of one array each in the smallest integer dtype holding all values."""
+    (``[n, 5]``), each in the smallest integer dtype that holds the block's values (per block,
+    as the format always had it: one wide value would otherwise widen every block)."""
     counts = np.array([len(t) for t in tables], np.int64)
-    rows = _narrow(np.concatenate(tables).reshape(-1, PROV_COLUMNS))
-    narrow_counts = _narrow(counts)
+    rows = np.concatenate(tables).reshape(-1, PROV_COLUMNS)
     ends = np.concatenate([[0], np.cumsum(counts)]).tolist()
     out, i = [], 0
     for n in sizes:
-        out.append((narrow_counts[i : i + n], rows[ends[i] : ends[i + n]]))
+        out.append((_narrow(counts[i : i + n]), _narrow(rows[ends[i] : ends[i + n]])))
         i += n
     return out
 
