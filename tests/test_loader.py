@@ -197,11 +197,11 @@ def test_dcp_round_trip(corpus, tmp_path) -> None:
 
 def _as_format_1(graph):
     """A graph state as the previous version wrote it: shuffle-buffer provenance as one
-    concatenation per column (``prov_counts`` / ``prov_rows``) instead of blocks."""
+    concatenation per column (``prov_counts`` / ``prov_rows``) instead of groups of blocks."""
     if isinstance(graph, dict):
-        out = {k: _as_format_1(v) for k, v in graph.items() if k != "prov_blocks"}
-        if "prov_blocks" in graph:
-            blocks = graph["prov_blocks"]
+        out = {k: _as_format_1(v) for k, v in graph.items() if k != "prov_groups"}
+        if "prov_groups" in graph:
+            blocks = [b for group in graph["prov_groups"] for b in group]
             rows = np.concatenate([np.asarray(r, np.int64) for _, r in blocks])
             out["prov_counts"] = np.concatenate([c for c, _ in blocks])
             out["prov_rows"] = [rows[:, c] for c in range(5)]

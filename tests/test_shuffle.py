@@ -13,7 +13,7 @@ from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.nodes.pack import Pack, PackedSequence
-from torchdata_ext.nodes.shuffle import ShuffleBuffer, _narrow
+from torchdata_ext.nodes.shuffle import ShuffleBuffer, _narrow, _state_blocks
 from torchdata_ext.provenance import resolve
 from torchdata_ext.testing import write_arrow_batches
 
@@ -105,20 +105,59 @@ def test_state_holds_provenance_not_tokens(index) -> None:
     for _ in range(30):
         next(node)
     state = node.state_dict()
-    assert "items" not in state and sum(int(c.sum()) for c, _ in state["prov_blocks"]) == 50
-    assert all(r.dtype.itemsize <= 4 for _, r in state["prov_blocks"])
-    # format 1 (all items concatenated, one array per column), as written before format 2
-    v1 = {k: v for k, v in state.items() if k != "prov_blocks"}
-    rows = np.concatenate([r for _, r in state["prov_blocks"]])
-    v1["prov_counts"] = np.concatenate([c for c, _ in state["prov_blocks"]])
+    blocks = [b for group in state["prov_groups"] for b in group]
+    assert "items" not in state and sum(int(c.sum()) for c, _ in blocks) == 50
+    assert all(r.dtype.itemsize <= 4 for _, r in blocks)
+    # format 2 (the blocks in one list) and format 1 (all items concatenated, one array per
+    # column), as written by earlier versions
+    v2 = {k: v for k, v in state.items() if k != "prov_groups"}
+    v2["prov_blocks"] = [tuple(b) for b in blocks]
+    v1 = {k: v for k, v in state.items() if k != "prov_groups"}
+    rows = np.concatenate([r for _, r in blocks])
+    v1["prov_counts"] = np.concatenate([c for c, _ in blocks])
     v1["prov_rows"] = [rows[:, c] for c in range(5)]
-    old = make(idx, 50, epochs=None)
-    old.reset(pickle.loads(pickle.dumps(v1)))
+    olds = []
+    for v in (v2, v1):
+        olds.append(make(idx, 50, epochs=None))
+        olds[-1].reset(pickle.loads(pickle.dumps(v)))
     fresh = make(idx, 50, epochs=None)
     fresh.reset(pickle.loads(pickle.dumps(state)))
     rest = [item_key(x) for x in run(node, 40)]
     assert [item_key(x) for x in run(fresh, 40)] == rest
-    assert [item_key(x) for x in run(old, 40)] == rest
+    for old in olds:
+        assert [item_key(x) for x in run(old, 40)] == rest
+
+
+def test_groups_are_remade_only_where_slots_changed(index) -> None:
+    """A state after a draw shares every untouched group and block with the state before it
+    (what lets a worker's state delta look at a few groups), and the groups always list the
+    buffer's blocks in slot order, also while the buffer fills and drains."""
+    idx, _ = index
+    node = make(idx, 600, epochs=1)
+    node.reset()
+    prev = None
+    steps = 0
+    while True:
+        try:
+            next(node)
+        except StopIteration:
+            break
+        state = node.state_dict()
+        groups = state.get("prov_groups")
+        if groups is None:
+            break
+        blocks = [b for g in groups for b in g]
+        n = len(node._buf)
+        assert len(blocks) == -(-n // 4) and all(len(g) <= 64 for g in groups[:-1])
+        want = [np.asarray(node._provenance(x)) for x in node._buf]
+        got = np.concatenate([np.asarray(r, np.int64) for _, r in blocks])
+        assert np.array_equal(got, np.concatenate(want).reshape(-1, 5))
+        if prev is not None and len(prev) == len(groups):
+            same = sum(a is b for a, b in zip(prev, groups))
+            assert same >= len(groups) - 2  # one draw touches one slot: at most 2 groups
+        prev = groups
+        steps += 1
+    assert steps > 100
 
 
 def test_plain_items_without_provenance_and_loader(index) -> None:
@@ -182,7 +221,7 @@ def test_packed_items_same_stream_and_state(index) -> None:
         if node._buf:
             assert isinstance(node._buf[0], PackedSequence)
             want = _reference_state(node)
-            for (counts, rows), (c, r) in zip(state["prov_blocks"], want, strict=True):
+            for (counts, rows), (c, r) in zip(_state_blocks(state), want, strict=True):
                 assert counts.dtype == c.dtype and np.array_equal(counts, c)
                 assert rows.dtype == r.dtype and np.array_equal(rows, r)
         try:
