@@ -116,7 +116,9 @@ def plan_table(
     last = np.searchsorted(offsets, hi - 1, side="right") - 1
     counts = np.where(hi > lo, last - first + 1, 0)
     entry = np.repeat(np.arange(len(shards), dtype=np.int64), counts)
-    file = first[entry] + (np.arange(len(entry), dtype=np.int64) - (np.cumsum(counts) - counts)[entry])
+    file = first[entry] + (
+        np.arange(len(entry), dtype=np.int64) - (np.cumsum(counts) - counts)[entry]
+    )
     start = np.maximum(lo[entry], offsets[file]) - offsets[file]
     stop = np.minimum(hi[entry], offsets[file + 1]) - offsets[file]
     keep = stop > start  # files without documents inside the range hold no piece
@@ -127,9 +129,7 @@ def plan_table(
     order = np.arange(len(entry), dtype=np.int64)
     for i in np.flatnonzero(per_entry > 1).tolist():
         k, b = int(per_entry[i]), int(base[i])
-        rng = np.random.default_rng(
-            mix_seed(seed, FRAGMENT_TAG, int(shards[i]), int(epochs[i]))
-        )
+        rng = np.random.default_rng(mix_seed(seed, FRAGMENT_TAG, int(shards[i]), int(epochs[i])))
         order[b : b + k] = b + rng.permutation(k)
     file, start, stop = file[order], start[order], stop[order]
     size = stop - start

@@ -1,0 +1,657 @@
+"""What a checkpoint says the run consumed: per dataset, per epoch, which documents.
+
+:func:`audit_checkpoint` reads a checkpoint folder (:mod:`torchdata_ext.checkpoint`) and the
+pipeline config, and answers from the reader cursors, the counts files and the provenance in
+the states, without reading documents:
+
+* per dataset, the epochs its logical shards are in (min / max), and for each epoch from the
+  lowest on the documents and tokens consumed out of the dataset's total (exact);
+* the documents **in flight**: pieces held by tokenize / interleave / pack, the pieces of the
+  sequences in the shuffle buffer, and pieces a rescale handed back to a shard (``returned``);
+* each dataset's share of the tokens the mix delivered (interleave counters) against its
+  target weight;
+* :meth:`AuditReport.documents`: one row per document consumed, to prove a document was or
+  was not seen.
+
+Definitions (what the numbers mean exactly):
+
+* A document is **consumed** in epoch ``e`` once it has left its reader in that epoch: its
+  logical shard's walk (:mod:`torchdata_ext.shard_walk`) has passed it, or the reader has
+  handed out the first piece of it (a document cut by ``max_chunksize``). Documents the walk
+  passed and dropped (shorter than ``min_length``, or skipped by ``on_error="skip"``: counted
+  in ``skipped``) count as consumed: the epoch will not return to them.
+* A consumed document is **in flight** while some of its tokens have not been delivered to
+  the trainer: held by a node between the reader and the batch (tokenize, interleave, pack),
+  sitting in the shuffle buffer, or handed back by a rescale and not yet read again. So the
+  documents consumed and not in flight are exactly the documents all of whose tokens were
+  delivered in batches up to the checkpoint (``tests/test_audit.py`` checks this against
+  the provenance of the delivered batches, between two checkpoints of one run).
+* A piece in flight is attributed to the latest epoch in which its document was consumed.
+* Tokens are the tokens stored in the files (as the counts files count them, before
+  ``strip_tokens``; the BOS/EOS the packer adds are not counted); they need each file's
+  document lengths from its metadata (Arrow footer, ``.npy`` header, offsets index: read once,
+  no document is read). For text files (tokenized on the fly) tokens are unknown (None).
+
+Where the checkpoint lags: the reader state a checkpoint records is a replay point (the
+nodes above re-read their current block on restore and drop what they had used, see
+``docs/DESIGN.md``), so the readers' live cursors are not in it. With ``replay=True``
+(default) the audit restores, per worker, only the pack node and what feeds it (never the
+shuffle buffer, whose contents are known from provenance) and takes the same consistent cut
+a rescale takes (:func:`torchdata_ext.rescale.live_cut`): this reads the few blocks those
+nodes were working on (at most a few blocks per dataset per worker). ``replay=False``
+reads nothing but the checkpoint and the counts: documents are then counted up to the
+recorded replay points, and what tokenize / interleave / pack hold is not known
+(``AuditReport.replayed`` is False and the report says so).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from torchdata_ext.checkpoint import read_manifest, read_worker_states
+from torchdata_ext.graph import graph_nodes, reader_states, token_counters, walk_state
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.reader import merge_reader_states
+from torchdata_ext.nodes.shuffle import buffered_provenance
+from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.rescale import live_cut
+from torchdata_ext.shard_walk import walked_documents
+from torchdata_ext.shards import file_offsets, shard_bounds
+
+__all__ = ["AuditReport", "DatasetAudit", "EpochConsumption", "audit_checkpoint"]
+
+# where a piece in flight is held
+HOLDERS = ("pipeline", "shuffle_buffer", "handed_back")
+
+
+@dataclass(frozen=True)
+class EpochConsumption:
+    """What a dataset consumed in one epoch.
+
+    Attributes:
+        epoch: the epoch number (0 is the first).
+        documents: documents consumed in it.
+        tokens: their tokens (a document cut by ``max_chunksize`` counts the tokens handed
+            out); None when unknown (text data).
+        percent_documents: ``documents`` over the dataset's documents, in percent.
+        percent_tokens: ``tokens`` over the dataset's tokens, in percent (None if unknown).
+    """
+
+    epoch: int
+    documents: int
+    tokens: int | None
+    percent_documents: float
+    percent_tokens: float | None
+
+
+@dataclass(frozen=True)
+class DatasetAudit:
+    """One dataset's part of an :class:`AuditReport`.
+
+    Attributes:
+        name: the dataset name.
+        files: its number of files.
+        documents: its documents (all files).
+        tokens: its tokens (counts files), None when unknown (text).
+        logical_shards: its logical shard count.
+        epoch_min: the lowest epoch a logical shard is in (the epoch its cursor reads next):
+            the dataset's current epoch.
+        epoch_max: the highest (a shard that finished epoch ``e`` is in ``e + 1``).
+        shards_done: logical shards that finished ``epoch_min`` (now in a later epoch).
+        epochs: consumption per epoch, from ``epoch_min`` to the last epoch any document was
+            consumed in.
+        in_flight_documents: consumed documents with tokens not yet delivered.
+        in_flight_tokens: tokens in flight (None when unknown).
+        in_flight_by_holder: in-flight documents by where they are held: ``pipeline``
+            (tokenize / interleave / pack), ``shuffle_buffer``, ``handed_back`` (by a rescale);
+            a document held in two places counts in both.
+        skipped_documents: documents skipped by ``on_error="skip"`` (all epochs).
+        weight: its target weight (None without a mix).
+        target_share: the weight over the sum of the weights.
+        tokens_delivered: tokens the mix handed on from this dataset (all epochs; interleave
+            counters, which count the tokens of pieces as they leave the mix).
+        token_share: ``tokens_delivered`` over all datasets' (None if nothing delivered yet).
+    """
+
+    name: str
+    files: int
+    documents: int
+    tokens: int | None
+    logical_shards: int
+    epoch_min: int
+    epoch_max: int
+    shards_done: int
+    epochs: list[EpochConsumption]
+    in_flight_documents: int
+    in_flight_tokens: int | None
+    in_flight_by_holder: dict[str, int]
+    skipped_documents: int
+    weight: float | None
+    target_share: float | None
+    tokens_delivered: int | None
+    token_share: float | None
+
+    @property
+    def current(self) -> EpochConsumption:
+        """The consumption of the current epoch (``epoch_min``)."""
+        return self.epochs[0]
+
+
+@dataclass(frozen=True)
+class _Cursors:
+    """A dataset's live cursors and in-flight pieces, kept to list documents on demand."""
+
+    index: DatasetIndex
+    n_logical_shards: int
+    seed: int
+    shard: np.ndarray
+    epoch: np.ndarray
+    pos: np.ndarray
+    offset: np.ndarray
+    in_flight: np.ndarray  # global document ids with a piece in flight, unique
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What a checkpoint says the run consumed (see :mod:`torchdata_ext.audit`).
+
+    Attributes:
+        checkpoint: the checkpoint folder's URL.
+        world_size: ranks when the checkpoint was taken.
+        num_workers: dataloader workers per rank then.
+        seed: the pipeline seed.
+        datasets: one :class:`DatasetAudit` per dataset, in the config's order.
+        replayed: whether the pieces held by tokenize / interleave / pack were found by
+            replaying their current blocks (False: counted up to the recorded replay points
+            and those pieces unknown).
+        lagging_batches: batches delivered after the workers' last state snapshot
+            (``snapshot_every_n_steps > 1``), summed over ranks: the audit describes the run
+            that many batches earlier.
+        changed_files: data files that changed since the checkpoint was taken; None: not
+            checked.
+    """
+
+    checkpoint: str
+    world_size: int
+    num_workers: int
+    seed: int
+    datasets: list[DatasetAudit]
+    replayed: bool
+    lagging_batches: int
+    changed_files: list[str] | None = None
+    _cursors: dict[str, _Cursors] = field(default_factory=dict, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
+        out = asdict(self)
+        del out["_cursors"]
+        return out
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """The report as JSON text (:meth:`to_dict`), for scripts."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def documents(self) -> pa.Table:
+        """One row per document consumed, per epoch from each dataset's ``epoch_min`` on.
+
+        Columns: ``dataset`` and ``file`` (URL; dictionary-encoded strings), ``file_index``
+        (the file's number in the dataset's sorted file list), ``doc`` (the document's index
+        in its file), ``epoch``, ``in_flight`` (some of its tokens not yet delivered; on the
+        row of the latest epoch that consumed it). Rows are sorted by dataset (config order),
+        epoch, file and document. Computed from the cursors on each call (vectorised).
+        """
+        parts = [_document_rows(c) for c in self._cursors.values()]
+        names = list(self._cursors)
+        ds = np.concatenate([np.full(len(p[0]), i, np.int32) for i, p in enumerate(parts)])
+        urls: list[str] = []
+        file_ids = []
+        for (file, _, _, _), c in zip(parts, self._cursors.values()):
+            file_ids.append(file.astype(np.int64) + len(urls))
+            urls.extend(c.index.files)
+        cols = [np.concatenate([p[k] for p in parts]) for k in range(4)]
+        return pa.table(
+            {
+                "dataset": pa.DictionaryArray.from_arrays(ds, pa.array(names, pa.string())),
+                "file": pa.DictionaryArray.from_arrays(
+                    np.concatenate(file_ids).astype(np.int32), pa.array(urls, pa.string())
+                ),
+                "file_index": pa.array(cols[0].astype(np.int32)),
+                "doc": pa.array(cols[1].astype(np.int64)),
+                "epoch": pa.array(cols[2].astype(np.int32)),
+                "in_flight": pa.array(cols[3].astype(bool)),
+            }
+        )
+
+    def write_documents(self, url: str, storage_options: dict[str, Any] | None = None) -> int:
+        """Write :meth:`documents` to a Parquet file (any fsspec URL, written atomically).
+
+        Args:
+            url: the file to write (e.g. ``consumed.parquet``).
+            storage_options: fsspec options for ``url``.
+
+        Returns:
+            The number of rows written.
+        """
+        import pyarrow.parquet as pq
+
+        table = self.documents()
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        write_bytes_atomic(url, buf.getvalue(), storage_options)
+        return table.num_rows
+
+    def format_table(self) -> str:
+        """The report as a readable table (what ``torchdata-ext audit`` prints)."""
+        how = (
+            "pieces held by the pipeline found by replaying its current blocks"
+            if self.replayed
+            else "not replayed: counted to the recorded replay points, pieces held by "
+            "tokenize/interleave/pack not known"
+        )
+        lines = [
+            f"checkpoint {self.checkpoint}: {self.world_size} ranks x {self.num_workers} "
+            f"workers, seed {self.seed} ({how})"
+        ]
+        if self.lagging_batches:
+            lines.append(
+                f"note: {self.lagging_batches} batches were delivered after the workers' last "
+                "state snapshot; the audit describes the run before them"
+            )
+        head = (
+            "dataset",
+            "shard epochs",
+            "epoch",
+            "documents seen",
+            "%",
+            "tokens seen",
+            "%",
+            "in flight",
+            "pipeline/buffer/back",
+            "skipped",
+            "token share",
+            "target",
+        )
+        rows = [head]
+        for d in self.datasets:
+            for i, e in enumerate(d.epochs):
+                first = i == 0
+                by = d.in_flight_by_holder
+                rows.append(
+                    (
+                        d.name if first else "",
+                        f"{d.epoch_min}-{d.epoch_max}" if first else "",
+                        str(e.epoch),
+                        f"{e.documents:,} / {d.documents:,}",
+                        f"{e.percent_documents:.2f}",
+                        "?"
+                        if e.tokens is None or d.tokens is None
+                        else f"{e.tokens:,} / {d.tokens:,}",
+                        "?" if e.percent_tokens is None else f"{e.percent_tokens:.2f}",
+                        f"{d.in_flight_documents:,}" if first else "",
+                        "/".join(f"{by[h]:,}" for h in HOLDERS) if first else "",
+                        f"{d.skipped_documents:,}" if first else "",
+                        _pct(d.token_share) if first else "",
+                        _pct(d.target_share) if first else "",
+                    )
+                )
+        widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+        for r in rows:
+            cells = [
+                c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))
+            ]
+            lines.append("  ".join(cells).rstrip())
+        lines.append(
+            "documents seen: consumed from the readers in that epoch; in flight: consumed, "
+            "tokens not yet delivered (held by the pipeline / in the shuffle buffer / handed "
+            "back by a rescale); token share: of the tokens mixed, against the target weight"
+        )
+        if self.changed_files:
+            lines.append(f"changed data files: {', '.join(self.changed_files)}")
+        return "\n".join(lines)
+
+    def plot(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Save a picture of the consumption per dataset: the share of the current epoch
+        consumed (delivered, in flight), and each dataset's token share against its target.
+
+        Args:
+            url: the image file to write (any fsspec URL; its suffix picks the format:
+                ``.png``, ``.svg``, ``.pdf``).
+            storage_options: fsspec options for ``url``.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'torchdata-ext[plot]'``).
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ImportError(
+                "plotting the audit needs matplotlib: pip install 'torchdata-ext[plot]' "
+                "(or pip install matplotlib)"
+            ) from None
+        names = [d.name for d in self.datasets]
+        y = np.arange(len(names))
+        seen = np.array([d.current.percent_documents for d in self.datasets])
+        flight = np.array(
+            [100 * d.in_flight_documents / max(d.documents, 1) for d in self.datasets]
+        )
+        fig = Figure(figsize=(8, 1.2 + 0.5 * len(names)), layout="constrained")
+        ax1, ax2 = fig.subplots(1, 2)
+        ax1.barh(y, seen - np.minimum(flight, seen), color="#3b75af", label="delivered")
+        ax1.barh(y, np.minimum(flight, seen), left=seen - np.minimum(flight, seen),
+                 color="#f0a030", label="in flight")  # fmt: skip
+        ax1.set_xlim(0, 100)
+        ax1.set_yticks(y, [f"{d.name} (epoch {d.epoch_min})" for d in self.datasets])
+        ax1.invert_yaxis()
+        ax1.set_xlabel("% of the current epoch's documents consumed")
+        ax1.legend(loc="lower right", fontsize="small")
+        share = [100 * (d.token_share or 0.0) for d in self.datasets]
+        target = [100 * (d.target_share or 0.0) for d in self.datasets]
+        ax2.barh(y - 0.2, share, height=0.4, color="#3b75af", label="delivered")
+        ax2.barh(y + 0.2, target, height=0.4, color="#9a9a9a", label="target")
+        ax2.set_yticks(y, names)
+        ax2.invert_yaxis()
+        ax2.set_xlabel("% of the tokens mixed")
+        ax2.legend(loc="lower right", fontsize="small")
+        fig.suptitle(f"audit of {os.path.basename(self.checkpoint.rstrip('/'))}", fontsize="medium")
+        buf = io.BytesIO()
+        suffix = os.path.splitext(str(url))[1].lstrip(".").lower() or "png"
+        try:
+            fig.savefig(buf, format=suffix, dpi=100)
+        except ValueError as exc:  # an unknown format
+            raise ValueError(f"cannot save the audit plot as {url}: {exc}") from None
+        write_bytes_atomic(str(url), buf.getvalue(), storage_options)
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.2f}%"
+
+
+def audit_checkpoint(
+    url: str,
+    cfg: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    replay: bool = True,
+    tokens: bool = True,
+) -> AuditReport:
+    """Audit checkpoint folder ``url`` of a pipeline built from ``cfg``.
+
+    Args:
+        url: a checkpoint folder written by :func:`~torchdata_ext.checkpoint.save_checkpoint`
+            (any fsspec URL).
+        cfg: the pipeline config the run used: a :class:`PipelineConfig`, a mapping of its
+            fields, or the path of a YAML/JSON config file.
+        storage_options: fsspec options for ``url`` (the data's are ``cfg.storage_options``).
+        replay: find the pieces tokenize / interleave / pack hold by replaying the blocks they
+            were working on (a few blocks per dataset per worker; see the module docstring);
+            False reads only the checkpoint and the counts files.
+        tokens: count tokens (reads each file's document lengths from its metadata once);
+            False leaves token counts None.
+
+    Returns:
+        The :class:`AuditReport`.
+
+    Raises:
+        FileNotFoundError: ``url`` holds no complete checkpoint.
+        ValueError: the checkpoint does not belong to this config and data (another dataset,
+            seed or logical shard count, files or counts changed), or a file of it is corrupt.
+    """
+    cfg = _as_config(cfg)
+    manifest = read_manifest(url, storage_options)
+    datasets = build_datasets(cfg)
+    _check_matches(url, manifest, cfg, datasets)
+    live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
+    pieces: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+        name: {h: [] for h in HOLDERS} for name in datasets
+    }
+    delivered: dict[str, int] = {}
+    lagging = 0
+    counted_ranks: set[int] = set()
+    for world, meta, graph in read_worker_states(url, storage_options):
+        if world.rank not in counted_ranks:
+            counted_ranks.add(world.rank)
+            lagging += int(meta.get("skip_batches", 0))
+        for counters in token_counters({"graph": graph}).values():
+            for name, v in counters.items():
+                delivered[name] = delivered.get(name, 0) + int(v)
+        pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
+        shuffle_state = _find(graph, ("draws", "exhausted", "source"))
+        names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
+        if shuffle_state is not None:
+            _, rows = buffered_provenance(shuffle_state)
+            for ds, f, d, start, length in rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)].tolist():
+                pieces[names[ds]]["shuffle_buffer"].append((f, d, start, start + length))
+        if replay and pack_state is not None:
+            root = build_pipeline(cfg, world, datasets, collate=False)
+            pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
+            readers, held = live_cut(pack, pack_state)
+            for ds, f, d, start, stop in held:
+                pieces[ds]["pipeline"].append((f, d, start, stop))
+        else:
+            readers = {st["dataset"]: st for st in reader_states({"graph": graph}).values()}
+        for name, st in readers.items():
+            live[name].append(st)
+    weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
+    total_w = sum(w for w in weights.values() if w is not None)
+    total_delivered = sum(delivered.values())
+    audits: list[DatasetAudit] = []
+    cursors: dict[str, _Cursors] = {}
+    for name, index in datasets.items():
+        merged = merge_reader_states(live[name])
+        for cur in merged["shards"].values():
+            for f, d, start, stop in cur.get("returned", []):
+                pieces[name]["handed_back"].append((f, d, start, stop))
+        lengths = index.doc_lengths() if tokens else None
+        w = weights[name]
+        got = delivered.get(name)
+        c, audit = _audit_dataset(
+            index,
+            merged,
+            pieces[name],
+            lengths,
+            weight=w,
+            target_share=None if w is None or not total_w else w / total_w,
+            tokens_delivered=got,
+            token_share=None if got is None or not total_delivered else got / total_delivered,
+        )
+        cursors[name] = c
+        audits.append(audit)
+    return AuditReport(
+        checkpoint=url,
+        world_size=int(manifest["world_size"]),
+        num_workers=int(manifest["num_workers"]),
+        seed=cfg.seed,
+        datasets=audits,
+        replayed=replay,
+        lagging_batches=lagging,
+        _cursors=cursors,
+    )
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _as_config(cfg: Any) -> PipelineConfig:
+    if isinstance(cfg, PipelineConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return PipelineConfig.from_dict(cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        try:
+            return PipelineConfig.from_file(os.fspath(cfg))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"cfg={os.fspath(cfg)!r} does not exist; pass the pipeline config (.yaml or "
+                ".json) the run used"
+            ) from None
+    raise TypeError(
+        f"cfg must be a PipelineConfig, a mapping of its fields or a YAML/JSON config path, "
+        f"not {type(cfg).__name__}"
+    )
+
+
+def _check_matches(
+    url: str, manifest: dict[str, Any], cfg: PipelineConfig, datasets: dict[str, DatasetIndex]
+) -> None:
+    """Refuse a checkpoint of other data: the audit would describe documents it never read."""
+    saved = manifest["datasets"]
+    if set(saved) != set(datasets):
+        raise ValueError(
+            f"checkpoint {url} has datasets {sorted(saved)} but the config has "
+            f"{sorted(datasets)}; audit with the config the run used"
+        )
+    for name, index in datasets.items():
+        s = saved[name]
+        for key, mine in (
+            ("fingerprint", index.fingerprint()),
+            ("seed", cfg.seed),
+            ("n_logical_shards", cfg.logical_shards),
+        ):
+            if s[key] != mine:
+                what = {
+                    "fingerprint": "its files or document counts differ from the data now",
+                    "seed": "the config's seed differs",
+                    "n_logical_shards": "the config's logical_shards differs",
+                }[key]
+                raise ValueError(
+                    f"checkpoint {url} does not match dataset {name!r}: {what} (checkpoint "
+                    f"{key}={s[key]!r}, config/data {key}={mine!r}); audit with the config and "
+                    "data the run used"
+                )
+
+
+def _find(graph: dict[str, Any], keys: Iterable[str]) -> dict[str, Any] | None:
+    """The first dict in a graph state that has all ``keys`` (outermost first)."""
+    want = set(keys)
+    for _, x in walk_state(graph):
+        if isinstance(x, dict) and want <= set(x):
+            return x
+    return None
+
+
+def _audit_dataset(
+    index: DatasetIndex,
+    merged: dict[str, Any],
+    held: dict[str, list[tuple[int, int, int, int]]],
+    lengths: np.ndarray | None,
+    *,
+    weight: float | None,
+    target_share: float | None,
+    tokens_delivered: int | None,
+    token_share: float | None,
+) -> tuple[_Cursors, DatasetAudit]:
+    n = int(merged["n_logical_shards"])
+    items = sorted(merged["shards"].items(), key=lambda kv: int(kv[0]))
+    shard = np.fromiter((int(k) for k, _ in items), np.int64, len(items))
+    epoch = np.fromiter((int(v["epoch"]) for _, v in items), np.int64, len(items))
+    pos = np.fromiter((int(v["pos"]) for _, v in items), np.int64, len(items))
+    offset = np.fromiter((int(v["offset"]) for _, v in items), np.int64, len(items))
+    skips = sum(int(v["skips"]) for _, v in items)
+    offsets = file_offsets(index.doc_counts)
+    bounds = shard_bounds(int(offsets[-1]), n)
+    size = bounds[shard + 1] - bounds[shard]
+    # the documents each cursor has passed in its own epoch (one more: a document begun)
+    entry, file, doc = walked_documents(
+        offsets, n, int(merged["seed"]), shard, epoch, pos + (offset > 0)
+    )
+    walked = offsets[file] + doc
+    doc_tokens = None
+    if lengths is not None:
+        doc_tokens = lengths[walked].copy()
+        begun = np.flatnonzero(offset > 0)  # the last walked document of these: in part
+        last = np.cumsum(np.bincount(entry, minlength=len(shard))) - 1
+        doc_tokens[last[begun]] = offset[begun]
+        cum = np.concatenate([[0], np.cumsum(lengths)])
+        shard_tokens = cum[bounds[shard + 1]] - cum[bounds[shard]]
+    total_docs = int(offsets[-1])
+    total_tokens = None if lengths is None else int(lengths.sum())
+    epochs = []
+    for e in range(int(epoch.min()), int(epoch.max()) + 1):
+        docs = int(size[epoch > e].sum() + (pos + (offset > 0))[epoch == e].sum())
+        if epochs and not docs:
+            break  # shards that finished an epoch wait at the next one, not begun
+        tok = None
+        if doc_tokens is not None:
+            tok = int(shard_tokens[epoch > e].sum() + doc_tokens[epoch[entry] == e].sum())
+        epochs.append(
+            EpochConsumption(
+                e,
+                docs,
+                tok,
+                100.0 * docs / total_docs,
+                None if tok is None or not total_tokens else 100.0 * tok / total_tokens,
+            )
+        )
+    by_holder = {}
+    all_ids = []
+    flight_tokens: int | None = 0
+    for h in HOLDERS:
+        arr = np.asarray(held[h], np.int64).reshape(-1, 4)
+        ids = np.unique(offsets[arr[:, 0]] + arr[:, 1])
+        by_holder[h] = len(ids)
+        all_ids.append(ids)
+        if lengths is None:
+            flight_tokens = None
+        elif flight_tokens is not None:
+            stop = np.where(arr[:, 3] < 0, lengths[offsets[arr[:, 0]] + arr[:, 1]], arr[:, 3])
+            flight_tokens += int((stop - arr[:, 2]).sum())
+    in_flight = np.unique(np.concatenate(all_ids))
+    cursors = _Cursors(index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight)
+    audit = DatasetAudit(
+        name=index.name,
+        files=len(index.files),
+        documents=total_docs,
+        tokens=index.total_tokens if index.total_tokens >= 0 else total_tokens,
+        logical_shards=n,
+        epoch_min=int(epoch.min()),
+        epoch_max=int(epoch.max()),
+        shards_done=int((epoch > epoch.min()).sum()),
+        epochs=epochs,
+        in_flight_documents=len(in_flight),
+        in_flight_tokens=flight_tokens,
+        in_flight_by_holder=by_holder,
+        skipped_documents=skips,
+        weight=weight,
+        target_share=target_share,
+        tokens_delivered=tokens_delivered,
+        token_share=token_share,
+    )
+    return cursors, audit
+
+
+def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(file, doc, epoch, in_flight)`` of every document ``c`` consumed, sorted by epoch,
+    file and document."""
+    offsets = file_offsets(c.index.doc_counts)
+    bounds = shard_bounds(int(offsets[-1]), c.n_logical_shards)
+    lo, hi = bounds[c.shard], bounds[c.shard + 1]
+    entry, file, doc = walked_documents(
+        offsets, c.n_logical_shards, c.seed, c.shard, c.epoch, c.pos + (c.offset > 0)
+    )
+    ids = [offsets[file] + doc]
+    eps = [c.epoch[entry]]
+    for e in range(int(c.epoch.min()), int(c.epoch.max())):
+        done = np.flatnonzero(c.epoch > e)  # whole shards consumed in epoch e
+        n = hi[done] - lo[done]
+        first = np.cumsum(n) - n
+        ids.append(np.repeat(lo[done] - first, n) + np.arange(int(n.sum()), dtype=np.int64))
+        eps.append(np.full(int(n.sum()), e, np.int64))
+    g = np.concatenate(ids)
+    epoch = np.concatenate(eps)
+    latest = np.full(int(offsets[-1]), -1, np.int64)
+    np.maximum.at(latest, g, epoch)
+    flight = np.zeros(len(g), bool)
+    if len(c.in_flight):
+        flight = np.isin(g, c.in_flight) & (epoch == latest[g])
+    order = np.lexsort((g, epoch))
+    g, epoch, flight = g[order], epoch[order], flight[order]
+    f = np.searchsorted(offsets, g, side="right") - 1
+    return f, g - offsets[f], epoch, flight
