@@ -49,7 +49,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from torchdata_ext.checkpoint import read_manifest, read_worker_states
-from torchdata_ext.graph import graph_nodes, reader_states, token_counters, walk_state
+from torchdata_ext.graph import graph_nodes, is_reader_state, reader_states, walk_state
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import merge_reader_states
@@ -421,11 +421,13 @@ def audit_checkpoint(
         if world.rank not in counted_ranks:
             counted_ranks.add(world.rank)
             lagging += int(meta.get("skip_batches", 0))
-        for counters in token_counters({"graph": graph}).values():
-            for name, v in counters.items():
-                delivered[name] = delivered.get(name, 0) + int(v)
+        # each found before the walk reaches the readers' per-shard cursors (outermost first)
+        mixer = _find(graph, ("sources", "tokens_delivered"))
         pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
         shuffle_state = _find(graph, ("draws", "exhausted", "source"))
+        if mixer is not None:
+            for name, v in mixer["tokens_delivered"].items():
+                delivered[name] = delivered.get(name, 0) + int(v)
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
             _, rows = buffered_provenance(shuffle_state)
@@ -438,7 +440,7 @@ def audit_checkpoint(
             for ds, f, d, start, stop in held:
                 pieces[ds]["pipeline"].append((f, d, start, stop))
         else:
-            readers = {st["dataset"]: st for st in reader_states({"graph": graph}).values()}
+            readers = _recorded_readers(graph, mixer)
         for name, st in readers.items():
             live[name].append(st)
     weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
@@ -531,10 +533,28 @@ def _check_matches(
 def _find(graph: dict[str, Any], keys: Iterable[str]) -> dict[str, Any] | None:
     """The first dict in a graph state that has all ``keys`` (outermost first)."""
     want = set(keys)
-    for _, x in walk_state(graph):
-        if isinstance(x, dict) and want <= set(x):
+    return _first(graph, lambda x: isinstance(x, dict) and want <= set(x))
+
+
+def _first(tree: Any, match: Callable[[Any], bool]) -> Any:
+    """The first value of a state tree that ``match`` accepts, outermost first (the walk
+    stops there, before the readers' per-shard cursors), or None."""
+    for _, x in walk_state(tree):
+        if match(x):
             return x
     return None
+
+
+def _recorded_readers(
+    graph: dict[str, Any], mixer: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """The reader states a graph state records, by dataset (under the mix's sources when
+    there is one: found without walking every shard cursor)."""
+    if mixer is None:
+        found = list(reader_states({"graph": graph}).values())
+    else:
+        found = [_first(src, is_reader_state) for src in mixer["sources"].values()]
+    return {st["dataset"]: st for st in found if st is not None}
 
 
 def _audit_dataset(
