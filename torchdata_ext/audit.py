@@ -259,8 +259,8 @@ class AuditReport:
             "tokenize/interleave/pack not known"
         )
         lines = [
-            f"checkpoint {self.checkpoint}: {self.world_size} ranks x {self.num_workers} "
-            f"workers, seed {self.seed} ({how})"
+            f"checkpoint {self.checkpoint}: {self.world_size} rank(s) x {self.num_workers} "
+            f"worker(s), seed {self.seed} ({how})"
         ]
         if self.lagging_batches:
             lines.append(
@@ -344,7 +344,7 @@ class AuditReport:
         flight = np.array(
             [100 * d.in_flight_documents / max(d.documents, 1) for d in self.datasets]
         )
-        fig = Figure(figsize=(8, 1.2 + 0.5 * len(names)), layout="constrained")
+        fig = Figure(figsize=(8, 1.6 + 0.5 * len(names)), layout="constrained")
         ax1, ax2 = fig.subplots(1, 2)
         ax1.barh(y, seen - np.minimum(flight, seen), color="#3b75af", label="delivered")
         ax1.barh(y, np.minimum(flight, seen), left=seen - np.minimum(flight, seen),
@@ -353,7 +353,8 @@ class AuditReport:
         ax1.set_yticks(y, [f"{d.name} (epoch {d.epoch_min})" for d in self.datasets])
         ax1.invert_yaxis()
         ax1.set_xlabel("% of the current epoch's documents consumed")
-        ax1.legend(loc="lower right", fontsize="small")
+        below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.3), "ncol": 2}
+        ax1.legend(fontsize="small", frameon=False, **below)
         share = [100 * (d.token_share or 0.0) for d in self.datasets]
         target = [100 * (d.target_share or 0.0) for d in self.datasets]
         ax2.barh(y - 0.2, share, height=0.4, color="#3b75af", label="delivered")
@@ -361,8 +362,9 @@ class AuditReport:
         ax2.set_yticks(y, names)
         ax2.invert_yaxis()
         ax2.set_xlabel("% of the tokens mixed")
-        ax2.legend(loc="lower right", fontsize="small")
-        fig.suptitle(f"audit of {os.path.basename(self.checkpoint.rstrip('/'))}", fontsize="medium")
+        ax2.legend(fontsize="small", frameon=False, **below)
+        where = "/".join(self.checkpoint.rstrip("/").split("/")[-2:])
+        fig.suptitle(f"audit of {where}", fontsize="medium")
         buf = io.BytesIO()
         suffix = os.path.splitext(str(url))[1].lstrip(".").lower() or "png"
         try:
