@@ -595,7 +595,7 @@ def _audit_dataset(
         shard_tokens = cum[bounds[shard + 1]] - cum[bounds[shard]]
     total_docs = int(offsets[-1])
     total_tokens = None if lengths is None else int(lengths.sum())
-    epochs = []
+    epochs: list[EpochConsumption] = []
     for e in range(int(epoch.min()), int(epoch.max()) + 1):
         docs = int(size[epoch > e].sum() + (pos + (offset > 0))[epoch == e].sum())
         if epochs and not docs:
