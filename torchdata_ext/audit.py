@@ -161,6 +161,32 @@ class _Cursors:
     in_flight: np.ndarray  # global document ids with a piece in flight, unique
 
 
+class _Held:
+    """One dataset's pieces in flight, by holder, reduced as each worker's are read: the
+    documents holding them (global ids) and their tokens (None when lengths are unknown)."""
+
+    def __init__(self, index: DatasetIndex, lengths: np.ndarray | None) -> None:
+        self._offsets = file_offsets(index.doc_counts)
+        self._lengths = lengths
+        self._ids: dict[str, list[np.ndarray]] = {h: [] for h in HOLDERS}
+        self.tokens: int | None = None if lengths is None else 0
+
+    def add(self, holder: str, pieces: Any) -> None:
+        """Pieces ``(file, doc, start, stop)`` (stop -1: to the document's end) held by
+        ``holder``."""
+        arr = np.asarray(pieces, np.int64).reshape(-1, 4)
+        ids = self._offsets[arr[:, 0]] + arr[:, 1]
+        self._ids[holder].append(np.unique(ids))
+        if self._lengths is not None and self.tokens is not None:
+            stop = np.where(arr[:, 3] < 0, self._lengths[ids], arr[:, 3])
+            self.tokens += int((stop - arr[:, 2]).sum())
+
+    def documents(self, holder: str | None = None) -> np.ndarray:
+        """The documents holding pieces (of ``holder``, or of any), unique."""
+        parts = self._ids[holder] if holder else [a for h in HOLDERS for a in self._ids[h]]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
 @dataclass(frozen=True)
 class AuditReport:
     """What a checkpoint says the run consumed (see :mod:`torchdata_ext.audit`).
@@ -413,9 +439,8 @@ def audit_checkpoint(
     datasets = build_datasets(cfg)
     _check_matches(url, manifest, cfg, datasets)
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
-    pieces: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
-        name: {h: [] for h in HOLDERS} for name in datasets
-    }
+    lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
+    held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
     delivered: dict[str, int] = {}
     lagging = 0
     counted_ranks: set[int] = set()
@@ -433,14 +458,17 @@ def audit_checkpoint(
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
             _, rows = buffered_provenance(shuffle_state)
-            for ds, f, d, start, length in rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)].tolist():
-                pieces[names[ds]]["shuffle_buffer"].append((f, d, start, start + length))
+            rows = rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)]
+            for i, name in enumerate(names):
+                mine = rows[rows[:, 0] == i]
+                stop = mine[:, 3] + mine[:, 4]
+                held[name].add("shuffle_buffer", np.column_stack([mine[:, 1:4], stop]))
         if replay and pack_state is not None:
             root = build_pipeline(cfg, world, datasets, collate=False)
             pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
-            readers, held = live_cut(pack, pack_state)
-            for ds, f, d, start, stop in held:
-                pieces[ds]["pipeline"].append((f, d, start, stop))
+            readers, cut = live_cut(pack, pack_state)
+            for name in datasets:
+                held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
         else:
             readers = _recorded_readers(graph, mixer)
         for name, st in readers.items():
@@ -452,17 +480,15 @@ def audit_checkpoint(
     cursors: dict[str, _Cursors] = {}
     for name, index in datasets.items():
         merged = merge_reader_states(live[name])
-        for cur in merged["shards"].values():
-            for f, d, start, stop in cur.get("returned", []):
-                pieces[name]["handed_back"].append((f, d, start, stop))
-        lengths = index.doc_lengths() if tokens else None
+        back = [p for cur in merged["shards"].values() for p in cur.get("returned", [])]
+        held[name].add("handed_back", back)
         w = weights[name]
         got = delivered.get(name)
         c, audit = _audit_dataset(
             index,
             merged,
-            pieces[name],
-            lengths,
+            held[name],
+            lengths[name],
             weight=w,
             target_share=None if w is None or not total_w else w / total_w,
             tokens_delivered=got,
@@ -562,7 +588,7 @@ def _recorded_readers(
 def _audit_dataset(
     index: DatasetIndex,
     merged: dict[str, Any],
-    held: dict[str, list[tuple[int, int, int, int]]],
+    held: _Held,
     lengths: np.ndarray | None,
     *,
     weight: float | None,
@@ -612,20 +638,8 @@ def _audit_dataset(
                 None if tok is None or not total_tokens else 100.0 * tok / total_tokens,
             )
         )
-    by_holder = {}
-    all_ids = []
-    flight_tokens: int | None = 0
-    for h in HOLDERS:
-        arr = np.asarray(held[h], np.int64).reshape(-1, 4)
-        ids = np.unique(offsets[arr[:, 0]] + arr[:, 1])
-        by_holder[h] = len(ids)
-        all_ids.append(ids)
-        if lengths is None:
-            flight_tokens = None
-        elif flight_tokens is not None:
-            stop = np.where(arr[:, 3] < 0, lengths[offsets[arr[:, 0]] + arr[:, 1]], arr[:, 3])
-            flight_tokens += int((stop - arr[:, 2]).sum())
-    in_flight = np.unique(np.concatenate(all_ids))
+    by_holder = {h: len(held.documents(h)) for h in HOLDERS}
+    in_flight = held.documents()
     cursors = _Cursors(index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight)
     audit = DatasetAudit(
         name=index.name,
@@ -638,7 +652,7 @@ def _audit_dataset(
         shards_done=int((epoch > epoch.min()).sum()),
         epochs=epochs,
         in_flight_documents=len(in_flight),
-        in_flight_tokens=flight_tokens,
+        in_flight_tokens=held.tokens,
         in_flight_by_holder=by_holder,
         skipped_documents=skips,
         weight=weight,
