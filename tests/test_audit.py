@@ -213,7 +213,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
     """Counted from a cursor in the middle of a document (``max_chunksize``; the audit of a
     checkpoint without replay meets them): the tokens of the pieces handed out, exactly."""
     from torchdata_ext import ShardReader, World
-    from torchdata_ext.audit import _audit_dataset
+    from torchdata_ext.audit import _audit_dataset, _Held
 
     index = build_datasets(cfg)["code"]
     reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, max_chunksize=4)
@@ -227,9 +227,9 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
         state = reader.state_dict()
         begun += any(c["offset"] for c in state["shards"].values())
     assert begun, "no cursor stopped inside a document: the test would test nothing"
-    empty = {"pipeline": [], "shuffle_buffer": [], "handed_back": []}
+    lengths = index.doc_lengths()
     _, audit = _audit_dataset(
-        index, state, empty, index.doc_lengths(),
+        index, state, _Held(index, lengths), lengths,
         weight=None, target_share=None, tokens_delivered=None, token_share=None,
     )  # fmt: skip
     assert audit.current.tokens == sum(got.values())
