@@ -305,3 +305,71 @@ def test_plot_without_matplotlib_names_the_extra(cfg, tmp_path, monkeypatch) -> 
     with pytest.raises(ImportError, match=r"torchdata-ext\[plot\]"):
         report.plot(str(tmp_path / "a.png"))
     assert report.changed_files is None  # the file check is not wired in yet
+
+
+def test_text_data_counts_documents_exactly_and_tokens_as_unknown(tmp_path) -> None:
+    """Text tokenized on the fly: documents are exact (lengths in tokens of the delivered
+    documents, read back through the pipeline), tokens are unknown."""
+    from torchdata_ext import World
+    from torchdata_ext.graph import graph_nodes
+    from torchdata_ext.nodes.pack import Pack
+    from torchdata_ext.testing import write_jsonl
+
+    rng = np.random.default_rng(11)
+    words = ["data", "loader", "audit", "token", "é", "shard"]
+    for name, n_docs in (("web", 60), ("code", 40)):
+        texts = [" ".join(rng.choice(words, 1 + int(rng.exponential(8)))) for _ in range(n_docs)]
+        for f in range(2):
+            write_jsonl(str(tmp_path / name / f"p{f}.jsonl"), texts[f::2])
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web,code", weights="2,1", file_type="jsonl",
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=8,
+        batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, mix_quantum_tokens=0,
+        output_keys="input_ids,provenance",
+    )  # fmt: skip
+    pack = next(
+        n
+        for n in graph_nodes(build_pipeline(cfg, World(0, 1, 0, 1), collate=False))
+        if isinstance(n, Pack)
+    )
+    lengths = {
+        (name, f, d): len(pack.fetch_document(name, f, d))
+        for name, index in build_datasets(cfg).items()
+        for f in range(len(index.files))
+        for d in range(int(index.doc_counts[f]))
+    }
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    delivered: Counter = Counter()
+    for step, batch in enumerate(loader, 1):
+        deliver(delivered, batch)
+        if step == 15:
+            break
+    save_checkpoint(loader, str(tmp_path / "c"))
+    report = audit_checkpoint(str(tmp_path / "c"), cfg)
+    full = {k for k, v in delivered.items() if v == lengths[k]}
+    assert rows(report, in_flight=False) == full and len(full) > 10
+    assert all(d.tokens is None and d.current.tokens is None for d in report.datasets)
+    assert "?" in report.format_table()
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_between_snapshots_describes_the_last_snapshot(cfg, tmp_path) -> None:
+    """With ``snapshot_every_n_steps=4`` a checkpoint at step 6 holds the state of step 4 and
+    the 2 batches since: the audit says so and is exact for step 4."""
+    lengths = lengths_of(cfg)
+    loader = TokenLoader(
+        functools.partial(build_pipeline, cfg), num_workers=1, snapshot_every_n_steps=4
+    )
+    delivered: Counter = Counter()
+    for step, batch in enumerate(loader, 1):
+        if step <= 4:
+            deliver(delivered, batch)
+        if step == 6:
+            break
+    save_checkpoint(loader, str(tmp_path / "c"))
+    report = audit_checkpoint(str(tmp_path / "c"), cfg)
+    assert report.lagging_batches == 2
+    assert "2 batches were delivered after the workers' last state snapshot" in (
+        report.format_table()
+    )
+    check_report(report, delivered, lengths)
