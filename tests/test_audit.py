@@ -373,3 +373,22 @@ def test_a_checkpoint_between_snapshots_describes_the_last_snapshot(cfg, tmp_pat
         report.format_table()
     )
     check_report(report, delivered, lengths)
+
+
+def test_checkpoint_and_list_on_any_fsspec_url(cfg) -> None:
+    """A checkpoint on ``memory://`` is audited, and the list written there, as on disk."""
+    import fsspec
+
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    for step, _ in enumerate(loader, 1):
+        if step == 5:
+            break
+    url = "memory://audit-test/ckpt"
+    save_checkpoint(loader, url)
+    report = audit_checkpoint(url, cfg)
+    assert report.checkpoint == url and report.datasets[0].current.documents > 0
+    n = report.write_documents("memory://audit-test/consumed.parquet")
+    with fsspec.open("memory://audit-test/consumed.parquet", "rb") as f:
+        assert pq.read_table(f).to_pydict() == report.documents().to_pydict()
+    assert n == report.documents().num_rows
+    fsspec.filesystem("memory").rm("memory://audit-test", recursive=True)
