@@ -323,7 +323,7 @@ def test_text_data_counts_documents_exactly_and_tokens_as_unknown(tmp_path) -> N
             write_jsonl(str(tmp_path / name / f"p{f}.jsonl"), texts[f::2])
     cfg = PipelineConfig(
         data_path=str(tmp_path), datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", tokenizer="byte", seq_length=32, eos_token=10, logical_shards=8,
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=8,
         batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, mix_quantum_tokens=0,
         output_keys="input_ids,provenance",
     )  # fmt: skip

@@ -360,7 +360,7 @@ def audit_checkpoint(
         if replay and pack_state is not None:
             root = build_pipeline(cfg, world, datasets, collate=False)
             pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
-            readers, cut = live_cut(pack, pack_state)
+            readers, cut, _ = live_cut(pack, pack_state)
             for name in datasets:
                 held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
         else:

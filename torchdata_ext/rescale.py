@@ -89,10 +89,11 @@ def _live_cut(
 
 def live_cut(
     root: BaseNode, state: dict[str, Any]
-) -> tuple[dict[str, dict[str, Any]], list[Piece]]:
+) -> tuple[dict[str, dict[str, Any]], list[Piece], dict[str, Budget]]:
     """Restore the graph under ``root`` from ``state`` and take a consistent cut: the live
-    state of each reader (after everything it handed out, by dataset) and every piece the nodes
-    above it hold in flight, ``(dataset, file, doc, start, stop)``.
+    state of each reader (after everything it handed out, by dataset), every piece the nodes
+    above it hold in flight, ``(dataset, file, doc, start, stop)``, and each budget's live
+    remaining share plus what was held in flight above its ``Take`` (by budget name).
 
     Args:
         root: a freshly built graph (or a subgraph, e.g. a Pack and what feeds it).
