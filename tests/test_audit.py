@@ -87,11 +87,14 @@ def check_report(report, delivered: Counter, lengths: dict) -> None:
         assert d.in_flight_documents == len({k for k in consumed - full if k[0] == d.name})
 
 
-@pytest.mark.parametrize("max_chunksize", [None, 7], ids=["whole", "chunked"])
+@pytest.mark.parametrize(
+    ("max_chunksize", "eval_fraction"), [(None, 0.0), (7, 0.0), (None, 0.25)],
+    ids=["whole", "chunked", "held_out_split"],
+)  # fmt: skip
 def test_consumed_between_two_checkpoints_is_what_was_delivered(
-    cfg, tmp_path, max_chunksize
+    cfg, tmp_path, max_chunksize, eval_fraction
 ) -> None:
-    cfg = dataclasses.replace(cfg, max_chunksize=max_chunksize)
+    cfg = dataclasses.replace(cfg, max_chunksize=max_chunksize, eval_fraction=eval_fraction)
     lengths = lengths_of(cfg)
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
     delivered: Counter = Counter()
@@ -112,7 +115,18 @@ def test_consumed_between_two_checkpoints_is_what_was_delivered(
     by = reports[9].datasets[0].in_flight_by_holder
     assert by["pipeline"] and by["shuffle_buffer"]
     web = reports[31].datasets[0]
-    assert (web.name, web.documents, web.files, web.epoch_min) == ("web", 160, 2, 0)
+    if eval_fraction:  # the held-out documents are in no count and no row
+        from torchdata_ext.split import heldout_documents
+
+        index = build_datasets(cfg)["web"]
+        held_out = {("web", f, d) for f, d in heldout_documents(index, cfg.eval_split("web"))}
+        assert web.held_out_documents == len(held_out) > 20
+        assert not held_out & rows(reports[31], epoch=None)
+        assert web.tokens == sum(n for k, n in lengths.items() if k[0] == "web") - sum(
+            lengths[k] for k in held_out
+        )
+    assert (web.name, web.documents + web.held_out_documents, web.files) == ("web", 160, 2)
+    assert web.epoch_min == 0
     assert web.target_share == pytest.approx(2 / 3)
     assert abs(web.token_share - 2 / 3) < 0.1
     assert sum(d.tokens_delivered for d in reports[31].datasets) > 31 * 2 * 30
@@ -230,7 +244,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
         raise AssertionError("no cursor stopped inside a document: the test would test nothing")
     lengths = index.doc_lengths()
     _, audit = _audit_dataset(
-        index, state, _Held(index, lengths), lengths,
+        index, state, _Held(index, lengths), lengths, None,
         weight=None, target_share=None, tokens_delivered=None, token_share=None,
     )  # fmt: skip
     assert audit.current.tokens == sum(got.values())

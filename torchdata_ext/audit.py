@@ -27,6 +27,11 @@ Definitions (what the numbers mean exactly):
   delivered in batches up to the checkpoint (``tests/test_audit.py`` checks this against
   the provenance of the delivered batches, between two checkpoints of one run).
 * A piece in flight is attributed to the latest epoch in which its document was consumed.
+* Documents held out for evaluation (``eval_fraction``, :mod:`torchdata_ext.split`) are
+  passed by the training readers' walk and never delivered: they are left out of every count,
+  total and row (``DatasetAudit.held_out_documents`` says how many).
+* Transforms that change a document's tokens (``truncate``...) do not change what is
+  consumed; "all of its tokens delivered" then means all that the transform kept.
 * Tokens are the tokens stored in the files (as the counts files count them, before
   ``strip_tokens``; the BOS/EOS the packer adds are not counted); they need each file's
   document lengths from its metadata (Arrow footer, ``.npy`` header, offsets index: read once,
@@ -73,6 +78,7 @@ from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.rescale import live_cut
 from torchdata_ext.shard_walk import walked_documents
 from torchdata_ext.shards import file_offsets, shard_bounds
+from torchdata_ext.split import EvalSplit, SplitFilter
 
 __all__ = ["AuditReport", "DatasetAudit", "EpochConsumption", "audit_checkpoint"]
 
@@ -104,8 +110,11 @@ class DatasetAudit:
     Attributes:
         name: the dataset name.
         files: its number of files.
-        documents: its documents (all files).
-        tokens: its tokens (counts files), None when unknown (text).
+        documents: its documents (all files), without those held out for evaluation.
+        held_out_documents: documents held out for evaluation (``eval_fraction``): the walk
+            passes them, the training pipeline never delivers them; left out of every count.
+        tokens: its tokens (counts files; held-out documents' excluded), None when unknown
+            (text).
         logical_shards: its logical shard count.
         epoch_min: the lowest epoch a logical shard is in (the epoch its cursor reads next):
             the dataset's current epoch.
@@ -129,6 +138,7 @@ class DatasetAudit:
     name: str
     files: int
     documents: int
+    held_out_documents: int
     tokens: int | None
     logical_shards: int
     epoch_min: int
@@ -162,6 +172,7 @@ class _Cursors:
     pos: np.ndarray
     offset: np.ndarray
     in_flight: np.ndarray  # global document ids with a piece in flight, unique
+    kept: np.ndarray | None  # per global document: on the training side (None: all are)
 
 
 class _Held:
@@ -383,6 +394,7 @@ def audit_checkpoint(
             merged,
             held[name],
             lengths[name],
+            _training_side(index, cfg.eval_split(name)),
             weight=w,
             target_share=None if w is None or not total_w else w / total_w,
             tokens_delivered=got,
@@ -467,6 +479,20 @@ def _first(tree: Any, match: Callable[[Any], bool]) -> Any:
     return None
 
 
+def _training_side(index: DatasetIndex, split: EvalSplit | None) -> np.ndarray | None:
+    """Per document of ``index`` (files in order): whether the training pipeline delivers it
+    (not held out by ``split``, decided as the reader decides: :class:`SplitFilter`); None
+    without a split."""
+    if split is None:
+        return None
+    keep = SplitFilter(split, "train", index.name, index.files)
+    offsets = file_offsets(index.doc_counts)
+    out = np.ones(int(offsets[-1]), bool)
+    for f, n in enumerate(index.doc_counts.tolist()):
+        out[offsets[f] : offsets[f + 1]] = keep.keep(f, np.arange(n))
+    return out
+
+
 def _recorded_readers(
     graph: dict[str, Any], mixer: dict[str, Any] | None
 ) -> dict[str, dict[str, Any]]:
@@ -484,6 +510,7 @@ def _audit_dataset(
     merged: dict[str, Any],
     held: _Held,
     lengths: np.ndarray | None,
+    kept: np.ndarray | None,
     *,
     weight: float | None,
     target_share: float | None,
@@ -511,13 +538,23 @@ def _audit_dataset(
         begun = np.flatnonzero(offset > 0)  # the last walked document of these: in part
         last = np.cumsum(np.bincount(entry, minlength=len(shard))) - 1
         doc_tokens[last[begun]] = offset[begun]
+        if kept is not None:
+            lengths = np.where(kept, lengths, 0)
         cum = np.concatenate([[0], np.cumsum(lengths)])
         shard_tokens = cum[bounds[shard + 1]] - cum[bounds[shard]]
-    total_docs = int(offsets[-1])
     total_tokens = None if lengths is None else int(lengths.sum())
+    if kept is not None:  # held-out documents are passed by the walk, never delivered
+        ck = np.concatenate([[0], np.cumsum(kept)])
+        size = ck[bounds[shard + 1]] - ck[bounds[shard]]
+        mine = kept[walked]
+        entry, walked = entry[mine], walked[mine]
+        if doc_tokens is not None:
+            doc_tokens = doc_tokens[mine]
+    walked_docs = np.bincount(entry, minlength=len(shard))
+    total_docs = int(offsets[-1]) if kept is None else int(kept.sum())
     epochs: list[EpochConsumption] = []
     for e in range(int(epoch.min()), int(epoch.max()) + 1):
-        docs = int(size[epoch > e].sum() + (pos + (offset > 0))[epoch == e].sum())
+        docs = int(size[epoch > e].sum() + walked_docs[epoch == e].sum())
         if epochs and not docs:
             break  # shards that finished an epoch wait at the next one, not begun
         tok = None
@@ -534,12 +571,13 @@ def _audit_dataset(
         )
     by_holder = {h: len(held.documents(h)) for h in HOLDERS}
     in_flight = held.documents()
-    cursors = _Cursors(index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight)
+    cursors = _Cursors(index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept)
     audit = DatasetAudit(
         name=index.name,
         files=len(index.files),
         documents=total_docs,
-        tokens=index.total_tokens if index.total_tokens >= 0 else total_tokens,
+        held_out_documents=int(offsets[-1]) - total_docs,
+        tokens=total_tokens if kept is not None or index.total_tokens < 0 else index.total_tokens,
         logical_shards=n,
         epoch_min=int(epoch.min()),
         epoch_max=int(epoch.max()),
@@ -576,6 +614,9 @@ def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
         eps.append(np.full(int(n.sum()), e, np.int64))
     g = np.concatenate(ids)
     epoch = np.concatenate(eps)
+    if c.kept is not None:  # held-out documents are never delivered: no row
+        mine = c.kept[g]
+        g, epoch = g[mine], epoch[mine]
     latest = np.full(int(offsets[-1]), -1, np.int64)
     np.maximum.at(latest, g, epoch)
     flight = np.zeros(len(g), bool)
