@@ -18,14 +18,16 @@ Definitions (what the numbers mean exactly):
 * A document is **consumed** in epoch ``e`` once it has left its reader in that epoch: its
   logical shard's walk (:mod:`torchdata_ext.shard_walk`) has passed it, or the reader has
   handed out the first piece of it (a document cut by ``max_chunksize``). Documents the walk
-  passed and dropped (shorter than ``min_length``, or skipped by ``on_error="skip"``: counted
-  in ``skipped``) count as consumed: the epoch will not return to them.
+  passed and dropped (shorter than ``min_length``, skipped by ``on_error="skip"``: counted
+  in ``skipped``, or dropped by a filter transform) count as consumed: the epoch will not
+  return to them, and they are never delivered.
 * A consumed document is **in flight** while some of its tokens have not been delivered to
   the trainer: held by a node between the reader and the batch (tokenize, interleave, pack),
   sitting in the shuffle buffer, or handed back by a rescale and not yet read again. So the
   documents consumed and not in flight are exactly the documents all of whose tokens were
-  delivered in batches up to the checkpoint (``tests/test_audit.py`` checks this against
-  the provenance of the delivered batches, between two checkpoints of one run).
+  delivered in batches up to the checkpoint, and those dropped as above
+  (``tests/test_audit.py`` and ``tests/test_kill.py`` check this against the provenance of
+  the delivered batches, between two checkpoints of one run).
 * A piece in flight is attributed to the latest epoch in which its document was consumed.
 * Documents held out for evaluation (``eval_fraction``, :mod:`torchdata_ext.split`) are
   passed by the training readers' walk and never delivered: they are left out of every count,
