@@ -70,7 +70,13 @@ import pyarrow as pa
 from torchdata_ext import _audit_render
 from torchdata_ext._audit_render import HOLDERS
 from torchdata_ext.checkpoint import read_manifest, read_worker_states
-from torchdata_ext.graph import graph_nodes, is_reader_state, reader_states, walk_state
+from torchdata_ext.graph import (
+    graph_nodes,
+    is_reader_state,
+    reader_states,
+    token_counters,
+    walk_state,
+)
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import merge_reader_states
@@ -355,12 +361,11 @@ def audit_checkpoint(
         if world.rank not in counted_ranks:
             counted_ranks.add(world.rank)
             lagging += int(meta.get("skip_batches", 0))
-        # each found before the walk reaches the readers' per-shard cursors (outermost first)
-        mixer = _find(graph, ("sources", "tokens_delivered"))
+        # the outermost pack and shuffle buffer; every mix (one per curriculum phase)
         pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
         shuffle_state = _find(graph, ("draws", "exhausted", "source"))
-        if mixer is not None:
-            for name, v in mixer["tokens_delivered"].items():
+        for counters in token_counters({"graph": graph}).values():
+            for name, v in counters.items():
                 delivered[name] = delivered.get(name, 0) + int(v)
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
@@ -376,8 +381,10 @@ def audit_checkpoint(
             readers, cut, _ = live_cut(pack, pack_state)
             for name in datasets:
                 held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
-        else:
-            readers = _recorded_readers(graph, mixer)
+        else:  # the outermost state of each reader (a curriculum's phases repeat it)
+            readers = {}
+            for st in reader_states({"graph": graph}).values():
+                readers.setdefault(st["dataset"], st)
         for name, st in readers.items():
             live[name].append(st)
     weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
@@ -473,9 +480,9 @@ def _find(graph: dict[str, Any], keys: Iterable[str]) -> dict[str, Any] | None:
 
 
 def _first(tree: Any, match: Callable[[Any], bool]) -> Any:
-    """The first value of a state tree that ``match`` accepts, outermost first (the walk
-    stops there, before the readers' per-shard cursors), or None."""
-    for _, x in walk_state(tree):
+    """The first value of a state tree that ``match`` accepts, outermost first (readers'
+    per-shard cursors are not walked), or None."""
+    for _, x in walk_state(tree, prune=is_reader_state):
         if match(x):
             return x
     return None
@@ -493,18 +500,6 @@ def _training_side(index: DatasetIndex, split: EvalSplit | None) -> np.ndarray |
     for f, n in enumerate(index.doc_counts.tolist()):
         out[offsets[f] : offsets[f + 1]] = keep.keep(f, np.arange(n))
     return out
-
-
-def _recorded_readers(
-    graph: dict[str, Any], mixer: dict[str, Any] | None
-) -> dict[str, dict[str, Any]]:
-    """The reader states a graph state records, by dataset (under the mix's sources when
-    there is one: found without walking every shard cursor)."""
-    if mixer is None:
-        found = list(reader_states({"graph": graph}).values())
-    else:
-        found = [_first(src, is_reader_state) for src in mixer["sources"].values()]
-    return {st["dataset"]: st for st in found if st is not None}
 
 
 def _audit_dataset(
