@@ -406,3 +406,56 @@ def test_checkpoint_and_list_on_any_fsspec_url(cfg) -> None:
         assert pq.read_table(f).to_pydict() == report.documents().to_pydict()
     assert n == report.documents().num_rows
     fsspec.filesystem("memory").rm("memory://audit-test", recursive=True)
+
+
+def test_curriculum_phases_budget_and_a_finished_dataset(cfg, tmp_path) -> None:
+    """Phase 0: web for 600 tokens (a budget); phase 1: code alone until exhausted
+    (``epochs=1``). Exact mid-run and at the end."""
+    phased = dataclasses.replace(
+        cfg,
+        epochs=1,
+        weights=[],
+        phases=[{"datasets": "web", "max_tokens": 600}, {"datasets": "code"}],
+    )
+    lengths = lengths_of(phased)
+    loader = TokenLoader(functools.partial(build_pipeline, phased))
+    delivered: Counter = Counter()
+    for step, batch in enumerate(loader, 1):
+        deliver(delivered, batch)
+        if step == 8:
+            save_checkpoint(loader, str(tmp_path / "c8"))
+            report = audit_checkpoint(str(tmp_path / "c8"), phased)
+            full = {k for k, v in delivered.items() if v == lengths[k]}
+            assert rows(report, in_flight=False, epoch=None) == full
+    save_checkpoint(loader, str(tmp_path / "end"))  # the run is over: all delivered
+    report = audit_checkpoint(str(tmp_path / "end"), phased)
+    full = {k for k, v in delivered.items() if v == lengths[k]}
+    assert rows(report, in_flight=False, epoch=None) == full
+    web, code = report.datasets
+    assert (code.current.epoch, code.current.percent_documents) == (0, 100.0)
+    assert code.current.tokens == code.tokens
+    assert 0 < web.current.documents < web.documents  # the budget ended web's phase
+    assert web.tokens_delivered > 0 and code.tokens_delivered > 0
+
+
+def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
+    """A reader with ``epochs=1`` read to its end has every shard waiting at epoch 1: the
+    current epoch is the finished one, 100% consumed, every document listed."""
+    from torchdata_ext import ShardReader, World
+    from torchdata_ext.audit import _audit_dataset, _document_rows, _Held
+
+    index = build_datasets(cfg)["code"]
+    reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, epochs=1)
+    reader.reset()
+    assert sum(len(b) for b in reader) == 80
+    state = reader.state_dict()
+    assert {c["epoch"] for c in state["shards"].values()} == {1}
+    lengths = index.doc_lengths()
+    cursors, audit = _audit_dataset(
+        index, state, _Held(index, lengths), lengths, None,
+        weight=None, target_share=None, tokens_delivered=None, token_share=None,
+    )  # fmt: skip
+    assert (audit.epoch_min, audit.current.epoch, audit.current.documents) == (1, 0, 80)
+    assert audit.current.tokens == int(lengths.sum()) and len(audit.epochs) == 1
+    file, doc, epoch, flight = _document_rows(cursors)
+    assert len(file) == 80 and set(epoch.tolist()) == {0} and not flight.any()

@@ -128,8 +128,11 @@ class DatasetAudit:
             the dataset's current epoch.
         epoch_max: the highest (a shard that finished epoch ``e`` is in ``e + 1``).
         shards_done: logical shards that finished ``epoch_min`` (now in a later epoch).
-        epochs: consumption per epoch, from ``epoch_min`` to the last epoch any document was
-            consumed in.
+        epochs: consumption per epoch, from the current one to the last one any document
+            was consumed in. The current epoch is ``epoch_min``, or the one before it when
+            that one is complete and no shard has begun ``epoch_min`` yet (an epoch boundary,
+            or a finished ``epochs=N`` run: 100%) or some of its documents are still in
+            flight.
         in_flight_documents: consumed documents with tokens not yet delivered.
         in_flight_tokens: tokens in flight (None when unknown).
         in_flight_by_holder: in-flight documents by where they are held: ``pipeline``
@@ -164,7 +167,7 @@ class DatasetAudit:
 
     @property
     def current(self) -> EpochConsumption:
-        """The consumption of the current epoch (``epoch_min``)."""
+        """The consumption of the current epoch: ``epochs[0]`` (see ``epochs``)."""
         return self.epochs[0]
 
 
@@ -181,6 +184,7 @@ class _Cursors:
     offset: np.ndarray
     in_flight: np.ndarray  # global document ids with a piece in flight, unique
     kept: np.ndarray | None  # per global document: on the training side (None: all are)
+    first: int  # the first epoch listed (_first_epoch)
 
 
 class _Held:
@@ -549,8 +553,10 @@ def _audit_dataset(
             doc_tokens = doc_tokens[mine]
     walked_docs = np.bincount(entry, minlength=len(shard))
     total_docs = int(offsets[-1]) if kept is None else int(kept.sum())
+    in_flight = held.documents()
+    first = _first_epoch(epoch, pos, offset, walked, in_flight)
     epochs: list[EpochConsumption] = []
-    for e in range(int(epoch.min()), int(epoch.max()) + 1):
+    for e in range(first, int(epoch.max()) + 1):
         docs = int(size[epoch > e].sum() + walked_docs[epoch == e].sum())
         if epochs and not docs:
             break  # shards that finished an epoch wait at the next one, not begun
@@ -567,8 +573,9 @@ def _audit_dataset(
             )
         )
     by_holder = {h: len(held.documents(h)) for h in HOLDERS}
-    in_flight = held.documents()
-    cursors = _Cursors(index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept)
+    cursors = _Cursors(
+        index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept, first
+    )
     audit = DatasetAudit(
         name=index.name,
         files=len(index.files),
@@ -592,6 +599,27 @@ def _audit_dataset(
     return cursors, audit
 
 
+def _first_epoch(
+    epoch: np.ndarray,
+    pos: np.ndarray,
+    offset: np.ndarray,
+    walked: np.ndarray,
+    in_flight: np.ndarray,
+) -> int:
+    """The first epoch to list: the lowest a shard is in, or the one before it when that one
+    is complete (every shard is past it) and either no shard has begun the next (a finished
+    run, or an epoch boundary) or documents of it are still in flight (not consumed since)."""
+    low = int(epoch.min())
+    if low == 0:
+        return 0
+    at_low = epoch == low
+    if not ((pos > 0) | (offset > 0))[at_low].any():
+        return low - 1
+    if len(in_flight) and not np.isin(in_flight, walked).all():
+        return low - 1
+    return low
+
+
 def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(file, doc, epoch, in_flight)`` of every document ``c`` consumed, sorted by epoch,
     file and document."""
@@ -603,7 +631,7 @@ def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     )
     ids = [offsets[file] + doc]
     eps = [c.epoch[entry]]
-    for e in range(int(c.epoch.min()), int(c.epoch.max())):
+    for e in range(c.first, int(c.epoch.max())):
         done = np.flatnonzero(c.epoch > e)  # whole shards consumed in epoch e
         n = hi[done] - lo[done]
         first = np.cumsum(n) - n
