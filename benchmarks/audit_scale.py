@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +47,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="audit_scale_"))
+    try:
+        _run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, root: Path) -> None:
     rng = np.random.default_rng(0)
     per_file = -(-args.shards // 3) + 1_760
     for name in ("a", "b", "c"):
