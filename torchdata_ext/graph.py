@@ -110,7 +110,9 @@ _BUDGET_STATE_KEYS = frozenset({"name", "remaining_tokens", "remaining_documents
 def budget_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """The states of the budget (``Take``) nodes inside a graph state, by path."""
     return {
-        p: x for p, x in walk_state(graph) if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
+        p: x
+        for p, x in walk_state(graph, prune=is_reader_state)
+        if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
     }
 
 
