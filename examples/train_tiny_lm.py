@@ -26,6 +26,9 @@ What it does, and checks:
 5. **Verify**: every delivered sequence equals the tokens its provenance names, read back from
    the shard files; no token of any document was delivered twice (before or after the resume,
    on any rank); and the loss went down from the start and continued after the resume.
+6. **Audit** the final loader checkpoint (:func:`torchdata_ext.audit.audit_checkpoint`): print
+   what it says each dataset consumed, and check that its tokens consumed minus those in
+   flight equal the document tokens delivered.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torchdata.nodes import BaseNode
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
+from torchdata_ext.audit import audit_checkpoint
 from torchdata_ext.checkpoint import DCPLoaderState, graph_nodes, load_checkpoint, save_checkpoint
 from torchdata_ext.cli import prepare
 from torchdata_ext.nodes.collate import DEFAULT_KEYS, Collate
@@ -335,6 +339,8 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
     loader2 = TokenLoader(build_fn, num_workers=args.resume_workers)
     load_checkpoint(loader2, os.path.join(ckpt, "loader"))  # rescales 2 -> 3 workers
     losses2 = train_steps(model2, opt2, loader2, args.resume_steps, rec)
+    final = os.path.join(data_dir, "ckpt", f"step_{args.steps + args.resume_steps}", "loader")
+    save_checkpoint(loader2, final)
     del loader2
     say(f"phase 2 ({args.resume_workers} workers): {args.resume_steps} steps, loss {losses2[0]:.3f} -> "
         f"{losses2[-1]:.3f}")  # fmt: skip
@@ -359,6 +365,21 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
               f"{after:.3f} after the resume")  # fmt: skip
         if repeated:
             raise SystemExit("FAILED: a document's tokens were delivered twice in the epoch")
+        # -- what the final checkpoint says was consumed, checked against what was delivered
+        audit = audit_checkpoint(final, cfg)
+        print(audit.format_table())
+        checked = []  # datasets still in their first epoch: every token delivered is counted
+        for ds in audit.datasets:
+            if [e.epoch for e in ds.epochs] != [0] or ds.current.tokens is None:
+                continue
+            got = sum(p[4] for p in pieces if DATASETS[p[0]] == ds.name)
+            if ds.current.tokens - (ds.in_flight_tokens or 0) != got:
+                raise SystemExit(
+                    f"FAILED: the audit of {ds.name} disagrees with what was delivered"
+                )
+            checked.append(f"{ds.name} {got:,}")
+        print(f"verified: the audit's tokens consumed minus those in flight equal the document "
+              f"tokens delivered ({', '.join(checked)})")  # fmt: skip
         if not ok_loss or not math.isfinite(after):
             raise SystemExit("FAILED: the loss did not decrease and continue after the resume")
         print(f"OK: trained {args.steps}+{args.resume_steps} steps, resumed from DCP + loader "

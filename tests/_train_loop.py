@@ -28,13 +28,17 @@ def build_reader(root: str, world: World) -> ShardReader:
     return ShardReader(DatasetIndex.build(root), 16, world=world, epochs=1, block_docs=3, seed=4)
 
 
-def build_full(root: str, world: World) -> BaseNode:
-    cfg = PipelineConfig(
+def full_config(root: str) -> PipelineConfig:
+    """The ``--pipeline`` config (the kill test audits its checkpoints with it)."""
+    return PipelineConfig(
         data_path=root, datasets="web,code", weights="2,1", seq_length=16, eos_token=0,
         logical_shards=12, shuffle_buffer=4, block_docs=3, epochs=1, mix_quantum_tokens=0,
         seed=4,
     )  # fmt: skip
-    return build_pipeline(cfg, world, collate=False)
+
+
+def build_full(root: str, world: World) -> BaseNode:
+    return build_pipeline(full_config(root), world, collate=False)
 
 
 def items(out, pipeline: bool) -> list[str]:

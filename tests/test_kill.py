@@ -26,6 +26,13 @@ def _kill_then_resume(data, tmp_path, extra: list[str]) -> list[str]:
     """Run the loop with 2 workers, SIGKILL it after 1-3 checkpoints, resume it with 3 workers
     from the last complete checkpoint; the items delivered, steps redone after the resume
     point counted once (from the resumed run)."""
+    return [item for _, items in _timeline(data, tmp_path, extra) for item in items]
+
+
+def _timeline(data, tmp_path, extra: list[str]) -> list[tuple[int | str, list[str]]]:
+    """:func:`_kill_then_resume`'s run as it counts: ``(step, items)`` per step, with
+    ``("CHECKPOINT n", [])`` where a checkpoint that counts was saved (the resume point, and
+    those of the resumed run)."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
     ckpt.mkdir()
     script = os.path.join(HERE, "_train_loop.py")
@@ -50,15 +57,17 @@ def _kill_then_resume(data, tmp_path, extra: list[str]) -> list[str]:
     # steps logged after the resumed checkpoint but before the kill were redone: drop them
     lines = log.read_text().splitlines()
     resume_at = int(next(ln for ln in lines if ln.startswith("RESUME")).split()[1])
-    delivered: list[str] = []
+    out: list[tuple[int | str, list[str]]] = []
     phase = "first"
     for ln in lines:
         head = ln.split()[0]
         if head == "RESUME":
             phase = "second"
         elif head.isdigit() and (phase == "second" or int(head) <= resume_at):
-            delivered += ln.split()[1:]
-    return delivered
+            out.append((int(head), ln.split()[1:]))
+        elif head == "CHECKPOINT" and (phase == "second" or int(ln.split()[1]) == resume_at):
+            out.append((ln, []))
+    return out
 
 
 @pytest.mark.multiprocess
@@ -93,7 +102,39 @@ def test_kill_full_pipeline_and_restart_with_other_worker_count(tmp_path) -> Non
             for d, doc in enumerate(docs[f::2]):
                 lengths[(ds, f, d)] = len(doc)
     coverage: dict = {}
-    for item in _kill_then_resume(tmp_path / "data", tmp_path, ["--pipeline"]):
-        ds, f, d, start, length = map(int, item.split(","))
-        coverage.setdefault((ds, f, d), []).append((start, start + length))
+    delivered: collections.Counter = collections.Counter()
+    fully: dict[int, set] = {}  # per checkpoint that counts: the documents delivered whole
+    for step, items in _timeline(tmp_path / "data", tmp_path, ["--pipeline"]):
+        if isinstance(step, str):
+            n = int(step.split()[1])
+            fully[n] = {k for k, v in delivered.items() if v == lengths[k]}
+        for item in items:
+            ds, f, d, start, length = map(int, item.split(","))
+            coverage.setdefault((ds, f, d), []).append((start, start + length))
+            delivered[(ds, f, d)] += length
     check_exactly_once(coverage, lengths)
+    # the audit of two checkpoints (the resume point, saved at 2 workers, and the last one of
+    # the resumed run, at 3): the documents that became consumed and not in flight between
+    # them are exactly those whose last token was delivered between them
+    from _train_loop import full_config
+
+    from torchdata_ext.audit import audit_checkpoint
+
+    first, last = min(fully), max(fully)
+    assert last > first, "the resumed run saved no checkpoint; make it longer"
+    settled = {}
+    for n in (first, last):
+        t = audit_checkpoint(
+            str(tmp_path / "ckpt" / f"step_{n}"), full_config(str(tmp_path / "data"))
+        ).documents()
+        ids = {"web": 0, "code": 1}
+        settled[n] = {
+            (ids[ds], f, d)
+            for ds, f, d, fl in zip(
+                *(t[c].to_pylist() for c in ("dataset", "file_index", "doc", "in_flight"))
+            )
+            if not fl
+        }
+        assert settled[n] == fully[n]
+    assert settled[last] - settled[first] == fully[last] - fully[first]
+    assert len(settled[last]) > len(settled[first])

@@ -9,9 +9,11 @@ order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`P
 :func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
 runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
 restores and rescales it. :func:`prepare` tokenizes text files into token shards and
-:func:`inspect_dataset` summarizes a dataset (the ``torchdata-ext`` command calls both).
+:func:`inspect_dataset` summarizes a dataset and :func:`audit_checkpoint` says what a checkpoint
+consumed (the ``torchdata-ext`` command calls all three).
 """
 
+from torchdata_ext.audit import AuditReport, audit_checkpoint
 from torchdata_ext.document import Document, DocumentBlock
 from torchdata_ext.evaluation import EvalLoader
 from torchdata_ext.index import DatasetIndex
@@ -45,6 +47,7 @@ from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
 
 __all__ = [
+    "AuditReport",
     "ByteTokenizer",
     "Collate",
     "Concat",
@@ -70,6 +73,7 @@ __all__ = [
     "TokenLoader",
     "TransformDocuments",
     "World",
+    "audit_checkpoint",
     "build_datasets",
     "build_eval_pipeline",
     "build_pipeline",

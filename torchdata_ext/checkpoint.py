@@ -42,6 +42,7 @@ import json
 import logging
 import pickle
 import posixpath
+from collections.abc import Iterator
 from typing import Any
 
 from torchdata.nodes import BaseNode
@@ -73,6 +74,8 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "DCPLoaderState",
     "load_checkpoint",
+    "read_manifest",
+    "read_worker_states",
     "rescale_worker_states",
     "save_checkpoint",
 ]
@@ -275,6 +278,30 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
             f"(this version reads format {CHECKPOINT_FORMAT})"
         )
     return manifest
+
+
+def read_worker_states(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> Iterator[tuple[World, dict[str, Any], dict[str, Any]]]:
+    """Every worker's graph state in checkpoint folder ``url``, one at a time (each checked
+    against the sha256 its rank recorded), for tools that look at a whole checkpoint.
+
+    Args:
+        url: the checkpoint folder (any fsspec URL).
+        storage_options: fsspec options for ``url``.
+
+    Yields:
+        ``(world, rank_meta, graph)``: the worker's place when the checkpoint was taken, its
+        rank's ``rank_*.json`` (``next_worker``, ``skip_batches``) and its graph state.
+    """
+    manifest = read_manifest(url, storage_options)
+    checked = manifest.get("checksums") == _CHECKSUMS
+    ranks, workers = int(manifest["world_size"]), int(manifest["num_workers"])
+    for r in range(ranks):
+        meta = _read_rank(url, r, storage_options, checked)
+        for w in range(workers):
+            graph = _read_worker(url, r * workers + w, meta, storage_options)
+            yield World(r, ranks, w, workers), meta, graph
 
 
 def load_checkpoint(

@@ -1,4 +1,5 @@
-"""The ``torchdata-ext`` command: ``prepare`` text into token shards, ``inspect`` a dataset.
+"""The ``torchdata-ext`` command: ``prepare`` text into token shards, ``inspect`` a dataset,
+``audit`` a checkpoint.
 
 This module only parses arguments, calls the library and prints: the work is
 :func:`torchdata_ext.prepare_data.prepare` and :func:`torchdata_ext.inspect_data.inspect_dataset`
@@ -13,6 +14,11 @@ flat ``.npy`` or Mosaic MDS token shards; each option is the keyword argument of
 ``torchdata-ext inspect PATH`` prints files, documents, tokens and a length histogram of a
 dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), decoded with
 ``--tokenizer`` (default: the tokenizer ``prepare`` recorded with the data), cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
+
+``torchdata-ext audit CKPT --config cfg.yaml`` prints what a loader checkpoint consumed
+(:func:`torchdata_ext.audit.audit_checkpoint`): a table, or ``--json``; ``--list out.parquet``
+writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
+extra).
 
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
@@ -33,17 +39,18 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from torchdata_ext.audit import audit_checkpoint
 from torchdata_ext.inspect_data import inspect_dataset
 from torchdata_ext.prepare_data import PrepareResult, prepare
 from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
 from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
 
-__all__ = ["PrepareResult", "cli_message", "inspect_dataset", "main", "prepare"]
+__all__ = ["PrepareResult", "audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
 
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name, and words for what the
 # command line sets outside its flags
-_ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}}
+_ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
 _WORDS = {"storage_options": "the storage credentials (fsspec configuration)"}
 
 
@@ -115,6 +122,26 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --doc: the whole document (default: 1,000 tokens, 10,000 characters)",
     )
+
+    ap = sub.add_parser(
+        "audit",
+        help="what a checkpoint consumed, per dataset and epoch",
+        description="What a loader checkpoint says the run consumed: per dataset, the epochs "
+        "of its logical shards, documents and tokens consumed per epoch, documents in flight, "
+        "token share against the target (see python -m pydoc torchdata_ext.audit).",
+    )
+    ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint")
+    ap.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--list", default=None, metavar="OUT.parquet",
+                    help="write one row per document consumed to this Parquet file")  # fmt: skip
+    ap.add_argument("--plot", default=None, metavar="AUDIT.png",
+                    help="draw the consumption per dataset (needs matplotlib)")  # fmt: skip
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="read only the checkpoint and counts (pieces held by the pipeline "
+                    "unknown)")  # fmt: skip
+    ap.add_argument("--no-tokens", dest="tokens", action="store_false",
+                    help="skip token counts (no file metadata read)")  # fmt: skip
     return p
 
 
@@ -195,6 +222,9 @@ def _report(command: str, caught: list[warnings.WarningMessage], flags: dict[str
 
 def _run(args: argparse.Namespace) -> None:
     """Do the parsed command."""
+    if args.command == "audit":
+        _audit(args)
+        return
     compression = None if args.compression == "none" else args.compression
     if args.command == "prepare":
         shard_id, num_shards = args.shard_id, args.num_shards
@@ -238,6 +268,18 @@ def _run(args: argparse.Namespace) -> None:
             full=args.full,
             out=sys.stdout,
         )
+
+
+def _audit(args: argparse.Namespace) -> None:
+    """``torchdata-ext audit``: print the report, write the list and the picture."""
+    report = audit_checkpoint(args.checkpoint, args.config, replay=args.replay, tokens=args.tokens)
+    print(report.to_json() if args.json else report.format_table())
+    if args.list:
+        n = report.write_documents(args.list)
+        print(f"wrote {n:,} documents to {args.list}", file=sys.stderr)
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Nothing here imports the loader, rescaling or checkpoint modules, so all of them
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchdata.nodes import BaseNode
@@ -61,20 +61,27 @@ def graph_nodes(root: BaseNode) -> list[BaseNode]:
     return out
 
 
-def walk_state(x: Any, path: tuple = ()) -> Iterable[tuple[tuple, Any]]:
+def walk_state(
+    x: Any, path: tuple = (), prune: Callable[[Any], bool] | None = None
+) -> Iterable[tuple[tuple, Any]]:
     """Every value of a state tree with its path (dict keys and list indices), ``x`` first.
 
     Args:
         x: a state tree: nested dicts and lists of plain values.
         path: the path of ``x`` itself (prefixed to every path yielded).
+        prune: values for which this is true are yielded but not walked into (e.g.
+            :func:`is_reader_state`: a reader's per-shard cursors, tens of thousands of
+            dicts, hold no other node's state).
     """
     yield path, x
+    if prune is not None and prune(x):
+        return
     if isinstance(x, dict):
         for k, v in x.items():
-            yield from walk_state(v, (*path, k))
+            yield from walk_state(v, (*path, k), prune)
     elif isinstance(x, list):
         for i, v in enumerate(x):
-            yield from walk_state(v, (*path, i))
+            yield from walk_state(v, (*path, i), prune)
 
 
 def is_reader_state(x: Any) -> bool:
@@ -84,7 +91,7 @@ def is_reader_state(x: Any) -> bool:
 
 def reader_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """The reader states inside a graph state, by path."""
-    return {p: x for p, x in walk_state(graph) if is_reader_state(x)}
+    return {p: x for p, x in walk_state(graph, prune=is_reader_state) if is_reader_state(x)}
 
 
 def token_counters(graph: dict[str, Any]) -> dict[tuple, dict[str, int]]:
@@ -92,7 +99,7 @@ def token_counters(graph: dict[str, Any]) -> dict[tuple, dict[str, int]]:
     state, by path (ending in ``"tokens_delivered"``)."""
     return {
         (*p, "tokens_delivered"): x["tokens_delivered"]
-        for p, x in walk_state(graph)
+        for p, x in walk_state(graph, prune=is_reader_state)
         if isinstance(x, dict) and isinstance(x.get("tokens_delivered"), dict)
     }
 
@@ -103,7 +110,9 @@ _BUDGET_STATE_KEYS = frozenset({"name", "remaining_tokens", "remaining_documents
 def budget_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """The states of the budget (``Take``) nodes inside a graph state, by path."""
     return {
-        p: x for p, x in walk_state(graph) if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
+        p: x
+        for p, x in walk_state(graph, prune=is_reader_state)
+        if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
     }
 
 

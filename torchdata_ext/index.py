@@ -139,6 +139,32 @@ class DatasetIndex:
             self.file_type, storage_options=self.storage_options, **self.handler_options
         )
 
+    def doc_lengths(self, *, read_documents: bool = False) -> np.ndarray | None:
+        """Every document's length, files in order (``int64``, ``total_docs`` values): tokens
+        as stored in the files (before any ``strip_tokens``), from each file's metadata
+        (:meth:`FileHandler.doc_lengths <torchdata_ext.handlers.base.FileHandler.doc_lengths>`:
+        Arrow footers, ``.npy`` headers, offset indexes), so no document is read.
+
+        Args:
+            read_documents: where a file has no length metadata (text formats), read its
+                documents and measure them (characters for text); False returns None then.
+        """
+        handler = self.handler()
+        out = []
+        for url in self.files:
+            reader = with_retries(partial(handler.open, url), url, what="open")
+            try:
+                lengths = handler.doc_lengths(reader)
+                if lengths is None or handler.produces_for(reader) == "text":
+                    if not read_documents:
+                        return None
+                    n = handler.length(reader)
+                    lengths = np.array([len(handler.get(reader, i)) for i in range(n)], np.int64)
+                out.append(np.asarray(lengths, dtype=np.int64))
+            finally:
+                handler.close(reader)
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
     def fingerprint(self) -> str:
         """A short hash of file names (relative to their common folder) and document counts.
 

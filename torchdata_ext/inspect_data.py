@@ -186,19 +186,8 @@ def _file_type_of(path: str, file_type: str | None, storage_options: dict[str, A
 
 def _doc_lengths(index: DatasetIndex) -> np.ndarray:
     """Every document's length: tokens, or characters for text files."""
-    handler = index.handler()
-    out = []
-    for url in index.files:
-        reader = handler.open(url)
-        try:
-            lengths = handler.doc_lengths(reader)
-            if lengths is None or handler.produces_for(reader) == "text":
-                n = handler.length(reader)
-                lengths = np.array([len(handler.get(reader, i)) for i in range(n)], np.int64)
-            out.append(np.asarray(lengths, dtype=np.int64))
-        finally:
-            handler.close(reader)
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+    lengths = index.doc_lengths(read_documents=True)  # never None when reading documents
+    return np.zeros(0, np.int64) if lengths is None else lengths
 
 
 def _folder_of(path: str, storage_options: dict[str, Any] | None) -> str:

@@ -47,7 +47,7 @@ from torchdata_ext.shards import (
 )
 from torchdata_ext.world import World
 
-__all__ = ["old_workers_needed", "rescale_worker_states"]
+__all__ = ["live_cut", "old_workers_needed", "rescale_worker_states"]
 
 Piece = tuple[str, int, int, int, int]  # (dataset, file, doc, start, stop)
 Budget = tuple[int | None, int | None]  # (tokens, documents) left; None: not budgeted
@@ -84,7 +84,25 @@ def _live_cut(
     live remaining share plus what was held in flight above its ``Take`` (by budget name)."""
     root = build(world)
     graph_state = _with_added_sources(graph_state, root)
-    root.reset(graph_state)
+    return live_cut(root, graph_state)
+
+
+def live_cut(
+    root: BaseNode, state: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], list[Piece], dict[str, Budget]]:
+    """Restore the graph under ``root`` from ``state`` and take a consistent cut: the live
+    state of each reader (after everything it handed out, by dataset), every piece the nodes
+    above it hold in flight, ``(dataset, file, doc, start, stop)``, and each budget's live
+    remaining share plus what was held in flight above its ``Take`` (by budget name).
+
+    Args:
+        root: a freshly built graph (or a subgraph, e.g. a Pack and what feeds it).
+        state: the state of ``root`` to restore.
+
+    Raises:
+        ValueError: a node holds data and cannot report it (no ``inflight()``).
+    """
+    root.reset(state)
     readers: dict[str, dict[str, Any]] = {}
     pieces: list[Piece] = []
     held: list[tuple[BaseNode, list[Piece]]] = []

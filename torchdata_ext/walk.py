@@ -11,11 +11,12 @@ SplitMix64-style hash, so that every (seed, shard, epoch, ...) tuple gives an in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["RandomWalk", "mix_seed"]
+__all__ = ["RandomWalk", "mix_seed", "mix_seeds", "walk_prefixes"]
 
 _M64 = (1 << 64) - 1
 _ROUNDS = 4
@@ -38,6 +39,83 @@ def mix_seed(*values: int) -> int:
     for v in values:
         h = _splitmix(h ^ (int(v) & _M64))
     return h >> 1
+
+
+def mix_seeds(*values: int | np.ndarray) -> np.ndarray:
+    """:func:`mix_seed` element by element: the same hash of arrays of integers (broadcast
+    together), e.g. the walk seeds of many shards at once.
+
+    Args:
+        values: integers or integer arrays (negative values are allowed, as for
+            :func:`mix_seed`).
+
+    Returns:
+        ``uint64`` array of the broadcast shape, each value ``mix_seed`` of its elements.
+    """
+    arrays = [_as_u64(v) for v in values]
+    shape = np.broadcast_shapes(*(a.shape for a in arrays)) if arrays else ()
+    h = np.full(shape, 0x6A09E667F3BCC908, np.uint64)
+    with np.errstate(over="ignore"):
+        for a in arrays:
+            h = _splitmix_np(h ^ a)
+    return h >> np.uint64(1)
+
+
+def _as_u64(v: int | np.ndarray) -> np.ndarray:
+    """``v & (2**64 - 1)`` as ``uint64`` (two's complement for negative values)."""
+    if isinstance(v, (int, np.integer)):
+        return np.asarray(int(v) & _M64, np.uint64)
+    a = np.asarray(v)
+    if a.dtype == np.uint64:
+        return a
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"mix_seeds takes integers or integer arrays, got dtype {a.dtype}")
+    return a.astype(np.int64).view(np.uint64)
+
+
+def walk_prefixes(sizes: np.ndarray, seeds: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The first ``counts[i]`` elements of ``RandomWalk(sizes[i], seeds[i])`` for every ``i``,
+    concatenated: many walks in one vectorised pass (no per-walk Python or table).
+
+    Args:
+        sizes: ``n`` of each walk (documents).
+        seeds: the seed of each walk (as given to :class:`RandomWalk`; non-negative, below
+            ``2**63``, as :func:`mix_seed` gives them).
+        counts: how many leading elements of each walk to return, ``0 <= counts[i] <=
+            sizes[i]``.
+
+    Returns:
+        ``int64`` array of ``sum(counts)`` elements, walk 0's first, each walk in walk order.
+    """
+    sizes = np.asarray(sizes, np.int64)
+    counts = np.asarray(counts, np.int64)
+    seeds = np.asarray(seeds).astype(np.uint64)
+    if not sizes.shape == counts.shape == seeds.shape or sizes.ndim != 1:
+        raise ValueError("sizes, seeds and counts must be 1-D arrays of the same length")
+    if ((counts < 0) | (counts > sizes)).any():
+        raise ValueError("every count must be between 0 and the size of its walk")
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    # the Feistel domain of each walk, as RandomWalk.__init__ computes it
+    top = np.maximum(sizes - 1, 1)
+    bits = ((top[:, None] >> np.arange(63, dtype=np.int64)) > 0).sum(1)
+    bits = np.maximum(bits, 2)
+    bits += bits & 1
+    half = (bits // 2).astype(np.uint64)
+    mask = (np.uint64(1) << half) - np.uint64(1)
+    keys = [mix_seeds(seeds, r) for r in range(_ROUNDS)]
+    owner = np.repeat(np.arange(len(sizes)), counts)
+    first = np.cumsum(counts) - counts
+    x = (np.arange(total, dtype=np.int64) - first[owner]).astype(np.uint64)
+    h, m, k = half[owner], mask[owner], [key[owner] for key in keys]
+    n = sizes[owner].astype(np.uint64)
+    out = _feistel(x, h, m, k)
+    bad = np.flatnonzero(out >= n)
+    while bad.size:  # cycle walking
+        out[bad] = _feistel(out[bad], h[bad], m[bad], [key[bad] for key in k])
+        bad = bad[out[bad] >= n[bad]]
+    return out.astype(np.int64)
 
 
 class RandomWalk:
@@ -123,14 +201,20 @@ class RandomWalk:
         return (left << h) | right
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        h, m = np.uint64(self._half), np.uint64(self._mask)
-        left, right = x >> h, x & m
-        for key in self._keys:
-            left, right = right, left ^ (_splitmix_np(right ^ np.uint64(key)) & m)
-        return (left << h) | right
+        keys = [np.uint64(key) for key in self._keys]
+        return _feistel(x, np.uint64(self._half), np.uint64(self._mask), keys)
 
     def __repr__(self) -> str:
         return f"RandomWalk(n={self.n}, seed={self.seed})"
+
+
+def _feistel(x: np.ndarray, half: Any, mask: Any, keys: Sequence[Any]) -> np.ndarray:
+    """The Feistel rounds on ``uint64`` values ``x``: ``half``, ``mask`` and each round key
+    are ``uint64`` scalars (one walk) or arrays shaped like ``x`` (a walk per element)."""
+    left, right = x >> half, x & mask
+    for key in keys:
+        left, right = right, left ^ (_splitmix_np(right ^ key) & mask)
+    return (left << half) | right
 
 
 def _splitmix_np(x: np.ndarray) -> np.ndarray:

@@ -48,16 +48,10 @@ from torchdata_ext.file_access import CacheSetting, FileAccess
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.remote import RemoteError, ShardCache
-from torchdata_ext.shards import (
-    Fragment,
-    check_shard_count,
-    file_offsets,
-    shard_bounds,
-    shard_fragments,
-    worker_shards,
-)
+from torchdata_ext.shard_walk import ShardPlan, shard_order_rank, shard_plan
+from torchdata_ext.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
 from torchdata_ext.split import EvalSplit, SplitFilter, Subset
-from torchdata_ext.walk import RandomWalk, mix_seed
+from torchdata_ext.walk import RandomWalk
 from torchdata_ext.world import World
 
 __all__ = ["ShardReader", "merge_reader_states"]
@@ -65,9 +59,6 @@ __all__ = ["ShardReader", "merge_reader_states"]
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
-_FRAGMENT_TAG = 0x46524147  # tags keep the derived seeds of different uses apart
-_WALK_TAG = 0x57414C4B
-_ORDER_TAG = 0x4F524452
 
 
 @dataclass
@@ -104,19 +95,6 @@ class _Cursor:
             int(d["skips"]),
             [[int(v) for v in x] for x in d.get("returned", [])],
         )
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A shard's walk in one epoch: its file pieces in order and where each starts."""
-
-    fragments: tuple[Fragment, ...]
-    starts: np.ndarray  # int64, len(fragments) + 1: walk position where each piece starts
-    seeds: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return int(self.starts[-1])
 
 
 class ShardReader(BaseNode[DocumentBlock]):
@@ -231,7 +209,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._active: int | None = None
         self._queue: list[tuple[int, int, int]] = []  # (epoch, order rank, shard), a heap
         self._owned_docs = 0
-        self._plan_cache: tuple[int, int, _Plan] | None = None
+        self._plan_cache: tuple[int, int, ShardPlan] | None = None
         self._walk_cache: RandomWalk | None = None
         self._order_cache: dict[int, np.ndarray] = {}
         self._empty_run = 0
@@ -455,11 +433,7 @@ class ShardReader(BaseNode[DocumentBlock]):
     def _order_rank(self, epoch: int) -> np.ndarray:
         ranks = self._order_cache.get(epoch)
         if ranks is None:
-            perm = np.random.default_rng(mix_seed(self.seed, _ORDER_TAG, epoch)).permutation(
-                self.n_logical_shards
-            )
-            ranks = np.empty_like(perm)
-            ranks[perm] = np.arange(self.n_logical_shards)
+            ranks = shard_order_rank(self.seed, self.n_logical_shards, epoch)
             if len(self._order_cache) > 4:
                 self._order_cache.clear()
             self._order_cache[epoch] = ranks
@@ -477,7 +451,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 self._active = sid
         return self._active
 
-    def _plan(self, sid: int, epoch: int) -> _Plan:
+    def _plan(self, sid: int, epoch: int) -> ShardPlan:
         if self._plan_cache is not None and self._plan_cache[:2] == (sid, epoch):
             return self._plan_cache[2]
         plan = self._make_plan(sid, epoch)
@@ -491,15 +465,8 @@ class ShardReader(BaseNode[DocumentBlock]):
             walk = self._walk_cache = RandomWalk(size, seed)
         return walk
 
-    def _make_plan(self, sid: int, epoch: int) -> _Plan:
-        frags = shard_fragments(self._offsets, self.n_logical_shards, sid)
-        rng = np.random.default_rng(mix_seed(self.seed, _FRAGMENT_TAG, sid, epoch))
-        order = rng.permutation(len(frags))
-        ordered = tuple(frags[i] for i in order)
-        starts = np.zeros(len(ordered) + 1, np.int64)
-        np.cumsum([f.size for f in ordered], out=starts[1:])
-        seeds = tuple(mix_seed(self.seed, _WALK_TAG, sid, epoch, f.file, f.start) for f in ordered)
-        return _Plan(ordered, starts, seeds)
+    def _make_plan(self, sid: int, epoch: int) -> ShardPlan:
+        return shard_plan(self._offsets, self.n_logical_shards, self.seed, sid, epoch)
 
     def _finish_epoch(self, sid: int) -> None:
         c = self._cursors[sid]
@@ -666,7 +633,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         )
 
     # -- switching files ---------------------------------------------------------------------
-    def _switch_file(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> bool:
+    def _switch_file(self, sid: int, c: _Cursor, plan: ShardPlan, j: int) -> bool:
         """Make the file of fragment ``j`` of shard ``sid``'s plan the open one. False when it
         cannot be read and ``on_error="skip"``: its documents are then skipped and recorded."""
         file = plan.fragments[j].file
@@ -704,7 +671,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         """The URLs this reader holds prefetched in the cache."""
         return self._files.prefetching
 
-    def _upcoming(self, sid: int, c: _Cursor, plan: _Plan, j: int) -> Iterator[int]:
+    def _upcoming(self, sid: int, c: _Cursor, plan: ShardPlan, j: int) -> Iterator[int]:
         """The files this worker opens after fragment ``j`` of shard ``sid``, in order (known
         bad ones left out; repeats possible): the rest of its plan, then the next shards, as far
         as ``prefetch_shards`` looks ahead. Lazy: only read when prefetching applies."""

@@ -52,7 +52,7 @@ from torchdata_ext._progress import Progress
 from torchdata_ext.provenance import PROV_COLUMNS
 from torchdata_ext.walk import mix_seed
 
-__all__ = ["ShuffleBuffer"]
+__all__ = ["ShuffleBuffer", "buffered_provenance"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,16 +319,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 "this shuffle buffer state holds provenance tables but the node has no way to "
                 "rebuild items: pass rebuild=... or use a source with a rebuild() method"
             )
-        if "prov_groups" in state or "prov_blocks" in state:  # format 3 or 2
-            blocks = _state_blocks(state)
-            counts = np.concatenate([np.asarray(c, np.int64) for c, _ in blocks])
-            rows = np.concatenate(
-                [np.asarray(r, np.int64).reshape(-1, PROV_COLUMNS) for _, r in blocks]
-            )
-        else:  # format 1: all items' columns concatenated
-            counts = np.asarray(state["prov_counts"], np.int64)
-            cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
-            rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
+        counts, rows = buffered_provenance(state)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         out = []
         with Progress(
@@ -407,6 +398,39 @@ def _state_blocks(state: dict[str, Any]) -> list[Any]:
     if "prov_groups" in state:
         return [block for group in state["prov_groups"] for block in group]
     return list(state["prov_blocks"])
+
+
+def buffered_provenance(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The provenance of the items a :class:`ShuffleBuffer` state holds, read from the state
+    alone (nothing rebuilt): ``(counts, rows)``, ``counts[i]`` rows per item and the items'
+    provenance rows ``[sum(counts), 5]`` (``int64``, see :mod:`torchdata_ext.provenance`),
+    items in slot order.
+
+    Raises:
+        ValueError: the state keeps its items as they are (``items``: a source without
+            provenance), so there is no provenance to read.
+    """
+    if "prov_groups" in state or "prov_blocks" in state:  # format 3 or 2
+        blocks = _state_blocks(state)
+        if not blocks:
+            return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
+        counts = np.concatenate([np.asarray(c, np.int64) for c, _ in blocks])
+        rows = np.concatenate(
+            [np.asarray(r, np.int64).reshape(-1, PROV_COLUMNS) for _, r in blocks]
+        )
+        return counts, rows
+    if "prov_counts" in state:  # format 1: all items' columns concatenated
+        counts = np.asarray(state["prov_counts"], np.int64)
+        cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
+        rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
+        return counts, rows
+    items = state.get("items")
+    if not items:  # an empty buffer
+        return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
+    raise ValueError(
+        "this shuffle buffer state keeps its items as they are, without provenance tables; "
+        "put the shuffle buffer on a Pack to account for what it holds"
+    )
 
 
 def _same(item: T) -> T:

@@ -1,0 +1,653 @@
+"""What a checkpoint says the run consumed: per dataset, per epoch, which documents.
+
+:func:`audit_checkpoint` reads a checkpoint folder (:mod:`torchdata_ext.checkpoint`) and the
+pipeline config, and answers from the reader cursors, the counts files and the provenance in
+the states, without reading documents:
+
+* per dataset, the epochs its logical shards are in (min / max), and for each epoch from the
+  lowest on the documents and tokens consumed out of the dataset's total (exact);
+* the documents **in flight**: pieces held by tokenize / interleave / pack, the pieces of the
+  sequences in the shuffle buffer, and pieces a rescale handed back to a shard (``returned``);
+* each dataset's share of the tokens the mix delivered (interleave counters) against its
+  target weight;
+* :meth:`AuditReport.documents`: one row per document consumed, to prove a document was or
+  was not seen.
+
+Definitions (what the numbers mean exactly):
+
+* A document is **consumed** in epoch ``e`` once it has left its reader in that epoch: its
+  logical shard's walk (:mod:`torchdata_ext.shard_walk`) has passed it, or the reader has
+  handed out the first piece of it (a document cut by ``max_chunksize``). Documents the walk
+  passed and dropped (shorter than ``min_length``, skipped by ``on_error="skip"``: counted
+  in ``skipped``, or dropped by a filter transform) count as consumed: the epoch will not
+  return to them, and they are never delivered.
+* A consumed document is **in flight** while some of its tokens have not been delivered to
+  the trainer: held by a node between the reader and the batch (tokenize, interleave, pack),
+  sitting in the shuffle buffer, or handed back by a rescale and not yet read again. So the
+  documents consumed and not in flight are exactly the documents all of whose tokens were
+  delivered in batches up to the checkpoint, and those dropped as above
+  (``tests/test_audit.py`` and ``tests/test_kill.py`` check this against the provenance of
+  the delivered batches, between two checkpoints of one run).
+* A piece in flight is attributed to the latest epoch in which its document was consumed.
+* Documents held out for evaluation (``eval_fraction``, :mod:`torchdata_ext.split`) are
+  passed by the training readers' walk and never delivered: they are left out of every count,
+  total and row (``DatasetAudit.held_out_documents`` says how many).
+* Transforms that change a document's tokens (``truncate``...) do not change what is
+  consumed; "all of its tokens delivered" then means all that the transform kept.
+* Tokens are the tokens stored in the files (as the counts files count them, before
+  ``strip_tokens``; the BOS/EOS the packer adds are not counted); they need each file's
+  document lengths from its metadata (Arrow footer, ``.npy`` header, offsets index: read once,
+  no document is read). For text files (tokenized on the fly) tokens are unknown (None).
+
+Where the checkpoint lags: the reader state a checkpoint records is a replay point (the
+nodes above re-read their current block on restore and drop what they had used, see
+``docs/DESIGN.md``), so the readers' live cursors are not in it. With ``replay=True``
+(default) the audit restores, per worker, only the pack node and what feeds it (never the
+shuffle buffer, whose contents are known from provenance) and takes the same consistent cut
+a rescale takes (:func:`torchdata_ext.rescale.live_cut`): this reads the few blocks those
+nodes were working on (at most a few blocks per dataset per worker). ``replay=False``
+reads nothing but the checkpoint and the counts: documents are then counted up to the
+recorded replay points, and what tokenize / interleave / pack hold is not known
+(``AuditReport.replayed`` is False and the report says so).
+
+At ~580 lines this module is over the style's ~500: the report types and the counting that
+fills them (cursors -> documents and tokens per epoch, in-flight pieces -> documents) are one
+piece; the table and the picture are in ``_audit_render.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from torchdata_ext import _audit_render
+from torchdata_ext._audit_render import HOLDERS
+from torchdata_ext.checkpoint import read_manifest, read_worker_states
+from torchdata_ext.graph import (
+    graph_nodes,
+    is_reader_state,
+    reader_states,
+    token_counters,
+    walk_state,
+)
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.reader import merge_reader_states
+from torchdata_ext.nodes.shuffle import buffered_provenance
+from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.rescale import live_cut
+from torchdata_ext.shard_walk import walked_documents
+from torchdata_ext.shards import file_offsets, shard_bounds
+from torchdata_ext.split import EvalSplit, SplitFilter
+
+__all__ = ["AuditReport", "DatasetAudit", "EpochConsumption", "audit_checkpoint"]
+
+
+@dataclass(frozen=True)
+class EpochConsumption:
+    """What a dataset consumed in one epoch.
+
+    Attributes:
+        epoch: the epoch number (0 is the first).
+        documents: documents consumed in it.
+        tokens: their tokens (a document cut by ``max_chunksize`` counts the tokens handed
+            out); None when unknown (text data).
+        percent_documents: ``documents`` over the dataset's documents, in percent.
+        percent_tokens: ``tokens`` over the dataset's tokens, in percent (None if unknown).
+    """
+
+    epoch: int
+    documents: int
+    tokens: int | None
+    percent_documents: float
+    percent_tokens: float | None
+
+
+@dataclass(frozen=True)
+class DatasetAudit:
+    """One dataset's part of an :class:`AuditReport`.
+
+    Attributes:
+        name: the dataset name.
+        files: its number of files.
+        documents: its documents (all files), without those held out for evaluation.
+        held_out_documents: documents held out for evaluation (``eval_fraction``): the walk
+            passes them, the training pipeline never delivers them; left out of every count.
+        tokens: its tokens (counts files; held-out documents' excluded), None when unknown
+            (text).
+        logical_shards: its logical shard count.
+        epoch_min: the lowest epoch a logical shard is in (the epoch its cursor reads next):
+            the dataset's current epoch.
+        epoch_max: the highest (a shard that finished epoch ``e`` is in ``e + 1``).
+        shards_done: logical shards that finished ``epoch_min`` (now in a later epoch).
+        epochs: consumption per epoch, from the current one to the last one any document
+            was consumed in. The current epoch is ``epoch_min``, or the one before it when
+            that one is complete and no shard has begun ``epoch_min`` yet (an epoch boundary,
+            or a finished ``epochs=N`` run: 100%) or some of its documents are still in
+            flight.
+        in_flight_documents: consumed documents with tokens not yet delivered.
+        in_flight_tokens: tokens in flight (None when unknown).
+        in_flight_by_holder: in-flight documents by where they are held: ``pipeline``
+            (tokenize / interleave / pack), ``shuffle_buffer``, ``handed_back`` (by a rescale);
+            a document held in two places counts in both.
+        skipped_documents: documents skipped by ``on_error="skip"`` (all epochs).
+        weight: its target weight (None without a mix).
+        target_share: the weight over the sum of the weights.
+        tokens_delivered: tokens the mix handed on from this dataset (all epochs; interleave
+            counters, which count the tokens of pieces as they leave the mix).
+        token_share: ``tokens_delivered`` over all datasets' (None if nothing delivered yet).
+    """
+
+    name: str
+    files: int
+    documents: int
+    held_out_documents: int
+    tokens: int | None
+    logical_shards: int
+    epoch_min: int
+    epoch_max: int
+    shards_done: int
+    epochs: list[EpochConsumption]
+    in_flight_documents: int
+    in_flight_tokens: int | None
+    in_flight_by_holder: dict[str, int]
+    skipped_documents: int
+    weight: float | None
+    target_share: float | None
+    tokens_delivered: int | None
+    token_share: float | None
+
+    @property
+    def current(self) -> EpochConsumption:
+        """The consumption of the current epoch: ``epochs[0]`` (see ``epochs``)."""
+        return self.epochs[0]
+
+
+@dataclass(frozen=True)
+class _Cursors:
+    """A dataset's live cursors and in-flight pieces, kept to list documents on demand."""
+
+    index: DatasetIndex
+    n_logical_shards: int
+    seed: int
+    shard: np.ndarray
+    epoch: np.ndarray
+    pos: np.ndarray
+    offset: np.ndarray
+    in_flight: np.ndarray  # global document ids with a piece in flight, unique
+    kept: np.ndarray | None  # per global document: on the training side (None: all are)
+    first: int  # the first epoch listed (_first_epoch)
+
+
+class _Held:
+    """One dataset's pieces in flight, by holder, reduced as each worker's are read: the
+    documents holding them (global ids) and their tokens (None when lengths are unknown)."""
+
+    def __init__(self, index: DatasetIndex, lengths: np.ndarray | None) -> None:
+        self._offsets = file_offsets(index.doc_counts)
+        self._lengths = lengths
+        self._ids: dict[str, list[np.ndarray]] = {h: [] for h in HOLDERS}
+        self.tokens: int | None = None if lengths is None else 0
+
+    def add(self, holder: str, pieces: Any) -> None:
+        """Pieces ``(file, doc, start, stop)`` (stop -1: to the document's end) held by
+        ``holder``."""
+        arr = np.asarray(pieces, np.int64).reshape(-1, 4)
+        ids = self._offsets[arr[:, 0]] + arr[:, 1]
+        self._ids[holder].append(np.unique(ids))
+        if self._lengths is not None and self.tokens is not None:
+            stop = np.where(arr[:, 3] < 0, self._lengths[ids], arr[:, 3])
+            self.tokens += int((stop - arr[:, 2]).sum())
+
+    def documents(self, holder: str | None = None) -> np.ndarray:
+        """The documents holding pieces (of ``holder``, or of any), unique."""
+        parts = self._ids[holder] if holder else [a for h in HOLDERS for a in self._ids[h]]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What a checkpoint says the run consumed (see :mod:`torchdata_ext.audit`).
+
+    Attributes:
+        checkpoint: the checkpoint folder's URL.
+        world_size: ranks when the checkpoint was taken.
+        num_workers: dataloader workers per rank then.
+        seed: the pipeline seed.
+        datasets: one :class:`DatasetAudit` per dataset, in the config's order.
+        replayed: whether the pieces held by tokenize / interleave / pack were found by
+            replaying their current blocks (False: counted up to the recorded replay points
+            and those pieces unknown).
+        lagging_batches: batches delivered after the workers' last state snapshot
+            (``snapshot_every_n_steps > 1``), summed over ranks: the audit describes the run
+            that many batches earlier.
+        changed_files: data files that changed since the checkpoint was taken; None: not
+            checked.
+    """
+
+    checkpoint: str
+    world_size: int
+    num_workers: int
+    seed: int
+    datasets: list[DatasetAudit]
+    replayed: bool
+    lagging_batches: int
+    changed_files: list[str] | None = None
+    _cursors: dict[str, _Cursors] = field(default_factory=dict, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (what :meth:`to_json` writes)."""
+        out = asdict(self)
+        del out["_cursors"]
+        return out
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """The report as JSON text (:meth:`to_dict`), for scripts."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def documents(self) -> pa.Table:
+        """One row per document consumed, per epoch from each dataset's ``epoch_min`` on.
+
+        Columns: ``dataset`` and ``file`` (URL; dictionary-encoded strings), ``file_index``
+        (the file's number in the dataset's sorted file list), ``doc`` (the document's index
+        in its file), ``epoch``, ``in_flight`` (some of its tokens not yet delivered; on the
+        row of the latest epoch that consumed it). Rows are sorted by dataset (config order),
+        epoch, file and document. Computed from the cursors on each call (vectorised).
+        """
+        parts = [_document_rows(c) for c in self._cursors.values()]
+        names = list(self._cursors)
+        ds = np.concatenate([np.full(len(p[0]), i, np.int32) for i, p in enumerate(parts)])
+        urls: list[str] = []
+        file_ids = []
+        for (file, _, _, _), c in zip(parts, self._cursors.values()):
+            file_ids.append(file.astype(np.int64) + len(urls))
+            urls.extend(c.index.files)
+        cols = [np.concatenate([p[k] for p in parts]) for k in range(4)]
+        return pa.table(
+            {
+                "dataset": pa.DictionaryArray.from_arrays(ds, pa.array(names, pa.string())),
+                "file": pa.DictionaryArray.from_arrays(
+                    np.concatenate(file_ids).astype(np.int32), pa.array(urls, pa.string())
+                ),
+                "file_index": pa.array(cols[0].astype(np.int32)),
+                "doc": pa.array(cols[1].astype(np.int64)),
+                "epoch": pa.array(cols[2].astype(np.int32)),
+                "in_flight": pa.array(cols[3].astype(bool)),
+            }
+        )
+
+    def write_documents(self, url: str, storage_options: dict[str, Any] | None = None) -> int:
+        """Write :meth:`documents` to a Parquet file (any fsspec URL, written atomically).
+
+        Args:
+            url: the file to write (e.g. ``consumed.parquet``).
+            storage_options: fsspec options for ``url``.
+
+        Returns:
+            The number of rows written.
+        """
+        import pyarrow.parquet as pq
+
+        table = self.documents()
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        write_bytes_atomic(url, buf.getvalue(), storage_options)
+        return table.num_rows
+
+    def format_table(self) -> str:
+        """The report as a readable table (what ``torchdata-ext audit`` prints)."""
+        return _audit_render.format_table(self)
+
+    def plot(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Save a picture of the consumption per dataset: the share of the current epoch
+        consumed (delivered, in flight), and each dataset's token share against its target.
+
+        Args:
+            url: the image file to write (any fsspec URL; its suffix picks the format:
+                ``.png``, ``.svg``, ``.pdf``).
+            storage_options: fsspec options for ``url``.
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install 'torchdata-ext[plot]'``).
+        """
+        _audit_render.plot(self, url, storage_options)
+
+
+def audit_checkpoint(
+    url: str,
+    cfg: PipelineConfig | Mapping[str, Any] | str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    replay: bool = True,
+    tokens: bool = True,
+) -> AuditReport:
+    """Audit checkpoint folder ``url`` of a pipeline built from ``cfg``.
+
+    Args:
+        url: a checkpoint folder written by :func:`~torchdata_ext.checkpoint.save_checkpoint`
+            (any fsspec URL).
+        cfg: the pipeline config the run used: a :class:`PipelineConfig`, a mapping of its
+            fields, or the path of a YAML/JSON config file.
+        storage_options: fsspec options for ``url`` (the data's are ``cfg.storage_options``).
+        replay: find the pieces tokenize / interleave / pack hold by replaying the blocks they
+            were working on (a few blocks per dataset per worker; see the module docstring);
+            False reads only the checkpoint and the counts files.
+        tokens: count tokens (reads each file's document lengths from its metadata once);
+            False leaves token counts None.
+
+    Returns:
+        The :class:`AuditReport`.
+
+    Raises:
+        FileNotFoundError: ``url`` holds no complete checkpoint.
+        ValueError: the checkpoint does not belong to this config and data (another dataset,
+            seed or logical shard count, files or counts changed), or a file of it is corrupt.
+    """
+    cfg = _as_config(cfg)
+    manifest = read_manifest(url, storage_options)
+    datasets = build_datasets(cfg)
+    _check_matches(url, manifest, cfg, datasets)
+    live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
+    lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
+    held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
+    delivered: dict[str, int] = {}
+    lagging = 0
+    counted_ranks: set[int] = set()
+    for world, meta, graph in read_worker_states(url, storage_options):
+        if world.rank not in counted_ranks:
+            counted_ranks.add(world.rank)
+            lagging += int(meta.get("skip_batches", 0))
+        # the outermost pack and shuffle buffer; every mix (one per curriculum phase)
+        pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
+        shuffle_state = _find(graph, ("draws", "exhausted", "source"))
+        for counters in token_counters({"graph": graph}).values():
+            for name, v in counters.items():
+                delivered[name] = delivered.get(name, 0) + int(v)
+        names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
+        if shuffle_state is not None:
+            _, rows = buffered_provenance(shuffle_state)
+            rows = rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)]
+            for i, name in enumerate(names):
+                mine = rows[rows[:, 0] == i]
+                stop = mine[:, 3] + mine[:, 4]
+                held[name].add("shuffle_buffer", np.column_stack([mine[:, 1:4], stop]))
+        if replay and pack_state is not None:
+            root = build_pipeline(cfg, world, datasets, collate=False)
+            pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
+            readers, cut, _ = live_cut(pack, pack_state)
+            for name in datasets:
+                held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
+        else:  # the outermost state of each reader (a curriculum's phases repeat it)
+            readers = {}
+            for st in reader_states({"graph": graph}).values():
+                readers.setdefault(st["dataset"], st)
+        for name, st in readers.items():
+            live[name].append(st)
+    weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
+    total_w = sum(w for w in weights.values() if w is not None)
+    total_delivered = sum(delivered.values())
+    audits: list[DatasetAudit] = []
+    cursors: dict[str, _Cursors] = {}
+    for name, index in datasets.items():
+        merged = merge_reader_states(live[name])
+        back = [p for cur in merged["shards"].values() for p in cur.get("returned", [])]
+        held[name].add("handed_back", back)
+        w = weights[name]
+        got = delivered.get(name)
+        c, audit = _audit_dataset(
+            index,
+            merged,
+            held[name],
+            lengths[name],
+            _training_side(index, cfg.eval_split(name)),
+            weight=w,
+            target_share=None if w is None or not total_w else w / total_w,
+            tokens_delivered=got,
+            token_share=None if got is None or not total_delivered else got / total_delivered,
+        )
+        cursors[name] = c
+        audits.append(audit)
+    return AuditReport(
+        checkpoint=url,
+        world_size=int(manifest["world_size"]),
+        num_workers=int(manifest["num_workers"]),
+        seed=cfg.seed,
+        datasets=audits,
+        replayed=replay,
+        lagging_batches=lagging,
+        _cursors=cursors,
+    )
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _as_config(cfg: Any) -> PipelineConfig:
+    if isinstance(cfg, PipelineConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return PipelineConfig.from_dict(cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        try:
+            return PipelineConfig.from_file(os.fspath(cfg))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"cfg={os.fspath(cfg)!r} does not exist; pass the pipeline config (.yaml or "
+                ".json) the run used"
+            ) from None
+    raise TypeError(
+        f"cfg must be a PipelineConfig, a mapping of its fields or a YAML/JSON config path, "
+        f"not {type(cfg).__name__}"
+    )
+
+
+def _check_matches(
+    url: str, manifest: dict[str, Any], cfg: PipelineConfig, datasets: dict[str, DatasetIndex]
+) -> None:
+    """Refuse a checkpoint of other data: the audit would describe documents it never read."""
+    saved = manifest["datasets"]
+    if set(saved) != set(datasets):
+        raise ValueError(
+            f"checkpoint {url} has datasets {sorted(saved)} but the config has "
+            f"{sorted(datasets)}; audit with the config the run used"
+        )
+    for name, index in datasets.items():
+        s = saved[name]
+        for key, mine in (
+            ("fingerprint", index.fingerprint()),
+            ("seed", cfg.seed),
+            ("n_logical_shards", cfg.logical_shards),
+        ):
+            if s[key] != mine:
+                what = {
+                    "fingerprint": "its files or document counts differ from the data now",
+                    "seed": "the config's seed differs",
+                    "n_logical_shards": "the config's logical_shards differs",
+                }[key]
+                raise ValueError(
+                    f"checkpoint {url} does not match dataset {name!r}: {what} (checkpoint "
+                    f"{key}={s[key]!r}, config/data {key}={mine!r}); audit with the config and "
+                    "data the run used"
+                )
+
+
+def _find(graph: dict[str, Any], keys: Iterable[str]) -> dict[str, Any] | None:
+    """The first dict in a graph state that has all ``keys`` (outermost first)."""
+    want = set(keys)
+    return _first(graph, lambda x: isinstance(x, dict) and want <= set(x))
+
+
+def _first(tree: Any, match: Callable[[Any], bool]) -> Any:
+    """The first value of a state tree that ``match`` accepts, outermost first (readers'
+    per-shard cursors are not walked), or None."""
+    for _, x in walk_state(tree, prune=is_reader_state):
+        if match(x):
+            return x
+    return None
+
+
+def _training_side(index: DatasetIndex, split: EvalSplit | None) -> np.ndarray | None:
+    """Per document of ``index`` (files in order): whether the training pipeline delivers it
+    (not held out by ``split``, decided as the reader decides: :class:`SplitFilter`); None
+    without a split."""
+    if split is None:
+        return None
+    keep = SplitFilter(split, "train", index.name, index.files)
+    offsets = file_offsets(index.doc_counts)
+    out = np.ones(int(offsets[-1]), bool)
+    for f, n in enumerate(index.doc_counts.tolist()):
+        out[offsets[f] : offsets[f + 1]] = keep.keep(f, np.arange(n))
+    return out
+
+
+def _audit_dataset(
+    index: DatasetIndex,
+    merged: dict[str, Any],
+    held: _Held,
+    lengths: np.ndarray | None,
+    kept: np.ndarray | None,
+    *,
+    weight: float | None,
+    target_share: float | None,
+    tokens_delivered: int | None,
+    token_share: float | None,
+) -> tuple[_Cursors, DatasetAudit]:
+    n = int(merged["n_logical_shards"])
+    items = sorted(merged["shards"].items(), key=lambda kv: int(kv[0]))
+    shard = np.fromiter((int(k) for k, _ in items), np.int64, len(items))
+    epoch = np.fromiter((int(v["epoch"]) for _, v in items), np.int64, len(items))
+    pos = np.fromiter((int(v["pos"]) for _, v in items), np.int64, len(items))
+    offset = np.fromiter((int(v["offset"]) for _, v in items), np.int64, len(items))
+    skips = sum(int(v["skips"]) for _, v in items)
+    offsets = file_offsets(index.doc_counts)
+    bounds = shard_bounds(int(offsets[-1]), n)
+    size = bounds[shard + 1] - bounds[shard]
+    # the documents each cursor has passed in its own epoch (one more: a document begun)
+    entry, file, doc = walked_documents(
+        offsets, n, int(merged["seed"]), shard, epoch, pos + (offset > 0)
+    )
+    walked = offsets[file] + doc
+    doc_tokens = None
+    if lengths is not None:
+        doc_tokens = lengths[walked].copy()
+        begun = np.flatnonzero(offset > 0)  # the last walked document of these: in part
+        last = np.cumsum(np.bincount(entry, minlength=len(shard))) - 1
+        doc_tokens[last[begun]] = offset[begun]
+        if kept is not None:
+            lengths = np.where(kept, lengths, 0)
+        cum = np.concatenate([[0], np.cumsum(lengths)])
+        shard_tokens = cum[bounds[shard + 1]] - cum[bounds[shard]]
+    total_tokens = None if lengths is None else int(lengths.sum())
+    if kept is not None:  # held-out documents are passed by the walk, never delivered
+        ck = np.concatenate([[0], np.cumsum(kept)])
+        size = ck[bounds[shard + 1]] - ck[bounds[shard]]
+        mine = kept[walked]
+        entry, walked = entry[mine], walked[mine]
+        if doc_tokens is not None:
+            doc_tokens = doc_tokens[mine]
+    walked_docs = np.bincount(entry, minlength=len(shard))
+    total_docs = int(offsets[-1]) if kept is None else int(kept.sum())
+    in_flight = held.documents()
+    first = _first_epoch(epoch, pos, offset, walked, in_flight)
+    epochs: list[EpochConsumption] = []
+    for e in range(first, int(epoch.max()) + 1):
+        docs = int(size[epoch > e].sum() + walked_docs[epoch == e].sum())
+        if epochs and not docs:
+            break  # shards that finished an epoch wait at the next one, not begun
+        tok = None
+        if doc_tokens is not None:
+            tok = int(shard_tokens[epoch > e].sum() + doc_tokens[epoch[entry] == e].sum())
+        epochs.append(
+            EpochConsumption(
+                e,
+                docs,
+                tok,
+                100.0 * docs / total_docs,
+                None if tok is None or not total_tokens else 100.0 * tok / total_tokens,
+            )
+        )
+    by_holder = {h: len(held.documents(h)) for h in HOLDERS}
+    cursors = _Cursors(
+        index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept, first
+    )
+    audit = DatasetAudit(
+        name=index.name,
+        files=len(index.files),
+        documents=total_docs,
+        held_out_documents=int(offsets[-1]) - total_docs,
+        tokens=total_tokens if kept is not None or index.total_tokens < 0 else index.total_tokens,
+        logical_shards=n,
+        epoch_min=int(epoch.min()),
+        epoch_max=int(epoch.max()),
+        shards_done=int((epoch > epoch.min()).sum()),
+        epochs=epochs,
+        in_flight_documents=len(in_flight),
+        in_flight_tokens=held.tokens,
+        in_flight_by_holder=by_holder,
+        skipped_documents=skips,
+        weight=weight,
+        target_share=target_share,
+        tokens_delivered=tokens_delivered,
+        token_share=token_share,
+    )
+    return cursors, audit
+
+
+def _first_epoch(
+    epoch: np.ndarray,
+    pos: np.ndarray,
+    offset: np.ndarray,
+    walked: np.ndarray,
+    in_flight: np.ndarray,
+) -> int:
+    """The first epoch to list: the lowest a shard is in, or the one before it when that one
+    is complete (every shard is past it) and either no shard has begun the next (a finished
+    run, or an epoch boundary) or documents of it are still in flight (not consumed since)."""
+    low = int(epoch.min())
+    if low == 0:
+        return 0
+    at_low = epoch == low
+    if not ((pos > 0) | (offset > 0))[at_low].any():
+        return low - 1
+    if len(in_flight) and not np.isin(in_flight, walked).all():
+        return low - 1
+    return low
+
+
+def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(file, doc, epoch, in_flight)`` of every document ``c`` consumed, sorted by epoch,
+    file and document."""
+    offsets = file_offsets(c.index.doc_counts)
+    bounds = shard_bounds(int(offsets[-1]), c.n_logical_shards)
+    lo, hi = bounds[c.shard], bounds[c.shard + 1]
+    entry, file, doc = walked_documents(
+        offsets, c.n_logical_shards, c.seed, c.shard, c.epoch, c.pos + (c.offset > 0)
+    )
+    ids = [offsets[file] + doc]
+    eps = [c.epoch[entry]]
+    for e in range(c.first, int(c.epoch.max())):
+        done = np.flatnonzero(c.epoch > e)  # whole shards consumed in epoch e
+        n = hi[done] - lo[done]
+        first = np.cumsum(n) - n
+        ids.append(np.repeat(lo[done] - first, n) + np.arange(int(n.sum()), dtype=np.int64))
+        eps.append(np.full(int(n.sum()), e, np.int64))
+    g = np.concatenate(ids)
+    epoch = np.concatenate(eps)
+    if c.kept is not None:  # held-out documents are never delivered: no row
+        mine = c.kept[g]
+        g, epoch = g[mine], epoch[mine]
+    latest = np.full(int(offsets[-1]), -1, np.int64)
+    np.maximum.at(latest, g, epoch)
+    flight = np.zeros(len(g), bool)
+    if len(c.in_flight):
+        flight = np.isin(g, c.in_flight) & (epoch == latest[g])
+    order = np.lexsort((g, epoch))
+    g, epoch, flight = g[order], epoch[order], flight[order]
+    f = np.searchsorted(offsets, g, side="right") - 1
+    return f, g - offsets[f], epoch, flight
