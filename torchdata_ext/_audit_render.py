@@ -85,7 +85,12 @@ def format_table(report: AuditReport) -> str:
         "back by a rescale); token share: of the tokens mixed, against the target weight"
     )
     if report.changed_files:
-        lines.append(f"changed data files: {', '.join(report.changed_files)}")
+        lines.append(
+            f"CHANGED data files since the checkpoint ({len(report.changed_files)}): "
+            + "; ".join(report.changed_files)
+        )
+    elif report.changed_files is not None:
+        lines.append("data files verified: every file matches the checkpoint's fingerprints")
     return "\n".join(lines)
 
 

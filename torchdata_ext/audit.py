@@ -70,6 +70,7 @@ import pyarrow as pa
 from torchdata_ext import _audit_render
 from torchdata_ext._audit_render import HOLDERS
 from torchdata_ext.checkpoint import read_manifest, read_worker_states
+from torchdata_ext.fingerprint import check_data_files
 from torchdata_ext.graph import (
     graph_nodes,
     is_reader_state,
@@ -229,8 +230,9 @@ class AuditReport:
         lagging_batches: batches delivered after the workers' last state snapshot
             (``snapshot_every_n_steps > 1``), summed over ranks: the audit describes the run
             that many batches earlier.
-        changed_files: data files that changed since the checkpoint was taken; None: not
-            checked.
+        changed_files: data files that changed since the checkpoint was taken, each
+            ``dataset/file: what differs``; an empty list: verified, nothing changed; None: not
+            checked (``verify=False``).
     """
 
     checkpoint: str
@@ -328,6 +330,8 @@ def audit_checkpoint(
     *,
     replay: bool = True,
     tokens: bool = True,
+    verify: bool = False,
+    allow_changed_files: bool = False,
 ) -> AuditReport:
     """Audit checkpoint folder ``url`` of a pipeline built from ``cfg``.
 
@@ -342,6 +346,12 @@ def audit_checkpoint(
             False reads only the checkpoint and the counts files.
         tokens: count tokens (reads each file's document lengths from its metadata once);
             False leaves token counts None.
+        verify: re-check every data file against the fingerprint the checkpoint recorded
+            (size, version, sha256 of its first and last 64 KiB: 128 KiB read per file, see
+            :mod:`torchdata_ext.fingerprint`); the report's ``changed_files`` lists what
+            differs (an empty list: nothing changed).
+        allow_changed_files: with ``verify``, report changed files instead of refusing (the
+            counts then describe the files as they are now).
 
     Returns:
         The :class:`AuditReport`.
@@ -349,12 +359,27 @@ def audit_checkpoint(
     Raises:
         FileNotFoundError: ``url`` holds no complete checkpoint.
         ValueError: the checkpoint does not belong to this config and data (another dataset,
-            seed or logical shard count, files or counts changed), or a file of it is corrupt.
+            seed or logical shard count, files or counts changed), or a file of it is corrupt;
+            with ``verify``: it records no fingerprints (saved by an earlier version).
+        ChangedFilesError: with ``verify`` and not ``allow_changed_files``: data files changed
+            since the checkpoint was saved (each named, with what differs).
     """
     cfg = _as_config(cfg)
     manifest = read_manifest(url, storage_options)
     datasets = build_datasets(cfg)
     _check_matches(url, manifest, cfg, datasets)
+    changed: list[str] | None = None
+    if verify:
+        recorded = manifest.get("file_fingerprints")
+        if recorded is None:
+            raise ValueError(
+                f"checkpoint {url} records no data file fingerprints (saved by an earlier "
+                "version): it cannot be verified; audit it without verify"
+            )
+        changes = check_data_files(
+            recorded, datasets, allow_changed_files=allow_changed_files, where=f"checkpoint {url}"
+        )
+        changed = [f"{n}/{c.file}: {', '.join(c.what)}" for n, cs in changes.items() for c in cs]
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
@@ -423,6 +448,7 @@ def audit_checkpoint(
         datasets=audits,
         replayed=replay,
         lagging_batches=lagging,
+        changed_files=changed,
         _cursors=cursors,
     )
 

@@ -142,6 +142,11 @@ def _parser() -> argparse.ArgumentParser:
                     "unknown)")  # fmt: skip
     ap.add_argument("--no-tokens", dest="tokens", action="store_false",
                     help="skip token counts (no file metadata read)")  # fmt: skip
+    ap.add_argument("--verify", action="store_true",
+                    help="re-check every data file against the fingerprint the checkpoint "
+                    "recorded (reads 128 KiB per file); a changed file is an error naming it")  # fmt: skip
+    ap.add_argument("--allow-changed-files", action="store_true",
+                    help="with --verify: list changed files in the report instead of failing")  # fmt: skip
     return p
 
 
@@ -272,7 +277,14 @@ def _run(args: argparse.Namespace) -> None:
 
 def _audit(args: argparse.Namespace) -> None:
     """``torchdata-ext audit``: print the report, write the list and the picture."""
-    report = audit_checkpoint(args.checkpoint, args.config, replay=args.replay, tokens=args.tokens)
+    report = audit_checkpoint(
+        args.checkpoint,
+        args.config,
+        replay=args.replay,
+        tokens=args.tokens,
+        verify=args.verify,
+        allow_changed_files=args.allow_changed_files,
+    )
     print(report.to_json() if args.json else report.format_table())
     if args.list:
         n = report.write_documents(args.list)
