@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
-__all__ = ["check_int"]
+__all__ = ["check_int", "split_list"]
 
 
 def check_int(name: str, value: object, minimum: int | None) -> int:
@@ -24,3 +27,19 @@ def check_int(name: str, value: object, minimum: int | None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value!r} must be >= {minimum}")
     return int(value)
+
+
+def split_list(value: Any, what: str) -> list[str]:
+    """A config list given as a comma-separated string or a sequence, as stripped strings
+    (None: empty).
+
+    Raises:
+        TypeError: ``value`` is neither (``what`` names it in the message).
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, Sequence):
+        return [str(v).strip() for v in value]
+    raise TypeError(f"{what}={value!r} must be a comma-separated string or a list")

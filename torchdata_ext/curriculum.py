@@ -13,23 +13,13 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
+from torchdata_ext._checks import check_int, split_list
 from torchdata_ext.world import World
 
 __all__ = ["BUDGET_KEYS", "check_budget", "check_phases", "with_budget"]
 
 BUDGET_KEYS = ("max_tokens", "max_documents")
 _PHASE_KEYS = frozenset({"datasets", "weights", *BUDGET_KEYS})
-
-
-def _names(value: Any, what: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, Sequence):
-        return [str(v).strip() for v in value]
-    raise TypeError(f"{what}={value!r} must be a comma-separated string or a list")
 
 
 def check_budget(what: str, value: Any, datasets: Sequence[str]) -> int | dict[str, int] | None:
@@ -73,7 +63,7 @@ def check_phases(
     """
     if isinstance(phases, (str, Mapping)) or not isinstance(phases, Sequence):
         raise TypeError(f"phases={phases!r} must be a list of mappings")
-    if _names(weights, "weights"):
+    if split_list(weights, "weights"):
         raise ValueError(
             f"weights={weights!r} with phases: give each phase its own weights "
             "(phases[i].weights) and leave weights empty"
@@ -88,11 +78,11 @@ def check_phases(
             raise ValueError(
                 f"phases[{i}] has unknown keys {unknown}; known: {sorted(_PHASE_KEYS)}"
             )
-        names = _names(raw.get("datasets"), f"phases[{i}].datasets")
+        names = split_list(raw.get("datasets"), f"phases[{i}].datasets")
         if not names:
             raise ValueError(f"phases[{i}] has no datasets; list the datasets it mixes")
         try:
-            ws = [float(w) for w in _names(raw.get("weights"), f"phases[{i}].weights")]
+            ws = [float(w) for w in split_list(raw.get("weights"), f"phases[{i}].weights")]
         except ValueError:
             raise ValueError(
                 f"phases[{i}].weights={raw.get('weights')!r} must be numbers"
@@ -117,7 +107,7 @@ def check_phases(
                 "later phases would never start; give it a budget or set epochs"
             )
         out.append(phase)
-    declared = _names(datasets, "datasets")
+    declared = split_list(datasets, "datasets")
     if declared and set(declared) != set(owner):
         raise ValueError(
             f"datasets={declared} differs from the phases' datasets {list(owner)}; leave "

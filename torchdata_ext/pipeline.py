@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
+from torchdata_ext._checks import check_int, split_list
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.curriculum import check_budget, check_phases, with_budget
 from torchdata_ext.index import DatasetIndex
@@ -47,16 +47,6 @@ from torchdata_ext.urls import filesystem, join
 from torchdata_ext.world import World
 
 __all__ = ["PipelineConfig", "build_datasets", "build_eval_pipeline", "build_pipeline"]
-
-
-def _split_list(value: Any, what: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, Sequence):
-        return [str(v).strip() for v in value]
-    raise TypeError(f"{what}={value!r} must be a comma-separated string or a list")
 
 
 @dataclass
@@ -186,13 +176,13 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         self._check_phases()
-        self.datasets = _split_list(self.datasets, "datasets")
-        raw_weights = _split_list(self.weights, "weights")
+        self.datasets = split_list(self.datasets, "datasets")
+        raw_weights = split_list(self.weights, "weights")
         try:
             self.weights = [float(w) for w in raw_weights]
         except ValueError:
             raise ValueError(f"weights={raw_weights!r} must be numbers") from None
-        strip = _split_list(self.strip_tokens, "strip_tokens")
+        strip = split_list(self.strip_tokens, "strip_tokens")
         try:
             self.strip_tokens = [int(t) for t in strip]
         except ValueError:
@@ -217,7 +207,7 @@ class PipelineConfig:
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
         self.check_special_ids(byte)
-        self.output_keys = _split_list(self.output_keys, "output_keys")
+        self.output_keys = split_list(self.output_keys, "output_keys")
         known = (*ALL_KEYS, "provenance")
         unknown = [k for k in self.output_keys if k not in known]
         if unknown or not self.output_keys:

@@ -73,13 +73,7 @@ class _Chunk:
 
     def inflight(self) -> list[_Piece]:
         """The rest of the current block (pulled again first after a restore)."""
-        c = self._cursor
-        if c.cur is None and not c.exhausted:
-            c.pull()
-        cur = c.cur
-        if cur is None or c.pos >= len(cur.tokens):
-            return []
-        return c.pieces(cur, c.pos, len(cur.tokens))
+        return self._cursor.rest_of_block()
 
     def _fill(self, capacity: int) -> tuple[list[_Part], int, bool]:
         """Up to ``capacity`` stream tokens of one document from the cursor on.

@@ -52,13 +52,7 @@ class _ConcatPad:
 
     def inflight(self) -> list[_Piece]:
         """The rest of the current block (pulled again first after a restore)."""
-        c = self._cursor
-        if c.cur is None and not c.exhausted:
-            c.pull()  # restored lazily: pull the current block again (skipping what was used)
-        cur = c.cur
-        if cur is None or c.pos >= len(cur.tokens):
-            return []
-        return c.pieces(cur, c.pos, len(cur.tokens))
+        return self._cursor.rest_of_block()
 
     def _fill(self, capacity: int) -> tuple[list[_Part], int, bool]:
         """Take up to ``capacity`` stream tokens from the cursor on (whole units in ``pad``).

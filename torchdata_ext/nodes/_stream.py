@@ -185,6 +185,16 @@ class _Cursor:
         self.pos, self._skip = self._skip, 0
         return True
 
+    def rest_of_block(self) -> list[_Piece]:
+        """The document pieces of the current block not yet used (the block is pulled again
+        first after a restore, skipping what was used): what a strategy holds in flight."""
+        if self.cur is None and not self.exhausted:
+            self.pull()
+        cur = self.cur
+        if cur is None or self.pos >= len(cur.tokens):
+            return []
+        return self.pieces(cur, self.pos, len(cur.tokens))
+
     def pieces(self, s: _Stream, a: int, b: int) -> list[_Piece]:
         """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
         if a >= b:
