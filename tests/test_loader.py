@@ -273,3 +273,30 @@ def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_pat
         if step % 4 == 0:
             sa, sb = local.state_dict(), remote.state_dict()
             assert same(plain(sa["workers"]["0"]["graph"]), sb["workers"]["0"]["graph"]), step
+
+
+def test_closing_from_the_background_thread_itself_does_not_raise() -> None:
+    """The last reference to a loader can be dropped inside its own background thread (the
+    thread runs the loader's generator, and TokenLoader.__del__ closes it): closing must then
+    not try to join that thread ("cannot join current thread")."""
+    import threading
+
+    from torchdata_ext._background import Background
+
+    errors: list[BaseException] = []
+    ready = threading.Event()
+
+    def source():
+        yield 1
+        ready.wait(5)
+        try:
+            holder.close()
+        except BaseException as exc:  # the failure under test
+            errors.append(exc)
+
+    holder = Background(source(), depth=1)
+    ready.set()
+    assert next(holder) == 1
+    holder._thread.join(timeout=5)
+    assert not holder._thread.is_alive()
+    assert errors == []

@@ -58,7 +58,10 @@ class Background(Iterator[Any]):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)  # a daemon: it ends at its next item or exit
+        # the last reference to the loader may go away in this thread itself (its source is
+        # the loader's generator): then there is nothing to wait for
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)  # a daemon: it ends at its next item or exit
 
 
 class _Raised(NamedTuple):
