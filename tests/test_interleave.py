@@ -21,6 +21,7 @@ from torchdata_ext.nodes.tokenize import Tokenize
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import mix_seed
+from torchdata_ext.reader_state import reader_cursors
 
 
 # -- in-memory sources and the slow reference ---------------------------------------------------
@@ -668,8 +669,8 @@ def test_inflight_reads_open_documents_to_their_end_and_changes_nothing(data, mo
         pieces = node.inflight()
         assert node.state_dict() == state
         for name in weights:  # every reader's cursor lies between documents
-            shards = node.sources[node.names.index(name)].state_dict()["shards"]
-            assert all(c["offset"] == 0 for c in shards.values())
+            st = node.sources[node.names.index(name)].state_dict()
+            assert not reader_cursors(st).offset.any()
         held = {(ds, f, d): b for ds, f, d, _, b in pieces}
         for ds, f, d in held:  # each document reported runs to its end
             assert held[(ds, f, d)] == len(node.fetch_document(ds, f, d))
