@@ -22,8 +22,8 @@ from torchdata_ext import PipelineConfig, TokenLoader, build_datasets, build_pip
 from torchdata_ext.audit import audit_checkpoint
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
-from torchdata_ext.testing import write_arrow_batches
 from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ["web", "code"]
 

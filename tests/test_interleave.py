@@ -16,12 +16,13 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.document import DocumentBlock
+from torchdata_ext.graph import is_reader_state
 from torchdata_ext.nodes.interleave import _SAMPLES_TAG, Interleave, _counter_uniforms
 from torchdata_ext.nodes.tokenize import Tokenize
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import mix_seed
-from torchdata_ext.reader_state import reader_cursors
 
 
 # -- in-memory sources and the slow reference ---------------------------------------------------
@@ -340,7 +341,7 @@ def test_state_layout(data) -> None:
     assert list(state["sources"]) == ["tiny", "code"]
     for s in state["sources"].values():
         assert set(s) == {"source", "consumed", "ended"}
-        assert "shards" in s["source"] and 0 <= s["consumed"] < 8 and s["ended"] is False
+        assert is_reader_state(s["source"]) and 0 <= s["consumed"] < 8 and s["ended"] is False
     assert state["counter"] == 0  # tokens mode draws nothing
 
 

@@ -12,8 +12,8 @@ from harness import check_loader_restore, check_restore_at_every_step, item_key,
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.handlers import DataFileError
-from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 
 def make_docs(n: int, seed: int, lo: int = 1, hi: int = 40, base: int = 0) -> list[np.ndarray]:

@@ -20,8 +20,8 @@ from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.loader import TokenLoader
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.testing import write_arrow_batches
 from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.testing import write_arrow_batches
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments, TransformDocuments
 from torchdata_ext.pipeline import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.transforms import Filter, Map, drop_tokens, from_spec, length_filter, truncate
-from torchdata_ext.reader_state import reader_cursors
 
 BAD = 7  # a token some documents hold; drop_tokens removes them
 

@@ -79,9 +79,9 @@ from torchdata_ext.graph import (
 )
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
-from torchdata_ext.reader_state import merge_reader_states, reader_cursors
 from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.reader_state import merge_reader_states, reader_cursors
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.rescale import live_cut
 from torchdata_ext.shard_walk import walked_documents

@@ -87,7 +87,9 @@ def walk_state(
 def is_reader_state(x: Any) -> bool:
     """Whether ``x`` is the state of a :class:`~torchdata_ext.nodes.reader.ShardReader`."""
     # format 2 holds its cursors in "cursors", format 1 in "shards" (reader_state.py)
-    return isinstance(x, dict) and set(x) >= _READER_STATE_KEYS and ("cursors" in x or "shards" in x)
+    return (
+        isinstance(x, dict) and set(x) >= _READER_STATE_KEYS and ("cursors" in x or "shards" in x)
+    )
 
 
 def reader_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:

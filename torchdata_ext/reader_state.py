@@ -118,7 +118,7 @@ class ReaderCursors:
         extras: ``{shard_id: {"skipped_files"?, "skipped_docs"?, "returned"?}}``, only the
             shards with non-empty lists, only those lists.
 
-    The arrays are the view's own (writable copies); a state never shares them.
+    The arrays and lists are the view's own (writable copies); a state never shares them.
     """
 
     ids: np.ndarray
@@ -135,11 +135,11 @@ class ReaderCursors:
     def fresh(cls, ids: Sequence[int] | np.ndarray) -> ReaderCursors:
         """Cursors at the start (epoch 0, position 0) for shards ``ids`` (sorted)."""
         arr = np.asarray(ids, np.int64)
-        return cls(arr, *(np.zeros(len(arr), np.int64) for _ in COLUMNS), {})
+        return _cursors(arr, [np.zeros(len(arr), np.int64) for _ in COLUMNS], {})
 
     def column(self, name: str) -> np.ndarray:
         """Column ``name`` (one of :data:`COLUMNS` or ``"ids"``)."""
-        return getattr(self, name)  # type: ignore[no-any-return]
+        return getattr(self, name)
 
     def rows(self, shards: np.ndarray) -> np.ndarray:
         """The row of each of ``shards``; -1 for those not in the view."""
@@ -153,7 +153,11 @@ class ReaderCursors:
         """A working :class:`Cursor` for row ``row`` (its lists copied)."""
         ex = self.extras.get(int(self.ids[row]), {})
         return Cursor.from_dict(
-            {**{k: int(self.column(k)[row]) for k in COLUMNS}, **ex, "returned": ex.get("returned", [])}
+            {
+                **{k: int(self.column(k)[row]) for k in COLUMNS},
+                **ex,
+                "returned": ex.get("returned", []),
+            }
         )
 
     def take(self, rows: np.ndarray) -> ReaderCursors:
@@ -161,9 +165,9 @@ class ReaderCursors:
         rows = np.asarray(rows, np.int64)
         ids = self.ids[rows]
         keep = set(ids.tolist())
-        return ReaderCursors(
+        return _cursors(
             ids,
-            *(self.column(k)[rows] for k in COLUMNS),
+            [self.column(k)[rows] for k in COLUMNS],
             {s: e for s, e in self.extras.items() if s in keep},
         )
 
@@ -186,7 +190,20 @@ class ReaderCursors:
         for p in parts:
             extras.update(p.extras)
         cols = (np.concatenate([p.column(k) for p in parts])[order] for k in COLUMNS)
-        return cls(ids, *cols, extras)
+        return _cursors(ids, list(cols), extras)
+
+
+def _cursors(
+    ids: np.ndarray, cols: Sequence[np.ndarray], extras: dict[int, dict[str, Any]]
+) -> ReaderCursors:
+    """A view from its ids, its :data:`COLUMNS` in order and its extras."""
+    epoch, pos, offset, skips = cols
+    return ReaderCursors(ids, epoch, pos, offset, skips, extras)
+
+
+def _copy_extras(d: dict[str, Any]) -> dict[str, Any]:
+    """The non-empty :data:`EXTRAS` lists of ``d``, copied (inner lists too): the view's own."""
+    return {e: [x if isinstance(x, int) else list(x) for x in d[e]] for e in EXTRAS if d.get(e)}
 
 
 def reader_cursors(state: dict[str, Any]) -> ReaderCursors:
@@ -213,16 +230,16 @@ def reader_cursors(state: dict[str, Any]) -> ReaderCursors:
         ids = np.fromiter((k for k, _ in items), np.int64, n)
         cols = [np.fromiter((int(v[c]) for _, v in items), np.int64, n) for c in COLUMNS]
         extras = {}
-        for k, v in items:
-            ex = {e: [x if isinstance(x, int) else list(x) for x in v[e]] for e in EXTRAS if v.get(e)}
+        for sid, v in items:
+            ex = _copy_extras(v)
             if ex:
-                extras[k] = ex
-        return ReaderCursors(ids, *cols, extras)
+                extras[sid] = ex
+        return _cursors(ids, cols, extras)
     c = state["cursors"]
-    view = ReaderCursors(
+    view = _cursors(
         np.array(c["ids"], np.int64),
-        *(np.array(c[k], np.int64) for k in COLUMNS),
-        {int(k): dict(v) for k, v in state.get("extras", {}).items()},
+        [np.array(c[k], np.int64) for k in COLUMNS],
+        {int(k): _copy_extras(v) for k, v in state.get("extras", {}).items()},
     )
     active = state.get("active")
     if active is not None:

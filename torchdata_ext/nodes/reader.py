@@ -67,6 +67,7 @@ __all__ = ["ShardReader", "merge_reader_states"]
 
 logger = logging.getLogger(__name__)
 
+
 class ShardReader(BaseNode[DocumentBlock]):
     """Read a dataset's documents in random-walk order, exactly once per epoch per document.
 
