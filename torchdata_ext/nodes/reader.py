@@ -9,24 +9,31 @@ first, so after a rescale no worker starts a new epoch while it still owns unfin
 The position in a shard is ``(epoch, pos, offset)``: its epoch, the number of documents of the
 walk already finished, and how many tokens of the next document were already delivered (when
 long documents are cut into ``max_chunksize`` pieces). The reader's state is that cursor per
-owned shard, keyed by global shard id, so re-partitioning state over a new number of workers
-is a re-partition of a dict.
+owned shard, by global shard id, so re-partitioning state over a new number of workers is a
+selection by shard id.
 
-State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shards``, ``split``
-(the held-out split and which side of it this reader delivers, or None; all checked on
-restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
-"skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
-blocks the uninterrupted run would have produced next.
+State keys (format 2, see :mod:`torchdata_ext.reader_state`): ``format``, ``dataset``,
+``fingerprint``, ``seed``, ``n_logical_shards``, ``split`` (the held-out split and which side of
+it this reader delivers, or None; all checked on restore); ``cursors``: ``{"ids", "epoch",
+"pos", "offset", "skips"}``, read-only integer arrays over the owned shards sorted by id, each
+shard's cursor as it was last left (replaced, only the changed columns, when a shard finishes an
+epoch or its handed-back pieces); ``active``: the cursor of the shard being read,
+``{"shard", "epoch", "pos", "offset", "skips", "skipped_files", "skipped_docs", "returned"}``,
+or None; ``extras``: ``{str(shard_id): {"skipped_files"?, "skipped_docs"?, "returned"?}}`` for
+the left shards with such lists. Format 1 states (``shards``: a dict per shard) restore too:
+states are read through :func:`~torchdata_ext.reader_state.reader_cursors`. Resume guarantee:
+restoring a state continues with exactly the blocks the uninterrupted run would have produced
+next.
 
 This module is the walk: shard order, plans, cursors and epochs, building blocks, delivering
 pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
 ``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
 :class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
 :class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
-document ids. At ~830 lines it is over the ~500 of the style guide: the rest is one state
+document ids. At ~790 lines it is over the ~500 of the style guide: the rest is one state
 machine over the per-shard cursor (``Cursor``) that the plan, block and hand-back code all
-advance; the state format (``Cursor``, ``_check_state``, :func:`merge_reader_states`,
-:meth:`ShardReader.with_returned`) is the seam for the next cut if it grows.
+advance; the state format (``Cursor``, :func:`merge_reader_states`) already lives in
+:mod:`torchdata_ext.reader_state`.
 """
 
 from __future__ import annotations
