@@ -3,8 +3,8 @@
 Synthetic counts, no data: 3 datasets (10,000 files each, 20,000-60,000 documents a file),
 each cut into N logical shards, and R ranks x 8 workers (default 4,096 x 8 = 32,768 global
 workers). Each old worker's graph state is laid out as the pipeline lays it out (shuffle buffer
-> pack > interleave > one reader per dataset with one cursor per owned shard, the keys of
-``_Cursor`` in ``nodes/reader.py``), with synthetic walk positions and a synthetic shuffle-buffer
+> pack > interleave > one reader per dataset with its owned shards' cursors as
+column arrays, reader state format 2 of ``reader_state.py``), with synthetic walk positions and a synthetic shuffle-buffer
 provenance table (``--buffer`` sequences of about ``--rows-per-seq`` rows, half document pieces
 inside the worker's own shards, half EOS rows, each column narrowed to the smallest integer
 dtype as ``ShuffleBuffer`` stores it). Pickled, these stand in for the checkpoint's
@@ -55,6 +55,12 @@ import numpy as np
 from torchdata_ext.nodes.interleave import Interleave
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import ShuffleBuffer
+from torchdata_ext.reader_state import (
+    ReaderCursors,
+    cursor_state,
+    merge_reader_states,
+    reader_cursors,
+)
 from torchdata_ext.shards import count_new_readers, old_workers_to_read, worker_shards
 from torchdata_ext.world import World
 
@@ -112,11 +118,6 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def _shard_size(offsets: np.ndarray, n: int, s: int) -> int:
-    total = int(offsets[-1])
-    return (s + 1) * total // n - s * total // n
-
-
 def _provenance(
     rng: np.random.Generator,
     shards: range,
@@ -165,26 +166,27 @@ def worker_state(
     rng = np.random.default_rng((seed, g))
     shards = worker_shards(n, total, g)
     sources = {}
+    ids = np.arange(shards.start, shards.stop, dtype=np.int64)
     for name in DATASETS:
-        cursors = {}
-        for s in shards:
-            cursors[str(s)] = {
-                "returned": [],
-                "epoch": int(rng.integers(0, 2)),
-                "pos": int(rng.integers(0, _shard_size(offsets[name], n, s))),
-                "offset": int(rng.integers(0, 50_000)) if rng.random() < 0.1 else 0,
-                "skipped_files": [],
-                "skipped_docs": [],
-                "skips": 0,
-            }
-        reader = {
-            "format": 1,
+        total = int(offsets[name][-1])
+        sizes = (ids + 1) * total // n - ids * total // n
+        k = len(ids)
+        cursors = ReaderCursors(
+            ids,
+            rng.integers(0, 2, k),
+            (rng.random(k) * sizes).astype(np.int64),
+            np.where(rng.random(k) < 0.1, rng.integers(0, 50_000, k), 0),
+            np.zeros(k, np.int64),
+            {},
+        )
+        header = {
             "dataset": name,
-            "fingerprint": f"{rng.integers(2**63):016x}",
+            "fingerprint": f"synthetic-{name}",  # the same in every worker: one dataset
             "seed": seed,
             "n_logical_shards": n,
-            "shards": cursors,
+            "split": None,
         }
+        reader = cursor_state(header, cursors)
         sources[name] = {
             Interleave.SOURCE_KEY: reader,
             Interleave.CONSUMED_KEY: int(rng.integers(0, 256)),
@@ -271,16 +273,17 @@ def plan_rank(
                 plan.bytes_read += len(blob)
                 states[g] = pickle.loads(blob)
         t2 = clock()
-        merged: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in DATASETS}
-        for g in needed:
-            for name, reader in _readers(states[g]).items():
-                for sid, cur in reader["shards"].items():
-                    if mine.start <= int(sid) < mine.stop:
-                        merged[name][sid] = {**cur, "returned": list(cur["returned"])}
-        for name, shards in merged.items():
-            if len(shards) != len(mine):
-                raise AssertionError(f"{name}: {len(shards)} of {len(mine)} cursors found")
-            plan.cursors += len(shards)
+        merged: dict[str, ReaderCursors] = {}
+        ids = np.arange(mine.start, mine.stop, dtype=np.int64)
+        for name in DATASETS:  # the library's merge, then my shards: an array selection
+            whole = reader_cursors(
+                merge_reader_states([_readers(states[g])[name] for g in needed], complete=False)
+            )
+            rows = whole.rows(ids)
+            if (rows < 0).any():
+                raise AssertionError(f"{name}: {int((rows >= 0).sum())} of {len(mine)} found")
+            merged[name] = whole.take(rows)
+            plan.cursors += len(rows)
         t3 = clock()
         for g in needed:  # the buffered pieces of my shards go back to their cursors
             old = states[g]
@@ -302,8 +305,10 @@ def plan_rank(
                 order = np.lexsort((*cols[::-1], sids))  # by shard, then as with_returned sorts
                 sids, rows = sids[order], np.stack(cols, axis=1)[order].tolist()
                 cuts = [0, *(np.flatnonzero(np.diff(sids)) + 1).tolist(), len(rows)]
+                extras = merged[name].extras
                 for a, b in zip(cuts, cuts[1:]):
-                    returned = merged[name][str(int(sids[a]))]["returned"]
+                    ex = extras.setdefault(int(sids[a]), {})
+                    returned = ex.setdefault("returned", [])
                     unsorted = bool(returned)
                     returned.extend(rows[a:b])
                     if unsorted:
@@ -327,7 +332,7 @@ def plan_rank(
                     Pack.SOURCE_KEY: {
                         Interleave.SOURCES_KEY: {
                             name: {
-                                Interleave.SOURCE_KEY: {**first[name], "shards": merged[name]},
+                                Interleave.SOURCE_KEY: cursor_state(first[name], merged[name]),
                                 Interleave.CONSUMED_KEY: 0,
                                 Interleave.ENDED_KEY: False,
                             }

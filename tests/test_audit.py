@@ -22,6 +22,7 @@ from torchdata_ext import PipelineConfig, TokenLoader, build_datasets, build_pip
 from torchdata_ext.audit import audit_checkpoint
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ["web", "code"]
@@ -238,7 +239,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
         for _, f, d, start, stop in block.pieces():
             got[(f, d)] += stop - start
         state = reader.state_dict()
-        if step > 20 and any(c["offset"] for c in state["shards"].values()):
+        if step > 20 and reader_cursors(state).offset.any():
             break  # a cursor inside a document, after a few whole ones
     else:
         raise AssertionError("no cursor stopped inside a document: the test would test nothing")
@@ -449,7 +450,7 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     reader.reset()
     assert sum(len(b) for b in reader) == 80
     state = reader.state_dict()
-    assert {c["epoch"] for c in state["shards"].values()} == {1}
+    assert set(reader_cursors(state).epoch.tolist()) == {1}
     lengths = index.doc_lengths()
     cursors, audit = _audit_dataset(
         index, state, _Held(index, lengths), lengths, None,

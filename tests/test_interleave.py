@@ -16,8 +16,10 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.document import DocumentBlock
+from torchdata_ext.graph import is_reader_state
 from torchdata_ext.nodes.interleave import _SAMPLES_TAG, Interleave, _counter_uniforms
 from torchdata_ext.nodes.tokenize import Tokenize
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.tokenizers import ByteTokenizer
 from torchdata_ext.walk import mix_seed
@@ -339,7 +341,7 @@ def test_state_layout(data) -> None:
     assert list(state["sources"]) == ["tiny", "code"]
     for s in state["sources"].values():
         assert set(s) == {"source", "consumed", "ended"}
-        assert "shards" in s["source"] and 0 <= s["consumed"] < 8 and s["ended"] is False
+        assert is_reader_state(s["source"]) and 0 <= s["consumed"] < 8 and s["ended"] is False
     assert state["counter"] == 0  # tokens mode draws nothing
 
 
@@ -668,8 +670,8 @@ def test_inflight_reads_open_documents_to_their_end_and_changes_nothing(data, mo
         pieces = node.inflight()
         assert node.state_dict() == state
         for name in weights:  # every reader's cursor lies between documents
-            shards = node.sources[node.names.index(name)].state_dict()["shards"]
-            assert all(c["offset"] == 0 for c in shards.values())
+            st = node.sources[node.names.index(name)].state_dict()
+            assert not reader_cursors(st).offset.any()
         held = {(ds, f, d): b for ds, f, d, _, b in pieces}
         for ds, f, d in held:  # each document reported runs to its end
             assert held[(ds, f, d)] == len(node.fetch_document(ds, f, d))

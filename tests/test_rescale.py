@@ -20,6 +20,7 @@ from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.loader import TokenLoader
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches
 
 
@@ -155,8 +156,8 @@ def _checkpoint_then_finish(cfg, tmp_path, old, new, steps=7) -> tuple[dict, lis
         load_checkpoint(loader, ckpt)
         for st in loader.state_dict()["workers"].values():
             for reader in _reader_states(st).values():
-                for cursor in reader["shards"].values():
-                    returned.extend(cursor["returned"])
+                for extras in reader_cursors(reader).extras.values():
+                    returned.extend(extras.get("returned", []))
         cover(coverage, list(loader), NAMES)
     return coverage, returned
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from torchdata_ext import World
 from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.state_delta import SET, apply, diff
+from torchdata_ext.state_delta import PATCH, SET, apply, diff
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 scalars = st.one_of(
@@ -169,3 +169,30 @@ def test_states_are_never_mutated_and_deltas_rebuild_them_at_every_step(data_pat
     assert steps > 10
     for i, (state, frozen) in enumerate(held):
         assert same(plain(state), frozen), f"the state of step {i} changed after it was taken"
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 300),
+    st.sampled_from([np.int8, np.int16, np.int64, np.uint8, np.bool_]),
+    st.lists(st.integers(0, 299), max_size=12),
+    st.booleans(),
+)
+def test_a_few_changed_array_elements_are_sent_as_a_patch(n, dtype, where, nested) -> None:
+    prev_arr = (np.arange(n) % 7).astype(dtype)
+    prev_arr.flags.writeable = False  # as the reader hands out its cursor columns
+    cur_arr = prev_arr.copy()
+    at = [i for i in where if i < n]
+    cur_arr[at] = 1 if dtype is np.bool_ else 5
+    prev = {"cursors": {"pos": prev_arr}, "x": 1} if nested else prev_arr
+    cur = {"cursors": {"pos": cur_arr}, "x": 1} if nested else cur_arr
+    ops = pickle.loads(pickle.dumps(diff(prev, cur)))
+    out = apply(prev, ops)
+    assert same(out, cur)
+    got = out["cursors"]["pos"] if nested else out
+    assert same(prev_arr, (np.arange(n) % 7).astype(dtype))  # the old array is untouched
+    changed = int((cur_arr != prev_arr).sum())
+    if changed and changed * 40 < n:  # a few of many: their places and values, not the array
+        assert [op[1] for op in ops] == [PATCH]
+        assert len(pickle.dumps(ops)) < 100 + 20 * changed
+    assert not changed or got is not prev_arr

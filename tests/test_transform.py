@@ -21,6 +21,7 @@ from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments, TransformDocuments
 from torchdata_ext.pipeline import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.transforms import Filter, Map, drop_tokens, from_spec, length_filter, truncate
 
@@ -383,8 +384,8 @@ def test_rescale_with_a_length_changing_map_and_a_filter(cfg, tmp_path, old, new
         load_checkpoint(loader, ckpt)
         for st_ in loader.state_dict()["workers"].values():
             for rd in _reader_states(st_).values():
-                for cursor in rd["shards"].values():
-                    returned.extend(cursor["returned"])
+                for extras in reader_cursors(rd).extras.values():
+                    returned.extend(extras.get("returned", []))
         check_sequences(list(loader), names, want, coverage)
     check_exactly_once(coverage, {k: len(v) for k, v in want.items()})
     assert returned, "nothing was in flight: the test would not test the hand-back"

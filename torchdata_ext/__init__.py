@@ -40,6 +40,7 @@ from torchdata_ext.pipeline import (
     build_pipeline,
 )
 from torchdata_ext.prepare_data import prepare
+from torchdata_ext.reader_state import ReaderCursors, reader_cursors
 from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
 from torchdata_ext.split import EvalSplit
 from torchdata_ext.tokenizers import ByteTokenizer
@@ -47,6 +48,7 @@ from torchdata_ext.walk import RandomWalk, mix_seed
 from torchdata_ext.world import World
 
 __all__ = [
+    "ReaderCursors",
     "AuditReport",
     "ByteTokenizer",
     "Collate",
@@ -81,6 +83,7 @@ __all__ = [
     "merge_reader_states",
     "mix_seed",
     "prepare",
+    "reader_cursors",
 ]
 
 __version__ = "0.1.0"

@@ -80,9 +80,9 @@ from torchdata_ext.graph import (
 )
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
-from torchdata_ext.nodes.reader import merge_reader_states
 from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.reader_state import merge_reader_states, reader_cursors
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.rescale import live_cut
 from torchdata_ext.shard_walk import walked_documents
@@ -423,7 +423,7 @@ def audit_checkpoint(
     cursors: dict[str, _Cursors] = {}
     for name, index in datasets.items():
         merged = merge_reader_states(live[name])
-        back = [p for cur in merged["shards"].values() for p in cur.get("returned", [])]
+        back = [p for ex in reader_cursors(merged).extras.values() for p in ex.get("returned", [])]
         held[name].add("handed_back", back)
         w = weights[name]
         got = delivered.get(name)
@@ -545,12 +545,9 @@ def _audit_dataset(
     token_share: float | None,
 ) -> tuple[_Cursors, DatasetAudit]:
     n = int(merged["n_logical_shards"])
-    items = sorted(merged["shards"].items(), key=lambda kv: int(kv[0]))
-    shard = np.fromiter((int(k) for k, _ in items), np.int64, len(items))
-    epoch = np.fromiter((int(v["epoch"]) for _, v in items), np.int64, len(items))
-    pos = np.fromiter((int(v["pos"]) for _, v in items), np.int64, len(items))
-    offset = np.fromiter((int(v["offset"]) for _, v in items), np.int64, len(items))
-    skips = sum(int(v["skips"]) for _, v in items)
+    view = reader_cursors(merged)
+    shard, epoch, pos, offset = view.ids, view.epoch, view.pos, view.offset
+    skips = int(view.skips.sum())
     offsets = file_offsets(index.doc_counts)
     bounds = shard_bounds(int(offsets[-1]), n)
     size = bounds[shard + 1] - bounds[shard]

@@ -31,7 +31,7 @@ __all__ = [
     "walk_state",
 ]
 
-_READER_STATE_KEYS = frozenset({"fingerprint", "shards", "n_logical_shards", "dataset"})
+_READER_STATE_KEYS = frozenset({"fingerprint", "n_logical_shards", "dataset"})
 
 
 def graph_nodes(root: BaseNode) -> list[BaseNode]:
@@ -86,7 +86,10 @@ def walk_state(
 
 def is_reader_state(x: Any) -> bool:
     """Whether ``x`` is the state of a :class:`~torchdata_ext.nodes.reader.ShardReader`."""
-    return isinstance(x, dict) and set(x) >= _READER_STATE_KEYS
+    # format 2 holds its cursors in "cursors", format 1 in "shards" (reader_state.py)
+    return (
+        isinstance(x, dict) and set(x) >= _READER_STATE_KEYS and ("cursors" in x or "shards" in x)
+    )
 
 
 def reader_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:

@@ -9,24 +9,31 @@ first, so after a rescale no worker starts a new epoch while it still owns unfin
 The position in a shard is ``(epoch, pos, offset)``: its epoch, the number of documents of the
 walk already finished, and how many tokens of the next document were already delivered (when
 long documents are cut into ``max_chunksize`` pieces). The reader's state is that cursor per
-owned shard, keyed by global shard id, so re-partitioning state over a new number of workers
-is a re-partition of a dict.
+owned shard, by global shard id, so re-partitioning state over a new number of workers is a
+selection by shard id.
 
-State keys: ``format``, ``dataset``, ``fingerprint``, ``seed``, ``n_logical_shards``, ``split``
-(the held-out split and which side of it this reader delivers, or None; all checked on
-restore), and ``shards``: ``{str(shard_id): {"epoch", "pos", "offset", "skipped_files",
-"skipped_docs", "skips"}}``. Resume guarantee: restoring a state continues with exactly the
-blocks the uninterrupted run would have produced next.
+State keys (format 2, see :mod:`torchdata_ext.reader_state`): ``format``, ``dataset``,
+``fingerprint``, ``seed``, ``n_logical_shards``, ``split`` (the held-out split and which side of
+it this reader delivers, or None; all checked on restore); ``cursors``: ``{"ids", "epoch",
+"pos", "offset", "skips"}``, read-only integer arrays over the owned shards sorted by id, each
+shard's cursor as it was last left (replaced, only the changed columns, when a shard finishes an
+epoch or its handed-back pieces); ``active``: the cursor of the shard being read,
+``{"shard", "epoch", "pos", "offset", "skips", "skipped_files", "skipped_docs", "returned"}``,
+or None; ``extras``: ``{str(shard_id): {"skipped_files"?, "skipped_docs"?, "returned"?}}`` for
+the left shards with such lists. Format 1 states (``shards``: a dict per shard) restore too:
+states are read through :func:`~torchdata_ext.reader_state.reader_cursors`. Resume guarantee:
+restoring a state continues with exactly the blocks the uninterrupted run would have produced
+next.
 
 This module is the walk: shard order, plans, cursors and epochs, building blocks, delivering
 pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
 ``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
 :class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
 :class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
-document ids. At ~830 lines it is over the ~500 of the style guide: the rest is one state
-machine over the per-shard cursor (``_Cursor``) that the plan, block and hand-back code all
-advance; the state format (``_Cursor``, ``_check_state``, :func:`merge_reader_states`,
-:meth:`ShardReader.with_returned`) is the seam for the next cut if it grows.
+document ids. At ~790 lines it is over the ~500 of the style guide: the rest is one state
+machine over the per-shard cursor (``Cursor``) that the plan, block and hand-back code all
+advance; the state format (``Cursor``, :func:`merge_reader_states`) already lives in
+:mod:`torchdata_ext.reader_state`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -47,6 +53,16 @@ from torchdata_ext.document import DocumentBlock
 from torchdata_ext.file_access import CacheSetting, FileAccess
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.reader_state import (
+    COLUMNS,
+    STATE_FORMAT,
+    Cursor,
+    ReaderCursors,
+    cursor_state,
+    merge_reader_states,
+    narrow,
+    reader_cursors,
+)
 from torchdata_ext.remote import RemoteError, ShardCache
 from torchdata_ext.shard_walk import ShardPlan, shard_order_rank, shard_plan
 from torchdata_ext.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
@@ -57,44 +73,6 @@ from torchdata_ext.world import World
 __all__ = ["ShardReader", "merge_reader_states"]
 
 logger = logging.getLogger(__name__)
-
-STATE_FORMAT = 1
-
-
-@dataclass
-class _Cursor:
-    epoch: int = 0
-    pos: int = 0
-    offset: int = 0
-    skipped_files: list[int] = field(default_factory=list)
-    skipped_docs: list[list[int]] = field(default_factory=list)
-    skips: int = 0
-    # pieces handed back after a rescale, delivered before the walk goes on:
-    # [file, doc, start, stop] (stop -1: to the end of the document)
-    returned: list[list[int]] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "returned": [list(x) for x in self.returned],
-            "epoch": self.epoch,
-            "pos": self.pos,
-            "offset": self.offset,
-            "skipped_files": list(self.skipped_files),
-            "skipped_docs": [list(x) for x in self.skipped_docs],
-            "skips": self.skips,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> _Cursor:
-        return cls(
-            int(d["epoch"]),
-            int(d["pos"]),
-            int(d["offset"]),
-            [int(x) for x in d["skipped_files"]],
-            [[int(a), int(b)] for a, b in d["skipped_docs"]],
-            int(d["skips"]),
-            [[int(v) for v in x] for x in d.get("returned", [])],
-        )
 
 
 class ShardReader(BaseNode[DocumentBlock]):
@@ -204,8 +182,12 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._given_world = world
         self._fingerprint = dataset.fingerprint()
         self._offsets = file_offsets(dataset.doc_counts)
-        self._cursors: dict[int, _Cursor] = {}
-        self._frozen: dict[str, dict[str, Any]] = {}
+        self._cursors: dict[int, Cursor] = {}
+        # the state's "cursors" columns and "extras" of the shards as last left: replaced
+        # (copy-on-write), never written, once handed out (see reader_state.py)
+        self._columns: dict[str, np.ndarray] = {}
+        self._extras: dict[str, dict[str, Any]] = {}
+        self._row: dict[int, int] = {}
         self._active: int | None = None
         self._queue: list[tuple[int, int, int]] = []  # (epoch, order rank, shard), a heap
         self._owned_docs = 0
@@ -228,22 +210,26 @@ class ShardReader(BaseNode[DocumentBlock]):
         owned = worker_shards(
             self.n_logical_shards, self.world.total_workers, self.world.global_worker
         )
-        self._cursors = {}
+        ids = np.arange(owned.start, owned.stop, dtype=np.int64)
         if initial_state is not None:
+            view = reader_cursors(initial_state)  # ValueError: no reader state, unknown format
             self._check_state(initial_state)
-            shards = initial_state["shards"]
-            for sid in owned:
-                if str(sid) not in shards:
-                    raise ValueError(
-                        f"the reader state for dataset {self.dataset.name!r} has no cursor for "
-                        f"logical shard {sid}, which global worker {self.world.global_worker} of "
-                        f"{self.world.total_workers} owns; pass the merged state of all workers "
-                        "when the number of ranks or workers changed"
-                    )
-                self._cursors[sid] = _Cursor.from_dict(shards[str(sid)])
+            rows = view.rows(ids)
+            if (rows < 0).any():
+                sid = int(ids[np.argmax(rows < 0)])
+                raise ValueError(
+                    f"the reader state for dataset {self.dataset.name!r} has no cursor for "
+                    f"logical shard {sid}, which global worker {self.world.global_worker} of "
+                    f"{self.world.total_workers} owns; pass the merged state of all workers "
+                    "when the number of ranks or workers changed"
+                )
+            view = view.take(rows)
         else:
-            self._cursors = {sid: _Cursor() for sid in owned}
-        self._frozen = {str(s): c.as_dict() for s, c in self._cursors.items()}
+            view = ReaderCursors.fresh(ids)
+        self._cursors = {int(sid): view.cursor(i) for i, sid in enumerate(ids.tolist())}
+        self._row = {int(sid): i for i, sid in enumerate(ids.tolist())}
+        frozen = cursor_state({}, view)
+        self._columns, self._extras = frozen["cursors"], frozen["extras"]
         self._active = None
         self._queue = [
             (c.epoch, int(self._order_rank(c.epoch)[s]), s) for s, c in self._cursors.items()
@@ -271,9 +257,9 @@ class ShardReader(BaseNode[DocumentBlock]):
             self._reader_seconds += time.perf_counter() - t0
 
     def get_state(self) -> dict[str, Any]:
-        shards = dict(self._frozen)
+        active = None
         if self._active is not None:
-            shards[str(self._active)] = self._cursors[self._active].as_dict()
+            active = {"shard": self._active, **self._cursors[self._active].as_dict()}
         return {
             "format": STATE_FORMAT,
             "dataset": self.dataset.name,
@@ -281,7 +267,9 @@ class ShardReader(BaseNode[DocumentBlock]):
             "seed": self.seed,
             "n_logical_shards": self.n_logical_shards,
             "split": self._split_state(),
-            "shards": shards,
+            "cursors": self._columns,
+            "extras": self._extras,
+            "active": active,
         }
 
     def _split_state(self) -> dict[str, Any] | None:
@@ -332,11 +320,11 @@ class ShardReader(BaseNode[DocumentBlock]):
         except Exception:  # interpreter shutdown, half-built reader
             pass
 
-    def _read_returned(self, sid: int, c: _Cursor) -> DocumentBlock | None:
+    def _read_returned(self, sid: int, c: Cursor) -> DocumentBlock | None:
         """Deliver pieces handed back by a rescale (one file per block)."""
         if not c.returned:
             self._returned_shards.pop(0)
-            self._frozen[str(sid)] = c.as_dict()
+            self._freeze(sid)
             self._active = None
             return None
         file = c.returned[0][0]
@@ -365,7 +353,6 @@ class ShardReader(BaseNode[DocumentBlock]):
                 stops.append(stop)
             docs.append(doc)
             starts.append(start)
-        self._frozen[str(sid)] = c.as_dict()
         block = DocumentBlock.from_pieces(
             self.dataset.name,
             pieces,
@@ -388,19 +375,20 @@ class ShardReader(BaseNode[DocumentBlock]):
         handed back to the logical shards holding them (each is delivered first by whichever
         worker owns the shard). Used when rescaling."""
         bounds = shard_bounds(int(self._offsets[-1]), self.n_logical_shards)
-        shards = dict(state["shards"])
-        added: dict[str, list[list[int]]] = {}
+        view = reader_cursors(state)
+        added: dict[int, list[list[int]]] = {}
         for file, doc, start, stop in pieces:
             g = int(self._offsets[file]) + int(doc)
-            sid = str(int(np.searchsorted(bounds, g, side="right")) - 1)
-            if sid not in shards:
-                continue  # another new worker's shard; it reads the same old state
+            sid = int(np.searchsorted(bounds, g, side="right")) - 1
             added.setdefault(sid, []).append([int(file), int(doc), int(start), int(stop)])
-        for sid, new in added.items():
-            cur = dict(shards[sid])
-            cur["returned"] = sorted([list(x) for x in cur.get("returned", [])] + new)
-            shards[sid] = cur
-        return {**state, "shards": shards}
+        held = view.rows(np.fromiter(added, np.int64, len(added)))
+        for sid, row in zip(list(added), held.tolist()):
+            if row < 0:
+                continue  # another new worker's shard; it reads the same old state
+            ex = dict(view.extras.get(sid, {}))
+            ex["returned"] = sorted([list(x) for x in ex.get("returned", [])] + added[sid])
+            view.extras[sid] = ex
+        return cursor_state(state, view)
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` as this reader delivers it (after
@@ -468,10 +456,33 @@ class ShardReader(BaseNode[DocumentBlock]):
     def _make_plan(self, sid: int, epoch: int) -> ShardPlan:
         return shard_plan(self._offsets, self.n_logical_shards, self.seed, sid, epoch)
 
+    def _freeze(self, sid: int) -> None:
+        """Record shard ``sid``'s cursor, now left, in the state's columns and extras: new
+        objects for what changed (the old ones may be in states already handed out)."""
+        c, row = self._cursors[sid], self._row[sid]
+        columns = self._columns
+        for k in COLUMNS:
+            v, col = getattr(c, k), columns[k]
+            if int(col[row]) != v:
+                wider = np.array(col, np.int64)
+                wider[row] = v
+                if columns is self._columns:
+                    columns = dict(columns)
+                columns[k] = narrow(wider)
+        self._columns = columns
+        ex, key = c.extras(), str(sid)
+        if ex != self._extras.get(key, {}):
+            extras = dict(self._extras)
+            if ex:
+                extras[key] = ex
+            else:
+                del extras[key]
+            self._extras = extras
+
     def _finish_epoch(self, sid: int) -> None:
         c = self._cursors[sid]
         c.epoch, c.pos, c.offset = c.epoch + 1, 0, 0
-        self._frozen[str(sid)] = c.as_dict()
+        self._freeze(sid)
         self._active = None
         heapq.heapreplace(self._queue, (c.epoch, int(self._order_rank(c.epoch)[sid]), sid))
         self._empty_run += self.shard_size(sid)
@@ -581,7 +592,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         file: int,
         doc_ids: np.ndarray,
         docs: Sequence[DocData | None],
-        c: _Cursor,
+        c: Cursor,
         count: int,
     ) -> DocumentBlock | None | Literal[False]:
         """The block of ``docs`` in one vectorised step when each is a whole token document
@@ -633,7 +644,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         )
 
     # -- switching files ---------------------------------------------------------------------
-    def _switch_file(self, sid: int, c: _Cursor, plan: ShardPlan, j: int) -> bool:
+    def _switch_file(self, sid: int, c: Cursor, plan: ShardPlan, j: int) -> bool:
         """Make the file of fragment ``j`` of shard ``sid``'s plan the open one. False when it
         cannot be read and ``on_error="skip"``: its documents are then skipped and recorded."""
         file = plan.fragments[j].file
@@ -671,7 +682,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         """The URLs this reader holds prefetched in the cache."""
         return self._files.prefetching
 
-    def _upcoming(self, sid: int, c: _Cursor, plan: ShardPlan, j: int) -> Iterator[int]:
+    def _upcoming(self, sid: int, c: Cursor, plan: ShardPlan, j: int) -> Iterator[int]:
         """The files this worker opens after fragment ``j`` of shard ``sid``, in order (known
         bad ones left out; repeats possible): the rest of its plan, then the next shards, as far
         as ``prefetch_shards`` looks ahead. Lazy: only read when prefetching applies."""
@@ -690,7 +701,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 if frag.file not in oc.skipped_files:
                     yield frag.file
 
-    def _fetch(self, file: int, doc_ids: np.ndarray, c: _Cursor) -> list[DocData | None]:
+    def _fetch(self, file: int, doc_ids: np.ndarray, c: Cursor) -> list[DocData | None]:
         """Documents ``doc_ids`` of the open file ``file``; None for each skipped one."""
         files = self._files
         skipped = {d for f, d in c.skipped_docs if f == file} if c.skipped_docs else set()
@@ -721,13 +732,6 @@ class ShardReader(BaseNode[DocumentBlock]):
 
     # -- state checks --------------------------------------------------------------------------
     def _check_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or "shards" not in state:
-            raise ValueError("not a ShardReader state: it has no 'shards' entry")
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                f"reader state format {state.get('format')!r} is not supported "
-                f"(this version reads format {STATE_FORMAT})"
-            )
         for key, mine in (
             ("fingerprint", self._fingerprint),
             ("seed", self.seed),
@@ -753,47 +757,6 @@ class ShardReader(BaseNode[DocumentBlock]):
                 "of the other side or repeat them: restore with the checkpoint's eval_fraction, "
                 "split seed and subset"
             )
-
-
-def merge_reader_states(
-    states: Sequence[dict[str, Any]], *, complete: bool = True
-) -> dict[str, Any]:
-    """Merge the states of all copies of one reader (every rank and worker) into one.
-
-    The merged state restores on any number of ranks x workers: each new copy takes the
-    cursors of the logical shards it owns under the new partition.
-
-    Args:
-        states: reader states of one dataset, each covering the shards of one copy.
-        complete: require every logical shard to be covered (False: a rescale merges only
-            the old copies a new one needs).
-
-    Raises:
-        ValueError: the states come from different datasets, seeds or shard counts, a shard
-            appears twice, or (with ``complete``) a shard is missing.
-    """
-    if not states:
-        raise ValueError("merge_reader_states needs at least one state")
-    first = states[0]
-    shards: dict[str, Any] = {}
-    for i, st in enumerate(states):
-        for key in ("format", "fingerprint", "seed", "n_logical_shards", "split"):
-            if st.get(key) != first.get(key):
-                raise ValueError(
-                    f"state {i} has {key}={st.get(key)!r} but state 0 has {first.get(key)!r}; "
-                    "only states of the same reader can be merged"
-                )
-        for sid, cur in st["shards"].items():
-            if sid in shards:
-                raise ValueError(f"logical shard {sid} appears in two states; pass each copy once")
-            shards[sid] = cur
-    missing = set(map(str, range(first["n_logical_shards"]))) - set(shards) if complete else ()
-    if missing:
-        raise ValueError(
-            f"the states cover {len(shards)} of {first['n_logical_shards']} logical shards "
-            f"(missing e.g. {sorted(missing, key=int)[:5]}); pass the states of all ranks and workers"
-        )
-    return {**first, "shards": shards}
 
 
 def _strip_ends(
