@@ -75,36 +75,50 @@ def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int
     return tokens, time.perf_counter() - t0, batches, time.process_time() - c0, first
 
 
-def loader_rates(cfg: PipelineConfig, n_batches: int, bare: float) -> None:
+def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     """The same pipeline through ``TokenLoader`` as a training loop takes it, with
     ``state_dict()`` called at every step: in a background thread of this process and in 1 or 2
     StatefulDataLoader worker processes (after the first batches, so the buffer fill is left
-    out). The ratio is against the bare pipeline's rate measured in this run."""
+    out). Each path's reference is the bare pipeline over the same number of batches after its
+    fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
     import functools
 
     from torchdata_ext.loader import TokenLoader
 
     datasets = build_datasets(cfg)
-    for label, workers in (
-        ("in-process thread", 0),
-        ("1 worker process", 1),
-        ("2 worker processes", 2),
-    ):
-        loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
-        it = iter(loader)
-        for _ in range(5 * max(1, workers)):
-            next(it)
+    paths = (("in-process thread", 0), ("1 worker process", 1), ("2 worker processes", 2))
+    bares: list[float] = []
+    rates: dict[str, list[float]] = {label: [] for label, _ in paths}
+    for _ in range(max(1, repeat)):
+        node = build_pipeline(cfg, World(), datasets)
+        next(node)
         t0 = time.perf_counter()
-        tokens = 0
-        for _ in range(n_batches):
-            tokens += next(it)["input_ids"].numel()
-            loader.state_dict()
-        rate = tokens / (time.perf_counter() - t0)
+        tokens = sum(next(node)["input_ids"].numel() for _ in range(n_batches))
+        bares.append(tokens / (time.perf_counter() - t0))
+        del node
+        for label, workers in paths:
+            loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
+            it = iter(loader)
+            for _ in range(5 * max(1, workers)):
+                next(it)
+            t0 = time.perf_counter()
+            tokens = 0
+            for _ in range(n_batches):
+                tokens += next(it)["input_ids"].numel()
+                loader.state_dict()
+            rates[label].append(tokens / (time.perf_counter() - t0))
+            del it, loader
+    bare = max(bares)
+    print(
+        f"bare pipeline, {n_batches} batches after its fill: {_summary(bares)} (the reference "
+        "of the TokenLoader rows)"
+    )
+    for label, got in rates.items():
         print(
-            f"TokenLoader, {label}, state every step: {rate / 1e6:6.1f}M tokens/s "
-            f"(ratio to the bare pipeline {rate / bare:.2f})"
+            f"TokenLoader, {label}, state every step: {_summary(got)} (ratio of the bests to "
+            f"the bare pipeline {max(got) / bare:.2f}; of the medians "
+            f"{statistics.median(got) / statistics.median(bares):.2f})"
         )
-        del it, loader
 
 
 def _build(cfg: PipelineConfig, datasets, world: World):
@@ -181,7 +195,7 @@ def main() -> None:
     )
 
     if args.loader_batches:
-        loader_rates(cfg, args.loader_batches, max(steady_rates))
+        loader_rates(cfg, args.loader_batches, args.repeat)
 
     troot = os.path.join(args.data_dir, f"jsonl_{args.text_bytes}")
     jsonl_dataset(os.path.join(troot, "prose"), args.text_bytes, 4, seed=7)
