@@ -37,6 +37,11 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``num_proc=P`` tokenizes P input files at a time in a process pool; results are consumed in
   input order, so the output does not depend on P.
 
+At ~640 lines this module is over the ~500 of the style guide: it is one resumable state machine
+(progress files, parts, the output writers per format) whose pieces share the progress record;
+sampling and length filters already live in ``prepare_filter.py``, and the output writers
+(Arrow, npy, MDS) are the next cut.
+
 Kills and restarts: each output file is written atomically
 (:func:`torchdata_ext.remote.write_bytes_atomic`), then ``_progress_part{K:05d}.json`` (also
 atomic) records the next output number and the input position (file, document) where that
