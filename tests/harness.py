@@ -16,6 +16,8 @@ import numpy as np
 from torchdata.nodes import BaseNode, Loader
 
 from torchdata_ext.document import DocumentBlock
+from torchdata_ext.pipeline import PipelineConfig, build_datasets
+from torchdata_ext.testing import write_arrow_batches
 
 
 def item_key(item: Any) -> Any:
@@ -131,3 +133,39 @@ def check_exactly_once(coverage: dict, lengths: dict) -> None:
             assert a == pos, f"{key}: tokens {pos}..{a} missing or repeated (ranges {ranges})"
             pos = b
         assert pos == lengths[key], f"{key}: covered {pos} of {lengths[key]} tokens"
+
+
+def write_random_arrow_datasets(
+    root: str,
+    datasets: Iterable[tuple[str, int, float]],
+    seed: int,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """The small two-file corpus the pipeline tests use: per ``(name, documents, mean)``,
+    random ``uint32`` token documents of ``1 + exponential(mean)`` tokens, the even ones in
+    ``root/name/p0.arrow`` and the odd ones in ``p1.arrow`` (Bamba layout); one generator of
+    ``seed`` over all datasets in order."""
+    rng = np.random.default_rng(seed)
+    for name, n_docs, mean in datasets:
+        docs = [
+            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
+            for _ in range(n_docs)
+        ]
+        for f in range(2):
+            write_arrow_batches(
+                f"{root}/{name}/p{f}.arrow", docs[f::2], storage_options=storage_options
+            )
+
+
+def document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
+    """Tokens per document of ``cfg``'s datasets, keyed ``(dataset, file number, doc)``, as
+    the datasets' own index reads them (``DatasetIndex.doc_lengths``)."""
+    out = {}
+    for name, index in build_datasets(cfg).items():
+        lengths = index.doc_lengths().tolist()
+        at = 0
+        for f, n_docs in enumerate(index.doc_counts.tolist()):
+            for d in range(n_docs):
+                out[(name, f, d)] = lengths[at + d]
+            at += n_docs
+    return out

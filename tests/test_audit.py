@@ -17,6 +17,7 @@ from collections import Counter
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from harness import document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_datasets, build_pipeline
 from torchdata_ext.audit import audit_checkpoint
@@ -31,30 +32,12 @@ NAMES = ["web", "code"]
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
     root = tmp_path_factory.mktemp("audit")
-    rng = np.random.default_rng(3)
-    for name, n_docs, mean in (("web", 160, 20), ("code", 80, 45)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(str(root / name / f"p{f}.arrow"), docs[f::2])
+    write_random_arrow_datasets(str(root), (("web", 160, 20), ("code", 80, 45)), seed=3)
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", seq_length=32, eos_token=0,
         bos_token=1, logical_shards=24, batch_size=2, seed=5, shuffle_buffer=6, block_docs=5,
         mix_quantum_tokens=0, output_keys="input_ids,provenance",
     )  # fmt: skip
-
-
-def lengths_of(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
-    out = {}
-    for name, index in build_datasets(cfg).items():
-        lengths = index.doc_lengths()
-        off = np.concatenate([[0], np.cumsum(index.doc_counts)])
-        for f in range(len(index.files)):
-            for d in range(int(index.doc_counts[f])):
-                out[(name, f, d)] = int(lengths[off[f] + d])
-    return out
 
 
 def deliver(delivered: Counter, batch) -> None:
@@ -96,7 +79,7 @@ def test_consumed_between_two_checkpoints_is_what_was_delivered(
     cfg, tmp_path, max_chunksize, eval_fraction
 ) -> None:
     cfg = dataclasses.replace(cfg, max_chunksize=max_chunksize, eval_fraction=eval_fraction)
-    lengths = lengths_of(cfg)
+    lengths = document_lengths(cfg)
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
     delivered: Counter = Counter()
     reports, done = {}, {}
@@ -138,7 +121,7 @@ def test_audit_of_a_two_rank_two_worker_run_then_a_rescale(cfg, tmp_path) -> Non
     """Ranks x workers: every worker's state is audited; after a rescale to 1 x 3 the pieces
     in flight are handed back, and the audit of the rescaled loader's checkpoint says the same
     documents were consumed, now in flight as handed back."""
-    lengths = lengths_of(cfg)
+    lengths = document_lengths(cfg)
     delivered: Counter = Counter()
     ckpt = str(tmp_path / "old")
     for rank in range(2):
@@ -174,7 +157,7 @@ def test_audit_of_a_two_rank_two_worker_run_then_a_rescale(cfg, tmp_path) -> Non
 
 
 def test_without_replay_counts_to_the_recorded_replay_points(cfg, tmp_path) -> None:
-    lengths = lengths_of(cfg)
+    lengths = document_lengths(cfg)
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
     delivered: Counter = Counter()
     for step, batch in enumerate(loader, 1):
@@ -199,7 +182,7 @@ def test_epochs_of_ranks_at_different_places(cfg, tmp_path) -> None:
     both epochs: each document's rows not in flight are the times all its tokens were
     delivered."""
     small = dataclasses.replace(cfg, shuffle_buffer=2)
-    lengths = lengths_of(small)
+    lengths = document_lengths(small)
     delivered: Counter = Counter()
     ckpt = str(tmp_path / "c")
     for rank, steps in ((0, 50), (1, 20)):
@@ -371,7 +354,7 @@ def test_text_data_counts_documents_exactly_and_tokens_as_unknown(tmp_path) -> N
 def test_a_checkpoint_between_snapshots_describes_the_last_snapshot(cfg, tmp_path) -> None:
     """With ``snapshot_every_n_steps=4`` a checkpoint at step 6 holds the state of step 4 and
     the 2 batches since: the audit says so and is exact for step 4."""
-    lengths = lengths_of(cfg)
+    lengths = document_lengths(cfg)
     loader = TokenLoader(
         functools.partial(build_pipeline, cfg), num_workers=1, snapshot_every_n_steps=4
     )
@@ -418,7 +401,7 @@ def test_curriculum_phases_budget_and_a_finished_dataset(cfg, tmp_path) -> None:
         weights=[],
         phases=[{"datasets": "web", "max_tokens": 600}, {"datasets": "code"}],
     )
-    lengths = lengths_of(phased)
+    lengths = document_lengths(phased)
     loader = TokenLoader(functools.partial(build_pipeline, phased))
     delivered: Counter = Counter()
     for step, batch in enumerate(loader, 1):

@@ -9,14 +9,18 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, check_restore_at_every_step
+from harness import (
+    check_exactly_once,
+    check_restore_at_every_step,
+    document_lengths,
+    write_random_arrow_datasets,
+)
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ["web", "code", "math"]
 WEB_BUDGET = 1200
@@ -25,14 +29,9 @@ WEB_BUDGET = 1200
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("curriculum")
-    rng = np.random.default_rng(4)
-    for name, n_docs, mean in (("web", 160, 20), ("code", 50, 30), ("math", 30, 25)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(str(root / name / f"p{f}.arrow"), docs[f::2])
+    write_random_arrow_datasets(
+        str(root), (("web", 160, 20), ("code", 50, 30), ("math", 30, 25)), seed=4
+    )
     return str(root)
 
 
@@ -62,17 +61,6 @@ def build(cfg: PipelineConfig, world: World):
     return build_pipeline(cfg, world, collate=False)
 
 
-def doc_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
-    out = {}
-    for name, index in build_datasets(cfg).items():
-        handler = index.handler()
-        for f, url in enumerate(index.files):
-            reader = handler.open(url)
-            for d, n in enumerate(handler.doc_lengths(reader).tolist()):
-                out[(name, f, d)] = n
-    return out
-
-
 def rows(seqs) -> list[tuple[str, int, int, int, int]]:
     """Document rows of the sequences' provenance, in order: (dataset, file, doc, start, stop)."""
     out = []
@@ -96,7 +84,7 @@ def check_delivery(cfg: PipelineConfig, delivered: list, budgets: dict[str, int]
     coverage: dict = {}
     for ds, f, d, a, b in delivered:
         coverage.setdefault((ds, f, d), []).append((a, b))
-    lengths = doc_lengths(cfg)
+    lengths = document_lengths(cfg)
     for name, budget in budgets.items():
         got = {k: v for k, v in coverage.items() if k[0] == name}
         assert sum(b - a for v in got.values() for a, b in v) == budget, name

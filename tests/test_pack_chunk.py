@@ -12,7 +12,12 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, check_restore_at_every_step, run
+from harness import (
+    check_exactly_once,
+    check_restore_at_every_step,
+    run,
+    write_random_arrow_datasets,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_pack import ListSource
@@ -140,14 +145,7 @@ def test_restore_at_every_step(tiny, drop, chunk) -> None:
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
     root = tmp_path_factory.mktemp("chunk_rescale")
-    rng = np.random.default_rng(3)
-    for name, n_docs, mean in (("web", 100, 20), ("code", 50, 45)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(str(root / name / f"p{f}.arrow"), docs[f::2])
+    write_random_arrow_datasets(str(root), (("web", 100, 20), ("code", 50, 45)), seed=3)
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", seq_length=16, eos_token=0,
         bos_token=1, logical_shards=24, batch_size=2, seed=5, shuffle_buffer=6, block_docs=5,

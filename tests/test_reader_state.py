@@ -11,11 +11,11 @@ import pickle
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, item_key, run
+from harness import check_exactly_once, document_lengths, item_key, run, write_random_arrow_datasets
 
 from torchdata_ext import DatasetIndex, ShardReader, World, merge_reader_states
 from torchdata_ext.graph import reader_states, set_at
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.rescale import rescale_worker_states
@@ -172,14 +172,7 @@ def test_state_is_columns_not_a_dict_per_shard(corpus) -> None:
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
     root = tmp_path_factory.mktemp("rs_pipe")
-    rng = np.random.default_rng(4)
-    for name, n_docs, mean in (("web", 90, 15), ("code", 50, 30)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(str(root / name / f"p{f}.arrow"), docs[f::2])
+    write_random_arrow_datasets(str(root), (("web", 90, 15), ("code", 50, 30)), seed=4)
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", seq_length=16, eos_token=0,
         bos_token=1, logical_shards=12, batch_size=2, seed=5, shuffle_buffer=4, block_docs=3,
@@ -211,7 +204,6 @@ def test_pipeline_with_format1_reader_states_rescales_exactly_once(cfg) -> None:
         for path, st in paths.items():
             set_at(graph, path, to_format1(st))
         old_graphs[g] = pickle.loads(pickle.dumps(graph))
-    lengths: dict = {}
     for g in range(3):  # -> 3 ranks x 1 worker
         world = World(g, 3, 0, 1)
         state = rescale_worker_states(old_graphs, (2, 2), world, build)
@@ -219,9 +211,4 @@ def test_pipeline_with_format1_reader_states_rescales_exactly_once(cfg) -> None:
         root = build(world)
         root.reset(state)
         cover(run(root))
-    for name, index in build_datasets(cfg).items():
-        handler = index.handler()
-        for f, url in enumerate(index.files):
-            for d, n in enumerate(handler.doc_lengths(handler.open(url)).tolist()):
-                lengths[(name, f, d)] = n
-    check_exactly_once(coverage, lengths)
+    check_exactly_once(coverage, document_lengths(cfg))

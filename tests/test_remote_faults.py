@@ -23,9 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import FaultProxy, S3Endpoint
-from harness import check_exactly_once
+from harness import check_exactly_once, document_lengths
 from test_remote_pipeline import _cfg, _write_corpus, build
-from test_rescale import NAMES, cover, expected_lengths
+from test_rescale import NAMES, cover
 
 from torchdata_ext import DatasetIndex
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -248,7 +248,7 @@ def test_full_pipeline_under_faults_delivers_every_token_exactly_once(
         load_checkpoint(loader, ckpt, storage_options=so)
         cover(coverage, list(loader), NAMES)
         retries += loader.io_stats()["retries"]
-    check_exactly_once(coverage, expected_lengths(_cfg(data, s3.storage_options)))
+    check_exactly_once(coverage, document_lengths(_cfg(data, s3.storage_options)))
     assert s3_proxy.faults[kinds[0]] > 0, s3_proxy.faults
     assert retries > 0
     # retries in this process (restoring old workers' graphs reads data too): a line each

@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
-from harness import check_exactly_once, item_key, run
-from test_rescale import NAMES, cover, expected_lengths
+from harness import check_exactly_once, document_lengths, item_key, run, write_random_arrow_datasets
+from test_rescale import NAMES, cover
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
 from torchdata_ext.loader import TokenLoader
 from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.testing import write_arrow_batches
 
 
 def _write_corpus(root: str, storage_options=None) -> None:
-    rng = np.random.default_rng(11)
-    for name, n_docs, mean in (("web", 90, 20), ("code", 50, 40)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(
-                f"{root}/{name}/p{f}.arrow",
-                docs[f::2],
-                storage_options=storage_options,
-                dtype=np.uint32,
-            )
+    write_random_arrow_datasets(
+        root, (("web", 90, 20), ("code", 50, 40)), seed=11, storage_options=storage_options
+    )
 
 
 def _cfg(root: str, storage_options=None) -> PipelineConfig:
@@ -57,7 +45,7 @@ def test_full_pipeline_over_s3_equals_local_and_rescales_from_s3_checkpoint(s3, 
             b = [item_key(x) for x in run(build(cfg_s3, World(0, 1, w, workers)))]
             assert a == b and len(a) > 10
     # checkpoint mid-epoch at 2 ranks x 1 worker into s3://, restore at 1 rank x 2 workers
-    lengths = expected_lengths(cfg_local)
+    lengths = document_lengths(cfg_local)
     coverage: dict = {}
     ckpt = s3.url("ckpt", "step_7")
     for r in range(2):

@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once
+from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -21,20 +21,12 @@ from torchdata_ext.loader import TokenLoader
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.reader_state import reader_cursors
-from torchdata_ext.testing import write_arrow_batches
 
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
     root = tmp_path_factory.mktemp("rescale")
-    rng = np.random.default_rng(3)
-    for name, n_docs, mean in (("web", 160, 20), ("code", 80, 45)):
-        docs = [
-            rng.integers(5, 30_000, 1 + int(rng.exponential(mean)), dtype=np.uint32)
-            for _ in range(n_docs)
-        ]
-        for f in range(2):
-            write_arrow_batches(str(root / name / f"p{f}.arrow"), docs[f::2])
+    write_random_arrow_datasets(str(root), (("web", 160, 20), ("code", 80, 45)), seed=3)
     return PipelineConfig(
         data_path=str(root), datasets="web,code", weights="2,1", seq_length=32, eos_token=0,
         bos_token=1, logical_shards=24, batch_size=2, seed=5, shuffle_buffer=6, block_docs=5,
@@ -44,17 +36,6 @@ def cfg(tmp_path_factory) -> PipelineConfig:
 
 def build(cfg: PipelineConfig, world: World):
     return build_pipeline(cfg, world, collate=False)
-
-
-def expected_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
-    out = {}
-    for name, index in build_datasets(cfg).items():
-        handler = index.handler()
-        for f, url in enumerate(index.files):
-            reader = handler.open(url)
-            for d, n in enumerate(handler.doc_lengths(reader).tolist()):
-                out[(name, f, d)] = n
-    return out
 
 
 def cover(coverage: dict, seqs, names) -> None:
@@ -73,7 +54,7 @@ def cover(coverage: dict, seqs, names) -> None:
 @pytest.mark.parametrize("new", [(1, 0), (1, 1), (1, 3), (2, 2), (3, 1), (4, 2)], ids=str)
 def test_full_pipeline_rescale_exactly_once(cfg, tmp_path, old, new) -> None:
     coverage, _ = _checkpoint_then_finish(cfg, tmp_path, old, new)
-    check_exactly_once(coverage, expected_lengths(cfg))
+    check_exactly_once(coverage, document_lengths(cfg))
 
 
 NAMES = ["web", "code"]
@@ -103,7 +84,7 @@ def test_changed_weights_are_refused_unless_accepted(cfg, tmp_path) -> None:
     loader = TokenLoader(functools.partial(build, reweighted))
     load_checkpoint(loader, ckpt, allow_weight_changes=True)
     cover(coverage, list(loader), NAMES)
-    check_exactly_once(coverage, expected_lengths(cfg))
+    check_exactly_once(coverage, document_lengths(cfg))
 
 
 def test_added_dataset_is_refused_unless_accepted(cfg, tmp_path) -> None:
@@ -128,7 +109,7 @@ def test_added_dataset_is_refused_unless_accepted(cfg, tmp_path) -> None:
     assert counters["code"] == counters["web"] // 2
     seqs = list(loader)
     cover(coverage, seqs, NAMES)
-    check_exactly_once(coverage, expected_lengths(cfg))  # web finished once, code read once
+    check_exactly_once(coverage, document_lengths(cfg))  # web finished once, code read once
 
 
 def _checkpoint_then_finish(cfg, tmp_path, old, new, steps=7) -> tuple[dict, list]:
@@ -171,7 +152,7 @@ def test_best_fit_rescale_hands_on_the_window(cfg, tmp_path, old, new) -> None:
     bf = dataclasses.replace(cfg, pack_mode="best_fit", best_fit_window=7)
     for steps in (1, 4, 9):
         coverage, returned = _checkpoint_then_finish(bf, tmp_path / str(steps), old, new, steps)
-        check_exactly_once(coverage, expected_lengths(bf))
+        check_exactly_once(coverage, document_lengths(bf))
         assert returned, "nothing was in flight: the test would not test the hand-on"
 
 
@@ -249,7 +230,7 @@ def test_mix_changes_that_cannot_be_exact_are_refused(cfg, tmp_path) -> None:
     loader = TokenLoader(functools.partial(build, new_mix))
     load_checkpoint(loader, again)  # the same config again: nothing to accept
     cover(coverage, list(loader), NAMES)
-    check_exactly_once(coverage, expected_lengths(cfg))
+    check_exactly_once(coverage, document_lengths(cfg))
 
 
 @pytest.mark.parametrize("old,new", [(3, (1, 2)), (2, (3, 1)), (2, (1, 3)), (4, (2, 3))], ids=str)
