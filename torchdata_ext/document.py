@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Document", "DocumentBlock"]
+__all__ = ["Document", "DocumentBlock", "handed_back_piece"]
 
 
 class Document(NamedTuple):
@@ -191,3 +191,26 @@ class DocumentBlock:
             shard,
             epoch,
         )
+
+
+def handed_back_piece(
+    doc: np.ndarray, start: int, stop: int, where: str, of_what: str, changed: str
+) -> tuple[np.ndarray, bool]:
+    """Tokens ``start .. stop`` (``stop`` -1: to the end) of the whole document ``doc``, as a
+    rescale handed them back, and whether the piece ends the document.
+
+    Args:
+        where: the document, for the error (``"dataset 'web', file 3, doc 7"``).
+        of_what: what ``doc`` is, for the error (``"its text"``).
+        changed: what may have changed since the checkpoint, for the error.
+
+    Raises:
+        ValueError: the piece is not inside ``doc`` (what was handed back no longer matches).
+    """
+    b = len(doc) if stop < 0 else stop
+    if not 0 <= start <= b <= len(doc):
+        raise ValueError(
+            f"{where}: the piece {start}..{b} handed back by a rescale is not inside the "
+            f"{len(doc)} tokens of {of_what}: {changed} changed since the checkpoint"
+        )
+    return doc[start:b], b == len(doc)

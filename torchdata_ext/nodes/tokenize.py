@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.document import DocumentBlock
+from torchdata_ext.document import DocumentBlock, handed_back_piece
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.tokenizers import Encoder, as_encoder
 
@@ -132,17 +132,16 @@ def _cut_handed_back(
     assert block.stop is not None
     pieces, lasts = [], []
     for i, (a, stop) in enumerate(zip(block.start.tolist(), block.stop.tolist())):
-        doc = tokens[offsets[i] : offsets[i + 1]]
-        b = len(doc) if stop < 0 else stop
-        if not 0 <= a <= b <= len(doc):
-            raise ValueError(
-                f"dataset {block.dataset!r}, file {int(block.file[i])}, doc {int(block.doc[i])}: "
-                f"the piece {a}..{b} handed back by a rescale is not inside the {len(doc)} "
-                "tokens of its text: the tokenizer, BOS/EOS settings or the data changed "
-                "since the checkpoint"
-            )
-        pieces.append(doc[a:b])
-        lasts.append(b == len(doc))
+        piece, last = handed_back_piece(
+            tokens[offsets[i] : offsets[i + 1]],
+            a,
+            stop,
+            f"dataset {block.dataset!r}, file {int(block.file[i])}, doc {int(block.doc[i])}",
+            "its text",
+            "the tokenizer, BOS/EOS settings or the data",
+        )
+        pieces.append(piece)
+        lasts.append(last)
     return DocumentBlock.from_pieces(
         block.dataset,
         pieces,

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.document import DocumentBlock
+from torchdata_ext.document import DocumentBlock, handed_back_piece
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.transforms import Filter, Map, On, Transform, from_spec
 
@@ -334,16 +334,16 @@ class TransformDocuments(BaseNode[DocumentBlock]):
                 data = np.asarray(out[0].data)
             else:
                 data = np.asarray(self.fetch_document(block.dataset, file, doc))
-            b = len(data) if stop < 0 else stop
-            if not 0 <= a <= b <= len(data):
-                raise ValueError(
-                    f"dataset {block.dataset!r}, file {file}, doc {doc}: the piece {a}..{b} "
-                    f"handed back by a rescale is not inside the {len(data)} tokens of the "
-                    "transformed document: the transforms or the data changed since the "
-                    "checkpoint"
-                )
-            pieces.append(data[a:b])
-            lasts.append(b == len(data))
+            piece, last = handed_back_piece(
+                data,
+                a,
+                stop,
+                f"dataset {block.dataset!r}, file {file}, doc {doc}",
+                "the transformed document",
+                "the transforms or the data",
+            )
+            pieces.append(piece)
+            lasts.append(last)
         return DocumentBlock.from_pieces(
             block.dataset,
             pieces,
