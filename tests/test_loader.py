@@ -300,3 +300,90 @@ def test_closing_from_the_background_thread_itself_does_not_raise() -> None:
     holder._thread.join(timeout=5)
     assert not holder._thread.is_alive()
     assert errors == []
+
+
+def test_background_hands_over_in_order_in_batches_and_ends_cleanly() -> None:
+    """The background thread's hand-over: every item in order, at most ``depth`` prepared
+    ahead, a waiting consumer woken only when ``wake`` items are ready (the cost this batching
+    saves is one thread hand-over per item), a stream shorter than ``wake`` still delivered
+    whole, and the source's exception raised after the items before it."""
+    import threading
+    import time
+
+    from torchdata_ext._background import Background
+
+    made: list[int] = []
+    lock = threading.Lock()
+
+    def slow(n: int):
+        for i in range(n):
+            time.sleep(0.002)
+            with lock:
+                made.append(i)
+            yield i
+
+    bg = Background(slow(40), depth=8, wake=4, linger=1.0)
+    got = []
+    for item in bg:
+        with lock:
+            ahead = len(made) - len(got)
+        # the first item of each hand-over comes with at least `wake` ready (or the end)
+        if len(got) % 4 == 0:
+            assert ahead >= min(4, 40 - len(got)), (len(got), ahead)
+        assert ahead <= 8 + 1  # depth ahead, plus the one the producer is computing
+        got.append(item)
+    assert got == list(range(40))
+    with pytest.raises(StopIteration):
+        next(bg)
+
+    assert list(Background(iter(range(3)), depth=16, wake=8)) == [0, 1, 2]
+
+    def failing():
+        yield from range(5)
+        raise OSError("disk gone")
+
+    bg = Background(failing(), depth=4, wake=2)
+    assert [next(bg) for _ in range(5)] == list(range(5))
+    with pytest.raises(OSError, match="disk gone"):
+        next(bg)
+    with pytest.raises(StopIteration):
+        next(bg)
+
+
+def test_background_close_stops_the_producer_and_frees_a_waiting_consumer() -> None:
+    import threading
+    import time
+
+    from torchdata_ext._background import Background
+
+    def endless():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    bg = Background(endless(), depth=4, wake=2)
+    assert [next(bg) for _ in range(10)] == list(range(10))
+    bg.close()
+    assert not bg._thread.is_alive()
+
+    release = threading.Event()
+
+    def stalled():
+        time.sleep(0.05)  # the consumer is waiting before the first item is ready
+        yield 0
+        release.wait(10)
+        yield 1
+
+    bg = Background(stalled(), depth=4, wake=2)
+    t0 = time.monotonic()
+    assert next(bg) == 0  # ready: not held back waiting for a second item the source stalls on
+    assert time.monotonic() - t0 < 1
+    outcome: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: outcome.append(list(bg)))
+    waiter.start()
+    time.sleep(0.05)
+    bg.close()  # the consumer is waiting; the producer is inside its source
+    release.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and outcome == [[]]

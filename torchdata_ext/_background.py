@@ -1,9 +1,19 @@
 """Run an iterator in a daemon thread, a few items ahead: how ``TokenLoader`` keeps the
-training thread free (it only takes finished batches)."""
+training thread free (it only takes finished batches).
+
+The hand-over is batched. A consumer that finds nothing ready sleeps until ``wake`` items
+are (or the source ended, or the buffer is full), and a producer that found the buffer full
+sleeps until ``wake`` places are free. Waking a sleeping thread costs the other one far more
+than the item itself: the woken thread takes the interpreter lock from the running one, and
+on this project's 2-core machine one such hand-over a ~0.4 ms batch cost the producer ~0.05 ms
+of its own time, whether the consumer had work or not. With ``wake`` items per hand-over that
+cost is spread over them. A consumer that never catches up with the producer (a training
+step longer than a batch) never sleeps, so nothing changes for it.
+"""
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -12,14 +22,37 @@ __all__ = ["Background"]
 
 
 class Background(Iterator[Any]):
-    """Run an iterator in a daemon thread, ``depth`` items ahead; its exceptions are raised
-    in the consumer."""
+    """Run an iterator in a daemon thread, up to ``depth`` items ahead; the source's
+    exceptions are raised in the consumer, after the items before them.
+
+    Args:
+        source: the iterator to run.
+        depth: items prepared ahead at most.
+        wake: a consumer that found nothing ready is woken when this many items are (default
+            ``depth // 2``).
+        linger: seconds between the looks of a waiting consumer at what is ready, so an item
+            is never held back longer than that for the rest of its hand-over (a source that
+            stalls, e.g. on a download).
+    """
 
     _END = object()
 
-    def __init__(self, source: Iterator[Any], depth: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+    def __init__(
+        self, source: Iterator[Any], depth: int, wake: int | None = None, linger: float = 0.002
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"{depth=} must be >= 1")
+        self._depth = depth
+        self._linger = linger
+        self._wake = max(1, min(depth, wake if wake is not None else depth // 2))
+        self._items: collections.deque[Any] = collections.deque()
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # the consumer waits on it
+        self._room = threading.Condition(lock)  # the producer waits on it
+        self._consumer_waits = False
+        self._producer_waits = False
+        self._finished = False  # the producer put its last item (end or exception)
+        self._stop = False
         self._done = False
         self._thread = threading.Thread(
             target=self._run, args=(source,), name="TokenLoader", daemon=True
@@ -27,27 +60,54 @@ class Background(Iterator[Any]):
         self._thread.start()
 
     def _run(self, source: Iterator[Any]) -> None:
+        last: Any = self._END
         try:
             for item in source:
                 if not self._put(item):
-                    return
-            self._put(self._END)
+                    break
         except BaseException as exc:  # handed to the consumer
-            self._put(_Raised(exc))
+            last = _Raised(exc)
+        with self._ready:  # after close() too: a consumer still waiting then stops
+            self._items.append(last)
+            self._finished = True
+            self._ready.notify()
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        """Append ``item``; False when closed."""
+        items = self._items
+        with self._ready:
+            if self._stop:
+                return False
+            items.append(item)
+            if self._consumer_waits and len(items) >= self._wake:
+                self._ready.notify()
+            while len(items) >= self._depth and not self._stop:
+                if self._consumer_waits:  # full: what is here is all it can get
+                    self._ready.notify()
+                self._producer_waits = True
+                self._room.wait()
+            self._producer_waits = False
+            return not self._stop
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        item = self._queue.get()
+        items = self._items
+        with self._ready:
+            if not items:
+                self._consumer_waits = True
+                try:
+                    while len(items) < self._wake and not self._finished:
+                        if items and self._producer_waits:
+                            break
+                        # woken at `wake` items, else every `linger` to take what is ready
+                        if not self._ready.wait(self._linger) and items:
+                            break
+                finally:
+                    self._consumer_waits = False
+            item = items.popleft()
+            if self._producer_waits and len(items) <= self._depth - self._wake:
+                self._room.notify()
         if item is self._END:
             self._done = True
             raise StopIteration
@@ -57,11 +117,16 @@ class Background(Iterator[Any]):
         return item
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop the thread at its next item (it is a daemon: it ends with the process in any
+        case) and drop what it prepared."""
+        with self._ready:
+            self._stop = True
+            self._items.clear()
+            self._room.notify()
         # the last reference to the loader may go away in this thread itself (its source is
         # the loader's generator): then there is nothing to wait for
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2)  # a daemon: it ends at its next item or exit
+            self._thread.join(timeout=2)
 
 
 class _Raised(NamedTuple):
