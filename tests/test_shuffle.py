@@ -351,3 +351,54 @@ def test_the_pipeline_tells_the_buffer_the_workers_share(tmp_path, caplog) -> No
     node.reset()
     next(node)  # 200 sequences for one worker: fits
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("slack", [1024, 3])
+def test_states_taken_at_every_step_and_read_later_in_any_order(index, monkeypatch, slack) -> None:
+    """The thread path takes a state after every batch and reads almost none of them; a worker
+    reads each at once. Both mixed, while the buffer fills, draws and drains, and with the
+    journal rebuilt into a new base often (slack 3): every state, read whenever and in any
+    order, pickled or not, lists the buffer as it was when the state was taken."""
+    from torchdata_ext.nodes import shuffle
+
+    monkeypatch.setattr(shuffle, "_JOURNAL_SLACK", slack)
+    idx, _ = index
+    node = _packed(idx, 10, epochs=2)
+    node.reset()
+    rng = np.random.default_rng(slack)
+    taken: list[tuple[dict, list, int]] = []
+    drawn = 0
+    while True:
+        state = node.state_dict()
+        if node._buf:
+            taken.append((state, _reference_state(node), drawn))
+            if rng.random() < (0.3 if slack > 100 else 0.03):  # read now, as a worker delta does
+                list(_state_blocks(state))
+        try:
+            next(node)
+        except StopIteration:
+            break
+        drawn += 1
+    assert len(taken) > 60
+    for i in rng.permutation(len(taken)):
+        state, want, _ = taken[i]
+        read = state if i % 2 else pickle.loads(pickle.dumps(state))
+        got = _state_blocks(read)
+        assert len(got) == len(want), i
+        for (counts, rows), (c, r) in zip(got, want, strict=True):
+            assert counts.dtype == c.dtype and np.array_equal(counts, c), i
+            assert rows.dtype == r.dtype and np.array_equal(rows, r), i
+    # a state read long after it was taken restores the stream that followed it
+    state, _, drawn = taken[len(taken) // 3]
+    rest = [item_key(x) for x in run(_restored(idx, state))]
+    replay = _packed(idx, 10, epochs=2)
+    replay.reset()
+    for _ in range(drawn):
+        next(replay)
+    assert rest == [item_key(x) for x in run(replay)]
+
+
+def _restored(idx, state: dict) -> ShuffleBuffer:
+    node = _packed(idx, 10, epochs=2)
+    node.reset(pickle.loads(pickle.dumps(state)))
+    return node

@@ -14,7 +14,9 @@ random pipelines in ``tests/test_state_delta.py``):
     buffer's cached provenance blocks); it never changes an object it has handed out.
 
 So an object identical (``is``) to the one sent before is unchanged and skipped without
-looking inside; only what is new is compared. :func:`apply` copies a container on a changed
+looking inside; only what is new is compared. A value built only when read (the shuffle
+buffer's provenance, journaled per draw) has a ``__state_value__()`` method giving the plain
+value it stands for, which is what is compared and sent. :func:`apply` copies a container on a changed
 path once per delta and never writes into a state it was given, so states handed out earlier
 (``TokenLoader.state_dict()`` results) stay valid: taking a state costs nothing.
 
@@ -113,6 +115,8 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
     elif isinstance(cur, _SCALARS):
         if cur != prev:
             ops.append((path, SET, cur))
+    elif hasattr(tc, "__state_value__"):  # built when read: compared as what it stands for
+        _diff(prev.__state_value__(), cur.__state_value__(), path, ops)
     elif not _equal(prev, cur):  # tuples and anything else: compared whole
         ops.append((path, SET, cur))
 

@@ -22,13 +22,16 @@ tokens and provenance, about a quarter of the output dict) and materializes it w
 drawn, so a 10,000-sequence buffer holds ~170 MB instead of ~700 MB (at seq_len 4096) and the
 arrays handed downstream are freshly written.
 
-The provenance of the buffered items is kept in blocks of ``_BLOCK`` (4) slots, each one
-array made once and again only after one of its slots changed, and the blocks in groups of
-``_GROUP`` (64); the state lists the groups, and a block or group that did not change is the
-same object as in the previous state. So ``state_dict()`` costs a few references, and the
-state a dataloader worker sends after a batch is a few kilobytes: only the blocks whose slots
-were drawn, found by looking at ~40 groups and the ~8 changed ones' 64 blocks rather than at
-all 2,500 blocks of a 10,000-sequence buffer (see :mod:`torchdata_ext.state_delta`).
+The provenance of the buffered items is journaled: each draw appends the slot and the new
+item's provenance table, and a state holds the journal's length (:class:`_LazyGroups`), so
+taking one costs a few references however large the buffer. A state is built into its blocks of
+``_BLOCK`` (4) slots, in groups of ``_GROUP`` (64), only when read (pickled, iterated or diffed),
+from the last built state and the changes since: a block or group that did not change is the
+same object as in the state before, so the state a dataloader worker sends after a batch is a
+few kilobytes (only the blocks whose slots were drawn, see :mod:`torchdata_ext.state_delta`),
+and a training loop that takes a state at every step and saves few pays for the ones it saves.
+A journal longer than twice the buffer is built into a new base (its memory is bounded: ~20,000
+small tables for a 10,000-sequence buffer).
 
 State keys: ``source`` (upstream state after the last pull), ``draws``, ``exhausted``, and
 either ``prov_groups`` (format 3: a list of groups, each a list of blocks of slots, each a
@@ -41,9 +44,11 @@ of the stream is identical.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -60,6 +65,9 @@ T = TypeVar("T")
 _DRAW_TAG = 0x53485546
 _BLOCK = 4  # slots per provenance block (the unit a state delta resends)
 _GROUP = 64  # blocks per group (the unit a state delta looks inside)
+# a journal longer than 2 x the buffer + this many changes is built into a new base (a state
+# read later then replays at most that many)
+_JOURNAL_SLACK = 1024
 
 
 class ShuffleBuffer(BaseNode[T], Generic[T]):
@@ -117,21 +125,18 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._buf: list[Any] = []
         self._draws = 0
         self._exhausted = False
-        # provenance cache: per block of _BLOCK slots, (rows per item, the narrowed rows);
-        # None where a slot changed since (listed in _dirty); see _refresh
-        self._blocks: list[_ProvBlock | None] = []
-        self._dirty: set[int] = set()
-        # the blocks by group of _GROUP: each list made again only when one of its blocks
-        # changed, or when the number of blocks changed (the last group)
-        self._groups: list[list[_ProvBlock | None]] = []
+        # the provenance of the buffered items for the states: the slots' changes since a
+        # snapshot (see _Journal), each state a prefix of it (_LazyGroups), built when read
+        self._prov_of: Callable[[Any], Any] | None | object = _UNDECIDED
+        self._journal = _Journal(None)
+        self._last: _LazyGroups | None = None  # the provenance of the last state
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._buf = []
-        self._blocks = []
-        self._dirty = set()
-        self._groups = []
+        self._journal = _Journal(None)
+        self._last = None
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
             self._draws = int(initial_state["draws"])
@@ -140,6 +145,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 self._buf = list(initial_state["items"])
             else:
                 self._buf = self._rebuild_items(initial_state)
+            for slot, item in enumerate(self._buf):
+                self._note(slot, item)
         else:
             self.source.reset(None)
             self._draws = 0
@@ -157,16 +164,17 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         j = mix_seed(self.seed, _DRAW_TAG, self._draws) % len(buf)
         self._draws += 1
         item = buf[j]
-        self._touch(j)
         if not self._exhausted:
             try:
                 buf[j] = self._pull()
+                self._note(j, buf[j])
                 return item
             except StopIteration:
                 self._exhausted = True
         buf[j] = buf[-1]
         buf.pop()
-        self._touch(len(buf))
+        if j < len(buf):
+            self._note(j, buf[j])
         return item
 
     # -- the packed-item protocol of Pack, passed through ------------------------------------------
@@ -200,22 +208,17 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             "draws": self._draws,
             "exhausted": self._exhausted,
         }
-        if self._buf and self._has_provenance():
-            n_blocks = -(-len(self._buf) // _BLOCK)
-            had = len(self._blocks)
-            del self._blocks[n_blocks:]
-            stale = [b for b in self._dirty if b < n_blocks]
-            stale.extend(range(len(self._blocks), n_blocks))
-            self._dirty.clear()
-            self._refresh(stale)
-            groups = {b // _GROUP for b in stale}
-            if had != n_blocks:  # the last group grew or shrank
-                groups.update(range(min(had, n_blocks) // _GROUP, -(-n_blocks // _GROUP)))
-            del self._groups[-(-n_blocks // _GROUP) :]
-            self._groups.extend([] for _ in range(-(-n_blocks // _GROUP) - len(self._groups)))
-            for g in groups:
-                self._groups[g] = self._blocks[g * _GROUP : (g + 1) * _GROUP]
-            state["prov_groups"] = list(self._groups)  # references: the groups are cached
+        if self._buf and self._prov_of is not None and self._prov_of is not _UNDECIDED:
+            journal, last = self._journal, self._last
+            if last is not None and last.built and last.journal is journal:
+                # the last state was read (a dataloader worker sends each): build on it
+                journal = self._journal = journal.after(last)
+            elif len(journal) > 2 * self.buffer_size + _JOURNAL_SLACK:  # bound its memory
+                last = _LazyGroups(journal, len(journal), len(self._buf))
+                last.groups()
+                journal = self._journal = journal.after(last)
+            self._last = _LazyGroups(journal, len(journal), len(self._buf))
+            state["prov_groups"] = self._last
         else:
             state["items"] = [self._out(x) for x in self._buf]
         return state
@@ -238,7 +241,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 except StopIteration:
                     self._exhausted = True
                 else:
-                    self._touch(len(buf) - 1)
+                    self._note(len(buf) - 1, buf[-1])
                     progress.update()
 
     def _check_share(self) -> None:
@@ -258,13 +261,25 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
     def _next_source(self) -> T:
         return next(self.source)
 
-    def _has_provenance(self) -> bool:
-        first = self._buf[0]
+    def _note(self, slot: int, item: Any) -> None:
+        """Slot ``slot`` now holds ``item``: journal its provenance table for the states."""
+        prov_of = self._prov_of
+        if prov_of is _UNDECIDED:  # the first item tells how items carry provenance
+            prov_of = self._prov_of = self._provenance_getter(item)
+        if prov_of is not None:
+            self._journal.slots.append(slot)
+            self._journal.tables.append(prov_of(item))  # type: ignore[operator]
+
+    def _provenance_getter(self, item: Any) -> Callable[[Any], Any] | None:
+        """How to get an item's provenance table (None: items carry none, or there is no way
+        to rebuild them: the state then keeps the items as they are)."""
         if self._rebuild is None:
-            return False
-        if isinstance(first, dict):
-            return self.provenance_key in first
-        return self._packed and hasattr(first, "provenance")
+            return None
+        if isinstance(item, dict):
+            return self._provenance if self.provenance_key in item else None
+        if self._packed and hasattr(item, "provenance"):
+            return operator.attrgetter("provenance")  # several times cheaper than _provenance
+        return None
 
     def inflight(self) -> list[tuple[str, int, int, int, int]]:
         """Document tokens held in the buffer, as ``(dataset, file, doc, start, stop)``; used to
@@ -290,29 +305,6 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         table = item.provenance
         return table if type(table) is np.ndarray else np.asarray(table)
 
-    def _touch(self, slot: int) -> None:
-        """Slot ``slot`` changed: drop its block from the provenance cache."""
-        b = slot // _BLOCK
-        if b < len(self._blocks):
-            self._blocks[b] = None
-            self._dirty.add(b)
-
-    def _refresh(self, blocks: list[int]) -> None:
-        """Give blocks ``blocks`` of slots their provenance again (see :class:`_ProvBlock`).
-
-        A block is the same object until one of its slots changes: states share it and never
-        see it change. Only references are taken here (the items' own provenance tables); the
-        narrowed arrays are made when a state is pickled or read, so a state at every step
-        costs the training process almost nothing when it is never saved."""
-        if not blocks:
-            return
-        self._blocks.extend([None] * (max(blocks) + 1 - len(self._blocks)))
-        buf, prov = self._buf, self._provenance
-        slices = [buf[b * _BLOCK : (b + 1) * _BLOCK] for b in blocks]
-        group = _StaleGroup([prov(x) for items in slices for x in items], [len(s) for s in slices])
-        for i, b in enumerate(blocks):
-            self._blocks[b] = _ProvBlock(group, i)
-
     def _rebuild_items(self, state: dict[str, Any]) -> list[T]:
         if self._rebuild is None:
             raise ValueError(
@@ -331,16 +323,144 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return out
 
 
+_UNDECIDED = object()  # ShuffleBuffer._prov_of before the first item
+
+
+class _Snapshot(NamedTuple):
+    """The provenance of the buffer at one point, as a state lists it: ``groups`` of
+    :class:`_ProvBlock` s (never changed once made), over ``n`` slots."""
+
+    groups: list[list[_ProvBlock]]
+    n: int
+
+
+class _Journal:
+    """What changed in the buffer's slots since ``base`` (None: an empty buffer): slot
+    ``slots[i]`` got an item with provenance table ``tables[i]``, in that order.
+
+    Append-only: a state's :class:`_LazyGroups` is a prefix of it, read later (or never), so
+    taking a state costs a few references whatever the buffer size; a draw costs two appends.
+    """
+
+    __slots__ = ("base", "slots", "tables")
+
+    def __init__(self, base: _Snapshot | None) -> None:
+        self.base = base
+        self.slots: list[int] = []
+        self.tables: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def after(self, state: _LazyGroups) -> _Journal:
+        """A journal from ``state`` (of this journal, built) on, with the changes since it."""
+        out = _Journal(_Snapshot(state.groups(), state.n))
+        out.slots = self.slots[state.k :]
+        out.tables = self.tables[state.k :]
+        return out
+
+
+class _LazyGroups(Sequence[list[Any]]):
+    """A state's ``prov_groups``: the first ``k`` changes of ``journal`` over ``n`` slots,
+    made into the groups of blocks when first read (iterated, indexed, pickled or diffed).
+
+    It pickles (and copies) as the plain list of groups it stands for. Groups and blocks that
+    did not change since the journal's base are the base's own objects, so a dataloader worker
+    that diffs consecutive states sends only the changed blocks
+    (:mod:`torchdata_ext.state_delta` reads ``__state_value__``)."""
+
+    __slots__ = ("_groups", "journal", "k", "n")
+
+    def __init__(self, journal: _Journal, k: int, n: int) -> None:
+        self.journal = journal
+        self.k = k
+        self.n = n
+        self._groups: list[list[_ProvBlock]] | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._groups is not None
+
+    def groups(self) -> list[list[_ProvBlock]]:
+        groups = self._groups
+        if groups is None:  # made again if two threads race here: same values, no harm
+            groups = self._groups = _build_groups(self.journal, self.k, self.n)
+        return groups
+
+    __state_value__ = groups
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.groups()[i]
+
+    def __len__(self) -> int:
+        n_blocks = -(-self.n // _BLOCK)
+        return -(-n_blocks // _GROUP)
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return iter(self.groups())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self.groups(),))
+
+    def __repr__(self) -> str:
+        return f"_LazyGroups({self.groups()!r})"
+
+
+def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
+    """The groups of blocks of ``n`` slots after the first ``k`` changes of ``journal``: the
+    base's groups, with new blocks where a slot changed (or the last block was cut) and new
+    lists for the groups they are in."""
+    base = journal.base
+    groups = list(base.groups) if base is not None else []
+    n0 = base.n if base is not None else 0
+    changes = dict(zip(journal.slots[:k], journal.tables[:k]))  # the last change of a slot
+    dirty = {s // _BLOCK for s in changes if s < n}
+    if n < n0 and n % _BLOCK:
+        dirty.add((n - 1) // _BLOCK)  # the last block lost slots
+    n_blocks = -(-n // _BLOCK)
+    n_groups = -(-n_blocks // _GROUP)
+    del groups[n_groups:]
+    blocks = sorted(dirty)
+    tables: list[Any] = []
+    sizes: list[int] = []
+    for b in blocks:
+        lo, hi = b * _BLOCK, min(b * _BLOCK + _BLOCK, n)
+        kept = groups[b // _GROUP][b % _GROUP].tables() if lo < n0 else ()
+        tables.extend(changes[s] if s in changes else kept[s - lo] for s in range(lo, hi))
+        sizes.append(hi - lo)
+    stale = _StaleGroup(tables, sizes)
+    made: dict[int, list[_ProvBlock]] = {}
+    if n_groups and len(groups) == n_groups:  # the last group may have lost blocks
+        last = n_groups - 1
+        if len(groups[last]) != n_blocks - last * _GROUP:
+            made[last] = groups[last][: n_blocks - last * _GROUP]
+    for i, b in enumerate(blocks):
+        g, at = divmod(b, _GROUP)
+        group = made.get(g)
+        if group is None:
+            group = made[g] = list(groups[g]) if g < len(groups) else []
+        block = _ProvBlock(stale, i)
+        if at < len(group):
+            group[at] = block
+        else:  # blocks of slots added since the base come in order
+            group.append(block)
+    groups.extend([] for _ in range(n_groups - len(groups)))
+    for g, group in made.items():
+        groups[g] = group
+    return groups
+
+
 class _StaleGroup:
     """The provenance tables of the blocks one state found changed (a few per batch), made
     into ``(counts, rows)`` pairs together, on first use (one concatenation for all of them).
     Holds only the tables (small arrays, never written), not the items."""
 
-    __slots__ = ("_pairs", "_sizes", "_tables")
+    __slots__ = ("_pairs", "_sizes", "_starts", "_tables")
 
     def __init__(self, tables: list[np.ndarray], sizes: list[int]) -> None:
         self._tables = tables
         self._sizes = sizes  # items per block
+        self._starts: list[int] | None = None
         self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -348,6 +468,13 @@ class _StaleGroup:
         if pairs is None:  # made again if two threads race here: same values, no harm
             pairs = self._pairs = _pairs(self._tables, self._sizes)
         return pairs[i]
+
+    def tables(self, i: int) -> list[Any]:
+        """The provenance tables of block ``i``'s slots, as the items held them."""
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = [0, *itertools.accumulate(self._sizes)]
+        return self._tables[starts[i] : starts[i + 1]]
 
 
 def _pairs(tables: list[np.ndarray], sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -390,6 +517,10 @@ class _ProvBlock(Sequence[np.ndarray]):
 
     def __repr__(self) -> str:
         return f"_ProvBlock{self._group.pair(self._i)!r}"
+
+    def tables(self) -> list[Any]:
+        """The provenance tables of the block's slots (what later blocks are made from)."""
+        return self._group.tables(self._i)
 
 
 def _state_blocks(state: dict[str, Any]) -> list[Any]:
