@@ -352,3 +352,127 @@ def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> 
         assert "dataset 'web': 1 file(s): p1.arrow (" in g["error"]
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert sorted(manifest["file_fingerprints"]["datasets"]["web"]) == ["p0.arrow", "p1.arrow"]
+
+
+# -- torch.distributed.checkpoint: each rank records and checks its share of the files ---------
+def _dcp_saved(root: str, folder: Path) -> list:
+    """A DCP checkpoint of a loader after 3 batches; the 6 batches the run delivers after it."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import DCPLoaderState
+
+    loader = loader_of(root)
+    it = iter(loader)
+    take(it, 3)
+    dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=str(folder))
+    return take(it, 6)
+
+
+def _dcp_load(root: str, folder: Path, **kw) -> TokenLoader:
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import DCPLoaderState
+
+    loader = loader_of(root)
+    dcp.load({"data": DCPLoaderState(loader, **kw)}, checkpoint_id=str(folder))
+    return loader
+
+
+def test_dcp_refuses_a_file_rewritten_in_place_and_the_override_loads(
+    root: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rest = _dcp_saved(root, tmp_path / "dcp")
+    assert take(iter(_dcp_load(root, tmp_path / "dcp")), 6) == rest  # unchanged: exact
+    rewrite_p1(root)
+    with pytest.raises(ChangedFilesError, match=r"dataset 'web': 1 file\(s\): p1\.arrow \("):
+        _dcp_load(root, tmp_path / "dcp")
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext.fingerprint"):
+        loader = _dcp_load(root, tmp_path / "dcp", allow_changed_files=True)
+    assert "p1.arrow" in caplog.text and "allow_changed_files=True" in caplog.text
+    assert len(take(iter(loader), 6)) == 6
+
+
+def test_a_dcp_state_saved_before_fingerprints_still_loads(root: str, tmp_path: Path) -> None:
+    """What DCPLoaderState stored before it recorded fingerprints: the pickled loader state
+    alone under the rank's key. It restores exactly, unchecked."""
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    class Earlier:
+        def __init__(self, loader: TokenLoader) -> None:
+            self.loader = loader
+
+        def state_dict(self) -> dict:
+            return {"rank_00000": io.BytesIO(pickle.dumps(self.loader.state_dict()))}
+
+        def load_state_dict(self, state: dict) -> None:
+            raise AssertionError("not used")
+
+    loader = loader_of(root)
+    it = iter(loader)
+    take(it, 3)
+    dcp.save({"data": Earlier(loader)}, checkpoint_id=str(tmp_path / "dcp"))
+    rest = take(it, 6)
+    assert take(iter(_dcp_load(root, tmp_path / "dcp")), 6) == rest
+    rewrite_p1(root)  # nothing recorded, nothing to compare with: loads (the data is new)
+    assert len(take(iter(_dcp_load(root, tmp_path / "dcp")), 6)) == 6
+
+
+def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import DCPLoaderState
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        read: list[str] = []
+        real = fingerprint._sampled_sha256
+
+        def counting(url: str, size: int, storage_options):
+            read.append(url.rsplit("/", 1)[-1])
+            return real(url, size, storage_options)
+
+        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+        loader = loader_of(root, rank=rank, ranks=2)
+        take(iter(loader), 2)
+        dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=folder)
+        fresh = loader_of(root, rank=rank, ranks=2)
+        dcp.load({"data": DCPLoaderState(fresh)}, checkpoint_id=folder)  # unchanged: loads
+        dist.barrier()
+        if rank == 0:
+            rewrite_p1(root)
+        dist.barrier()
+        try:
+            again = loader_of(root, rank=rank, ranks=2)
+            dcp.load({"data": DCPLoaderState(again)}, checkpoint_id=folder)
+            error = ""
+        except ChangedFilesError as exc:
+            error = str(exc)
+        Path(out, f"dcp{rank}.json").write_text(json.dumps({"read": read, "error": error}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dcp_ranks_record_their_share_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path / "web")
+    _write(root, "p0.arrow", _docs(1)[:60])
+    _write(root, "p1.arrow", _docs(1)[60:])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dcp_rank_main, args=(port, root, str(tmp_path / "dcp"), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"dcp{r}.json").read_text()) for r in range(2)]
+    # rank 0 records and checks p0, rank 1 p1 (and p1's new version): no rank reads every file
+    assert got[0]["read"] == ["p0.arrow"]
+    assert got[1]["read"] == ["p1.arrow", "p1.arrow"]
+    for g in got:  # every rank refuses, naming the file another rank found changed
+        assert "dataset 'web': 1 file(s): p1.arrow (" in g["error"], g

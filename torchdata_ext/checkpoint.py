@@ -25,7 +25,8 @@ checksums (no ``"checksums"`` in the manifest) still load, unchecked.
 
 Data files: the manifest records each data file's fingerprint (:mod:`torchdata_ext.fingerprint`)
 under ``"file_fingerprints"``; a load refuses a file changed in place, naming it, before anything
-is restored (unless ``allow_changed_files=True``).
+is restored (unless ``allow_changed_files=True``). A ``torch.distributed.checkpoint``
+(:class:`DCPLoaderState`) records, per rank, that rank's share of the fingerprints.
 
 Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
 reads only the old workers' files it needs (the old owners of its logical shards) and
@@ -42,6 +43,7 @@ import json
 import logging
 import pickle
 import posixpath
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,8 +52,10 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
+    check_share,
     dataset_fingerprints,
     describe,
+    fingerprint_share,
     is_collective,
     listed_changes,
 )
@@ -499,27 +503,43 @@ class DCPLoaderState:
     workers, save a folder checkpoint with :func:`save_checkpoint` too, and restore with
     :func:`load_checkpoint`.)
 
+    Each rank also records the fingerprints of its share of the data files (every
+    ``world_size``-th file: :func:`~torchdata_ext.fingerprint.fingerprint_share`), and
+    ``dcp.load`` refuses a data file changed in place since, naming it, on every rank, as
+    :func:`load_checkpoint` does. A state saved before fingerprints were recorded loads
+    unchecked.
+
     Args:
         loader: the loader whose state is saved and restored (restore before iterating).
+        allow_changed_files: on load, log the changed data files instead of refusing them.
     """
 
-    def __init__(self, loader: TokenLoader) -> None:
+    def __init__(self, loader: TokenLoader, *, allow_changed_files: bool = False) -> None:
         self.loader = loader
+        self.allow_changed_files = allow_changed_files
 
     def _key(self) -> str:
         """This rank's key in the DCP state."""
         return f"rank_{self.loader.rank:05d}"
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank_NNNNN": the pickled loader state}`` (a ``BytesIO``, which DCP stores as is)."""
-        buf = io.BytesIO(pickle.dumps(self.loader.state_dict(), protocol=pickle.HIGHEST_PROTOCOL))
-        return {self._key(): buf}
+        """``{"rank_NNNNN": the pickled loader state and this rank's file fingerprints}`` (a
+        ``BytesIO``, which DCP stores as is)."""
+        loader = self.loader
+        payload = {
+            "loader": loader.state_dict(),
+            "file_fingerprints": fingerprint_share(
+                _loader_datasets(loader), rank=loader.rank, world_size=loader.world_size
+            ),
+        }
+        return {self._key(): io.BytesIO(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the loader from what :meth:`state_dict` saved for this rank.
 
         Raises:
             ValueError: the state has no entry for this rank (saved on other ranks).
+            ChangedFilesError: a data file changed since the save (see the class).
         """
         try:
             raw = state[self._key()]
@@ -529,4 +549,29 @@ class DCPLoaderState:
                 "another number of ranks: restore with load_checkpoint from a folder checkpoint"
             ) from None
         data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-        self.loader.load_state_dict(pickle.loads(data))
+        payload = pickle.loads(data)
+        if "loader" not in payload:  # saved before fingerprints: the loader state alone
+            payload = {"loader": payload, "file_fingerprints": None}
+        loader = self.loader
+        check_share(
+            payload["file_fingerprints"],
+            _loader_datasets(loader),
+            world_size=loader.world_size,
+            allow_changed_files=self.allow_changed_files,
+            where=f"the loader state of {self._key()} in the DCP checkpoint",
+        )
+        loader.load_state_dict(payload["loader"])
+
+
+_datasets_by_loader: weakref.WeakKeyDictionary[TokenLoader, dict[str, DatasetIndex]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _loader_datasets(loader: TokenLoader) -> dict[str, DatasetIndex]:
+    """The datasets ``loader``'s pipeline reads, by name: found once per loader (building its
+    graph lists the data), not at every checkpoint."""
+    found = _datasets_by_loader.get(loader)
+    if found is None:
+        found = _datasets_by_loader[loader] = _datasets_of(_configured(loader)[0])
+    return found

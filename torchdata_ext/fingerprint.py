@@ -49,12 +49,14 @@ __all__ = [
     "ChangedFilesError",
     "FileChange",
     "check_data_files",
+    "check_share",
     "compare",
     "dataset_fingerprints",
     "describe",
     "file_fingerprint",
     "file_fingerprints",
     "file_stat",
+    "fingerprint_share",
     "is_collective",
     "listed_changes",
     "stat_from_info",
@@ -343,11 +345,8 @@ def dataset_fingerprints(
             other ranks raise ``RuntimeError`` naming that rank and the error).
     """
     names = sorted(datasets)
-    jobs = [(name, i) for name in names for i in range(len(datasets[name].files))]
     shared = is_collective(world_size)
-    mine: dict[str, list[int]] = defaultdict(list)
-    for name, i in jobs[rank::world_size] if shared else jobs:
-        mine[name].append(i)
+    mine = _share(datasets, rank, world_size) if shared else _share(datasets, 0, 1)
     out: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in names}
     if not shared:
         for name, which in mine.items():
@@ -373,6 +372,88 @@ def dataset_fingerprints(
         for name, files in their_part.items():
             out[name].update(files)
     return out
+
+
+def _share(
+    datasets: Mapping[str, DatasetIndex], rank: int, world_size: int
+) -> dict[str, list[int]]:
+    """Rank ``rank``'s share of the data files: every ``world_size``-th of them all (datasets
+    by name, files in order), as ``{dataset: [file number, ...]}``."""
+    jobs = [(name, i) for name in sorted(datasets) for i in range(len(datasets[name].files))]
+    mine: dict[str, list[int]] = defaultdict(list)
+    for name, i in jobs[rank::world_size]:
+        mine[name].append(i)
+    return dict(mine)
+
+
+def fingerprint_share(
+    datasets: Mapping[str, DatasetIndex], *, rank: int = 0, world_size: int = 1
+) -> dict[str, Any]:
+    """This rank's share of the data files' fingerprints, read by this rank alone (no
+    collective): ``{"sample_bytes": ..., "datasets": {dataset: {file name: fingerprint}}}``
+    for every ``world_size``-th file (all of them with one rank). What each rank of a
+    ``torch.distributed.checkpoint`` records (:class:`~torchdata_ext.checkpoint.DCPLoaderState`),
+    so no rank stores or reads every file; checked by :func:`check_share`."""
+    share = _share(datasets, rank, world_size)
+    return {
+        "sample_bytes": SAMPLE_BYTES,
+        "datasets": {
+            name: datasets[name].file_fingerprints(which) for name, which in share.items()
+        },
+    }
+
+
+def check_share(
+    recorded: Mapping[str, Any] | None,
+    datasets: Mapping[str, DatasetIndex],
+    *,
+    world_size: int = 1,
+    allow_changed_files: bool = False,
+    where: str = "the checkpoint",
+) -> dict[str, list[FileChange]]:
+    """Compare the files a rank recorded (:func:`fingerprint_share`) with the files now.
+
+    Only the recorded files are read. Under ``torch.distributed`` (:func:`is_collective`:
+    every rank must call this) the ranks' findings are gathered, so every rank refuses (or
+    warns about) every changed file, whichever rank found it.
+
+    Args:
+        recorded: what :func:`fingerprint_share` returned at save time (None: nothing was
+            recorded; nothing is checked).
+        datasets: the datasets now, by name (a recorded dataset missing here is skipped: the
+            readers' own checks refuse a dataset that went away).
+        world_size / allow_changed_files / where: as for :func:`check_data_files`.
+
+    Raises:
+        ChangedFilesError: as for :func:`check_data_files`.
+    """
+    changes: dict[str, list[FileChange]] = {}
+    if recorded is not None:
+        theirs = recorded["datasets"]
+        for name in sorted(theirs):
+            index = datasets.get(name)
+            if index is None:
+                continue
+            files = theirs[name]
+            if recorded.get("sample_bytes") != SAMPLE_BYTES:  # digests of other byte ranges
+                files = {f: {**fp, "sha256": ""} for f, fp in files.items()}
+            number = {f: i for i, f in enumerate(index.file_names())}
+            now = index.file_fingerprints([number[f] for f in files if f in number])
+            if found := compare(files, now):
+                changes[name] = found
+    if is_collective(world_size):
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, changes)
+        changes = {}
+        for theirs_found in gathered:
+            for name, found in theirs_found.items():
+                changes.setdefault(name, []).extend(found)
+        changes = {n: sorted(f, key=lambda c: c.file) for n, f in sorted(changes.items())}
+    elif recorded is None:
+        logger.info("%s records no data file fingerprints: the data files are not checked", where)
+    return _refuse_or_warn(changes, allow_changed_files, where)
 
 
 def check_data_files(
@@ -416,6 +497,14 @@ def check_data_files(
         {n: ix for n, ix in datasets.items() if n in theirs}, rank=rank, world_size=world_size
     )
     changes = {name: c for name in sorted(current) if (c := compare(theirs[name], current[name]))}
+    return _refuse_or_warn(changes, allow_changed_files, where)
+
+
+def _refuse_or_warn(
+    changes: dict[str, list[FileChange]], allow_changed_files: bool, where: str
+) -> dict[str, list[FileChange]]:
+    """Raise :class:`ChangedFilesError` naming the changed files, or with
+    ``allow_changed_files`` log them; ``changes`` itself when nothing is refused."""
     if not changes:
         return {}
     if allow_changed_files:
