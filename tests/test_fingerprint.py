@@ -476,3 +476,30 @@ def test_dcp_ranks_record_their_share_and_all_refuse_a_changed_file(tmp_path: Pa
     assert got[1]["read"] == ["p1.arrow", "p1.arrow"]
     for g in got:  # every rank refuses, naming the file another rank found changed
         assert "dataset 'web': 1 file(s): p1.arrow (" in g["error"], g
+
+
+def test_saves_after_the_first_build_no_graph(root: str, tmp_path: Path) -> None:
+    """The datasets and weights a checkpoint records are found once per loader: a later save
+    (folder or DCP) builds no graph, so it lists no folder (a request per folder on S3)."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import DCPLoaderState
+
+    builds: list[World] = []
+
+    def counting(world: World) -> ShardReader:
+        builds.append(world)
+        return build(root, world)
+
+    loader = TokenLoader(counting)
+    it = iter(loader)
+    take(it, 2)
+    save_checkpoint(loader, str(tmp_path / "c1"))
+    before = len(builds)
+    take(it, 2)
+    save_checkpoint(loader, str(tmp_path / "c2"))
+    dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=str(tmp_path / "dcp"))
+    assert len(builds) == before
+    again = loader_of(root)
+    load_checkpoint(again, str(tmp_path / "c2"))
+    assert take(iter(again), 3) == take(it, 3)

@@ -206,9 +206,9 @@ def save_checkpoint(
     configured = None
     data_files: dict[str, Any] = {}
     if loader.rank == 0 or is_collective(loader.world_size):
-        configured = _configured(loader)
+        configured = _loader_config(loader)
         data_files = dataset_fingerprints(
-            _datasets_of(configured[0]), rank=loader.rank, world_size=loader.world_size
+            configured[0], rank=loader.rank, world_size=loader.world_size
         )
     _start_save(url, loader.rank, storage_options)
     files = {}
@@ -563,15 +563,23 @@ class DCPLoaderState:
         loader.load_state_dict(payload["loader"])
 
 
-_datasets_by_loader: weakref.WeakKeyDictionary[TokenLoader, dict[str, DatasetIndex]] = (
-    weakref.WeakKeyDictionary()
-)
+_config_by_loader: weakref.WeakKeyDictionary[
+    TokenLoader, tuple[dict[str, DatasetIndex], dict[str, Any]]
+] = weakref.WeakKeyDictionary()
+
+
+def _loader_config(loader: TokenLoader) -> tuple[dict[str, DatasetIndex], dict[str, Any]]:
+    """The datasets ``loader``'s pipeline reads, by name, and its summary as configured (see
+    :func:`_configured`): found once per loader (building its graph lists the data, a request
+    per folder on an object store), not at every checkpoint. Its build function is fixed, so
+    they do not change."""
+    found = _config_by_loader.get(loader)
+    if found is None:
+        root, summary = _configured(loader)
+        found = _config_by_loader[loader] = (_datasets_of(root), summary)
+    return found
 
 
 def _loader_datasets(loader: TokenLoader) -> dict[str, DatasetIndex]:
-    """The datasets ``loader``'s pipeline reads, by name: found once per loader (building its
-    graph lists the data), not at every checkpoint."""
-    found = _datasets_by_loader.get(loader)
-    if found is None:
-        found = _datasets_by_loader[loader] = _datasets_of(_configured(loader)[0])
-    return found
+    """The datasets ``loader``'s pipeline reads, by name (see :func:`_loader_config`)."""
+    return _loader_config(loader)[0]
