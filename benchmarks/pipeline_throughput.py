@@ -16,7 +16,8 @@ to the pipeline without stripping is printed.
 It also runs the pipeline through ``TokenLoader`` as a training loop does, with
 ``state_dict()`` at every step: in a background thread and in 1 or 2 dataloader worker
 processes, each next to the bare pipeline's rate after its buffer fill (``benchmarks/
-loader_overhead.py`` adds a simulated training step).
+loader_overhead.py`` adds a simulated training step), and the bare pipeline taking its graph
+state after every batch (the state's own cost, without a loader).
 
 The machine may be shared: ``--repeat`` runs the raw limit and the pipeline alternately that
 many times and reports the best and the median of each, and the ratio of the bests (compare
@@ -88,14 +89,20 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     datasets = build_datasets(cfg)
     paths = (("in-process thread", 0), ("1 worker process", 1), ("2 worker processes", 2))
     bares: list[float] = []
+    stated: list[float] = []  # the bare pipeline with its graph state taken after every batch
     rates: dict[str, list[float]] = {label: [] for label, _ in paths}
     for _ in range(max(1, repeat)):
-        node = build_pipeline(cfg, World(), datasets)
-        next(node)
-        t0 = time.perf_counter()
-        tokens = sum(next(node)["input_ids"].numel() for _ in range(n_batches))
-        bares.append(tokens / (time.perf_counter() - t0))
-        del node
+        for with_state, out in ((False, bares), (True, stated)):
+            node = build_pipeline(cfg, World(), datasets)
+            next(node)
+            t0 = time.perf_counter()
+            tokens = 0
+            for _ in range(n_batches):
+                tokens += next(node)["input_ids"].numel()
+                if with_state:
+                    node.state_dict()
+            out.append(tokens / (time.perf_counter() - t0))
+            del node
         for label, workers in paths:
             loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
             it = iter(loader)
@@ -112,6 +119,11 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     print(
         f"bare pipeline, {n_batches} batches after its fill: {_summary(bares)} (the reference "
         "of the TokenLoader rows)"
+    )
+    print(
+        f"bare pipeline taking its graph state after every batch: {_summary(stated)} (ratio "
+        f"of the bests {max(stated) / bare:.2f}; of the medians "
+        f"{statistics.median(stated) / statistics.median(bares):.2f})"
     )
     for label, got in rates.items():
         print(
