@@ -503,3 +503,75 @@ def test_saves_after_the_first_build_no_graph(root: str, tmp_path: Path) -> None
     again = loader_of(root)
     load_checkpoint(again, str(tmp_path / "c2"))
     assert take(iter(again), 3) == take(it, 3)
+
+
+class _UnreadableOnRank1:
+    """A dataset whose files rank 1 cannot read (a store down, a file gone from its index)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def file_names(self) -> list[str]:
+        return ["p0.arrow", "p1.arrow"]
+
+    def file_fingerprints(self, which: list[int]) -> dict:
+        if self.rank == 1:
+            raise OSError("the store cannot be reached")
+        return {self.file_names()[i]: {"size": 1, "version": "v", "sha256": "ab"} for i in which}
+
+
+def _check_share_rank_main(rank: int, port: int, out: str) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from torchdata_ext.fingerprint import SAMPLE_BYTES, check_share
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    try:
+        recorded = {
+            "sample_bytes": SAMPLE_BYTES,
+            "datasets": {"web": {f"p{rank}.arrow": {"size": 1, "version": "v", "sha256": "ab"}}},
+        }
+        try:
+            check_share(recorded, {"web": _UnreadableOnRank1(rank)}, world_size=2)
+            outcome = ""
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        Path(out, f"share{rank}.txt").write_text(outcome)
+        # rank 1 stays (as a process that caught the error would) until rank 0 has its answer
+        deadline = time.monotonic() + 40
+        while rank == 1 and not Path(out, "share0.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_that_cannot_read_its_share_fails_every_rank_at_once(tmp_path: Path) -> None:
+    """check_share is a collective: a rank that cannot read its share of the files must still
+    take part, so the other ranks learn of its error (naming the rank) instead of waiting in
+    the gather until the process group times out."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    mp.spawn(_check_share_rank_main, args=(port, str(tmp_path)), nprocs=2)
+    got = [(tmp_path / f"share{r}.txt").read_text() for r in range(2)]
+    assert got[1] == "OSError: the store cannot be reached"
+    assert got[0].startswith("RuntimeError: rank 1 could not check"), got[0]
+    assert "the store cannot be reached" in got[0]
+    assert time.monotonic() - t0 < 20  # no rank waited for the group's timeout

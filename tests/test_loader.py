@@ -395,3 +395,20 @@ def test_background_close_stops_the_producer_and_frees_a_waiting_consumer() -> N
     release.set()
     waiter.join(5)
     assert not waiter.is_alive() and outcome == [[]]
+
+
+def test_next_after_close_ends_the_stream_even_when_the_source_had_ended() -> None:
+    """close() drops what the thread prepared, the end of the stream included when the source
+    had already ended (a short stream that fits in the prefetch depth, or an iterator of a
+    TokenLoader started again with iter()): the consumer's next call then ends the stream
+    rather than popping from an empty hand-over (IndexError)."""
+    from torchdata_ext._background import Background
+
+    bg = Background(iter(range(3)), depth=8, wake=4)
+    bg._thread.join(5)  # the source ended: 0, 1, 2 and the end are waiting
+    assert not bg._thread.is_alive()
+    bg.close()
+    with pytest.raises(StopIteration):
+        next(bg)
+    with pytest.raises(StopIteration):
+        next(bg)

@@ -402,3 +402,29 @@ def _restored(idx, state: dict) -> ShuffleBuffer:
     node = _packed(idx, 10, epochs=2)
     node.reset(pickle.loads(pickle.dumps(state)))
     return node
+
+
+def test_a_buffer_whose_states_are_never_taken_keeps_bounded_memory(index, monkeypatch) -> None:
+    """Iterated without taking states (a plain torchdata Loader takes none per step), the buffer
+    still lets go of the provenance tables of the items it handed out: the journal is built into
+    a new base as it grows, not only when a state is taken."""
+    import gc
+    import weakref
+
+    from torchdata_ext.nodes import shuffle
+
+    monkeypatch.setattr(shuffle, "_JOURNAL_SLACK", 3)
+    idx, _ = index
+    node = make(idx, 10, epochs=None)
+    node.reset()
+    tables = []
+    for _ in range(3000):
+        tables.append(weakref.ref(node._provenance(next(node))))
+    gc.collect()
+    alive = sum(t() is not None for t in tables)
+    assert alive <= 4 * (2 * 10 + 3), alive  # a few journals' worth, not all 3,000
+    # and the states taken afterwards are still exact
+    state = node.state_dict()
+    fresh = make(idx, 10, epochs=None)
+    fresh.reset(pickle.loads(pickle.dumps(state)))
+    assert [item_key(x) for x in run(fresh, 30)] == [item_key(x) for x in run(node, 30)]

@@ -107,6 +107,9 @@ class Background(Iterator[Any]):
                             break
                 finally:
                     self._consumer_waits = False
+            if not items:  # closed: close() dropped the rest, the end included
+                self._done = True
+                raise StopIteration
             item = items.popleft()
             if self._producer_waits and len(items) <= self._depth - self._wake:
                 self._room.notify()

@@ -426,34 +426,59 @@ def check_share(
 
     Raises:
         ChangedFilesError: as for :func:`check_data_files`.
+        FileNotFoundError, RemoteError: a recorded file cannot be read (on the rank that read
+            it; under ``torch.distributed`` the other ranks raise ``RuntimeError`` naming that
+            rank and the error, none waits in the gather).
     """
+    collective = is_collective(world_size)
     changes: dict[str, list[FileChange]] = {}
-    if recorded is not None:
-        theirs = recorded["datasets"]
-        for name in sorted(theirs):
-            index = datasets.get(name)
-            if index is None:
-                continue
-            files = theirs[name]
-            if recorded.get("sample_bytes") != SAMPLE_BYTES:  # digests of other byte ranges
-                files = {f: {**fp, "sha256": ""} for f, fp in files.items()}
-            number = {f: i for i, f in enumerate(index.file_names())}
-            now = index.file_fingerprints([number[f] for f in files if f in number])
-            if found := compare(files, now):
-                changes[name] = found
-    if is_collective(world_size):
+    error: Exception | None = None
+    try:
+        if recorded is not None:
+            changes = _share_changes(recorded, datasets)
+    except Exception as exc:  # raised below, once the other ranks know (no rank waits forever)
+        if not collective:
+            raise
+        error = exc
+    if collective:
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, changes)
+        dist.all_gather_object(
+            gathered, (changes, None if error is None else f"{type(error).__name__}: {error}")
+        )
+        if error is not None:
+            raise error
         changes = {}
-        for theirs_found in gathered:
+        for r, (theirs_found, their_error) in enumerate(gathered):
+            if their_error is not None:
+                raise RuntimeError(f"rank {r} could not check its data files: {their_error}")
             for name, found in theirs_found.items():
                 changes.setdefault(name, []).extend(found)
         changes = {n: sorted(f, key=lambda c: c.file) for n, f in sorted(changes.items())}
     elif recorded is None:
         logger.info("%s records no data file fingerprints: the data files are not checked", where)
     return _refuse_or_warn(changes, allow_changed_files, where)
+
+
+def _share_changes(
+    recorded: Mapping[str, Any], datasets: Mapping[str, DatasetIndex]
+) -> dict[str, list[FileChange]]:
+    """The recorded files (:func:`fingerprint_share`) that differ now, by dataset."""
+    changes: dict[str, list[FileChange]] = {}
+    theirs = recorded["datasets"]
+    for name in sorted(theirs):
+        index = datasets.get(name)
+        if index is None:
+            continue
+        files = theirs[name]
+        if recorded.get("sample_bytes") != SAMPLE_BYTES:  # digests of other byte ranges
+            files = {f: {**fp, "sha256": ""} for f, fp in files.items()}
+        number = {f: i for i, f in enumerate(index.file_names())}
+        now = index.file_fingerprints([number[f] for f in files if f in number])
+        if found := compare(files, now):
+            changes[name] = found
+    return changes
 
 
 def check_data_files(

@@ -156,6 +156,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return self._out(self._draw())
 
     def _draw(self) -> Any:
+        if len(self._journal) > 2 * self.buffer_size + _JOURNAL_SLACK:
+            self._rebase()  # also when no state is taken (a plain Loader takes none per step)
         buf = self._buf
         if not self._exhausted and len(buf) < self.buffer_size:
             self._fill()
@@ -214,9 +216,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 # the last state was read (a dataloader worker sends each): build on it
                 journal = self._journal = journal.after(last)
             elif len(journal) > 2 * self.buffer_size + _JOURNAL_SLACK:  # bound its memory
-                last = _LazyGroups(journal, len(journal), len(self._buf))
-                last.groups()
-                journal = self._journal = journal.after(last)
+                journal = self._rebase()
             self._last = _LazyGroups(journal, len(journal), len(self._buf))
             state["prov_groups"] = self._last
         else:
@@ -224,6 +224,15 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return state
 
     # -- helpers -------------------------------------------------------------------------------
+    def _rebase(self) -> _Journal:
+        """Build the journal into a new base of the buffer as it is now, so it lets go of the
+        tables of items handed out (states taken before keep the journal they were given)."""
+        journal = self._journal
+        now = _LazyGroups(journal, len(journal), len(self._buf))
+        now.groups()
+        journal = self._journal = journal.after(now)
+        return journal
+
     def _fill(self) -> None:
         """Pull until the buffer is full or the source ends, reporting a long fill."""
         if not self._share_checked:
