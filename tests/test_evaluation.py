@@ -156,12 +156,25 @@ def _gloo_rank(rank: int, world: int, init: str, cfg: PipelineConfig, out: str) 
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        batches = list(EvalLoader(cfg))
+        made = []  # batches the loader had finished when each one was delivered
+        evaluation = EvalLoader(cfg)
+        padded = evaluation._padded
+        evaluation._padded = lambda b: (made.append(None), padded(b))[1]  # type: ignore[method-assign]
+        batches, finished = [], []
+        for b in evaluation:
+            batches.append(b)
+            finished.append(len(made))
         prov = [b["provenance"][b[ROW_MASK]].numpy() for b in batches]
         rows = [int(b[ROW_MASK].sum()) for b in batches]
         with open(out, "w") as f:
             json.dump(
-                {"batches": len(batches), "rows": rows, "prov": [p.tolist() for p in prov]}, f
+                {
+                    "batches": len(batches),
+                    "rows": rows,
+                    "prov": [p.tolist() for p in prov],
+                    "finished": finished,
+                },
+                f,
             )
     finally:
         dist.destroy_process_group()
@@ -187,6 +200,8 @@ def test_equal_batch_counts_across_gloo_ranks(cfg, tmp_path) -> None:
         with open(o) as f:
             results.append(json.load(f))
     assert [r["batches"] for r in results] == [max(unequal)] * 2
+    for res in results:  # delivered as made: no rank holds its batches back to count them
+        assert res["finished"] == list(range(1, max(unequal) + 1))
     coverage: dict = {}
     for r, res in enumerate(results):
         assert res["rows"][unequal[r] :] == [0] * (max(unequal) - unequal[r])  # padding batches

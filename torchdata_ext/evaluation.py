@@ -44,12 +44,14 @@ class EvalLoader:
         datasets: pre-built indexes (default: built from ``cfg``), e.g. in-memory datasets.
         num_workers: dataloader worker processes per rank (0: in this process).
         rank / world_size: override ``torch.distributed`` (default: detected).
-        cache: keep the batches in memory after the first pass and yield them again on every
-            later pass (no file is read again). Use it for small evaluation sets.
+        cache: keep the batches of the first whole pass in memory and yield them again on
+            every later pass (no file is read again). Use it for small evaluation sets.
         equal_batches: complete every rank's stream to the same number of batches (a
-            ``torch.distributed`` all-reduce once per pass, after this rank read its
-            batches; they are held in memory until then). None (default): when
-            ``torch.distributed`` is initialised with more than one rank.
+            ``torch.distributed`` all-reduce of one number before each batch: the ranks
+            agree whether any of them has one left; a rank that has none yields padding,
+            nothing is held back). None (default): when ``torch.distributed`` is initialised
+            with more than one rank. Stop a pass early on every rank at the same batch, or not
+            at all (the others would wait in the all-reduce).
         **loader_options: further :class:`~torchdata_ext.loader.TokenLoader` arguments
             (``multiprocessing_context``, ``batches_per_message``, ...).
     """
@@ -100,17 +102,28 @@ class EvalLoader:
             world_size=self.world_size,
             **self.loader_options,
         )
-        batches = (self._padded(b) for b in loader)
-        if not (self.cache or self._equalize()):
-            yield from batches
-            return
-        out = list(batches)
+        batches: Iterator[dict[str, torch.Tensor]] = (self._padded(b) for b in loader)
         if self._equalize():
-            total = _global_max(len(out))
-            out.extend(self._padding_batch() for _ in range(total - len(out)))
-        if self.cache:
-            self._cached = out
-        yield from out
+            batches = self._in_step(batches)
+        kept: list[dict[str, torch.Tensor]] | None = [] if self.cache else None
+        for batch in batches:
+            if kept is not None:
+                kept.append(batch)
+            yield batch
+        if kept is not None:  # a whole pass: the next ones yield these
+            self._cached = kept
+
+    def _in_step(
+        self, batches: Iterator[dict[str, torch.Tensor]]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """``batches`` in step with the other ranks: before each batch the ranks agree (an
+        all-reduce) whether any of them still has one; a rank that has none yields a batch of
+        padding rows. So no rank holds its batches back to count them first."""
+        while True:  # until no rank has a batch left
+            batch = next(batches, None)
+            if not _global_max(int(batch is not None)):
+                return
+            yield batch if batch is not None else self._padding_batch()
 
     def clear_cache(self) -> None:
         """Forget the cached batches: the next pass reads the data again."""
