@@ -299,31 +299,7 @@ def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.Monke
 
 
 # -- torch.distributed: each rank reads a share, every rank gets every file ---------------------
-def _save_and_load(mode: str, rank: int, root: str, folder: str):
-    """The save and load of ``mode`` (``"folder"``: save_checkpoint / load_checkpoint, with
-    every file's fingerprint in the manifest; ``"dcp"``: torch.distributed.checkpoint, each
-    rank its share) for a loader of this rank of 2."""
-    import torch.distributed.checkpoint as dcp
-
-    from torchdata_ext.checkpoint import DCPLoaderState
-
-    def save(loader: TokenLoader) -> None:
-        if mode == "dcp":
-            dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=folder)
-        else:
-            save_checkpoint(loader, folder)
-
-    def load() -> None:
-        loader = loader_of(root, rank=rank, ranks=2)
-        if mode == "dcp":
-            dcp.load({"data": DCPLoaderState(loader)}, checkpoint_id=folder)
-        else:
-            load_checkpoint(loader, folder)
-
-    return save, load
-
-
-def _rank_main(rank: int, port: int, root: str, folder: str, out: str, mode: str) -> None:
+def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -336,28 +312,27 @@ def _rank_main(rank: int, port: int, root: str, folder: str, out: str, mode: str
             return real(url, size, storage_options)
 
         fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
-        save, load = _save_and_load(mode, rank, root, folder)
         loader = loader_of(root, rank=rank, ranks=2)
         take(iter(loader), 2)
-        save(loader)
-        load()  # unchanged: loads
+        save_checkpoint(loader, folder)
+        load_checkpoint(loader_of(root, rank=rank, ranks=2), folder)  # unchanged: loads
         dist.barrier()
         if rank == 0:
             rewrite_p1(root)
         dist.barrier()
         try:
-            load()
+            load_checkpoint(loader_of(root, rank=rank, ranks=2), folder)
             error = ""
         except ChangedFilesError as exc:
             error = str(exc)
-        Path(out, f"{mode}{rank}.json").write_text(json.dumps({"read": read, "error": error}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"read": read, "error": error}))
     finally:
         dist.destroy_process_group()
 
 
-def _two_ranks(tmp_path: Path, mode: str) -> list[dict]:
-    """Two gloo ranks save (``mode``) after 2 batches, load, then load again after rank 0
-    rewrote p1.arrow: per rank, the files it fingerprinted and the error it got."""
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
     import socket
 
     import torch.multiprocessing as mp
@@ -368,15 +343,8 @@ def _two_ranks(tmp_path: Path, mode: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = (port, root, str(tmp_path / "c"), str(tmp_path), mode)
-    mp.spawn(_rank_main, args=args, nprocs=2)
-    return [json.loads((tmp_path / f"{mode}{r}.json").read_text()) for r in range(2)]
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
-    got = _two_ranks(tmp_path, "folder")
+    mp.spawn(_rank_main, args=(port, root, str(tmp_path / "c"), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # rank 0 fingerprinted p0 and rank 1 p1, once each before the change; p1's new version once
     assert got[0]["read"] == ["p0.arrow"]
     assert got[1]["read"] == ["p1.arrow", "p1.arrow"]
@@ -452,10 +420,57 @@ def test_a_dcp_state_saved_before_fingerprints_still_loads(root: str, tmp_path: 
     assert len(take(iter(_dcp_load(root, tmp_path / "dcp")), 6)) == 6
 
 
+def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import DCPLoaderState
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        read: list[str] = []
+        real = fingerprint._sampled_sha256
+
+        def counting(url: str, size: int, storage_options):
+            read.append(url.rsplit("/", 1)[-1])
+            return real(url, size, storage_options)
+
+        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+        loader = loader_of(root, rank=rank, ranks=2)
+        take(iter(loader), 2)
+        dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=folder)
+        fresh = loader_of(root, rank=rank, ranks=2)
+        dcp.load({"data": DCPLoaderState(fresh)}, checkpoint_id=folder)  # unchanged: loads
+        dist.barrier()
+        if rank == 0:
+            rewrite_p1(root)
+        dist.barrier()
+        try:
+            again = loader_of(root, rank=rank, ranks=2)
+            dcp.load({"data": DCPLoaderState(again)}, checkpoint_id=folder)
+            error = ""
+        except ChangedFilesError as exc:
+            error = str(exc)
+        Path(out, f"dcp{rank}.json").write_text(json.dumps({"read": read, "error": error}))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dcp_ranks_record_their_share_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
-    got = _two_ranks(tmp_path, "dcp")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    root = str(tmp_path / "web")
+    _write(root, "p0.arrow", _docs(1)[:60])
+    _write(root, "p1.arrow", _docs(1)[60:])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dcp_rank_main, args=(port, root, str(tmp_path / "dcp"), str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"dcp{r}.json").read_text()) for r in range(2)]
     # rank 0 records and checks p0, rank 1 p1 (and p1's new version): no rank reads every file
     assert got[0]["read"] == ["p0.arrow"]
     assert got[1]["read"] == ["p1.arrow", "p1.arrow"]
