@@ -32,11 +32,11 @@ import hashlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torchdata_ext.remote import with_retries
 from torchdata_ext.urls import filesystem
@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SAMPLE_BYTES = 64 * 1024
 """Bytes hashed at each end of a file."""
@@ -352,26 +353,40 @@ def dataset_fingerprints(
         for name, which in mine.items():
             out[name] = datasets[name].file_fingerprints(which)
         return out
+    parts = _gather(
+        lambda: {name: datasets[name].file_fingerprints(which) for name, which in mine.items()},
+        world_size,
+        "fingerprint the data files",
+    )
+    for part in parts:
+        for name, files in part.items():
+            out[name].update(files)
+    return out
+
+
+def _gather(compute: Callable[[], T], world_size: int, doing: str) -> list[T]:
+    """``compute()`` on this rank, and every rank's result (``torch.distributed``
+    ``all_gather_object``, by rank). A rank whose ``compute`` fails still joins the gather,
+    with its error, so no rank waits for it: that rank raises its error, the others
+    ``RuntimeError`` naming it (``"rank 1 could not <doing>: ..."``)."""
     import torch.distributed as dist
 
-    part: dict[str, dict[str, dict[str, Any]]] = {}
+    result: Any = None
     error: Exception | None = None
     try:
-        part = {name: datasets[name].file_fingerprints(which) for name, which in mine.items()}
+        result = compute()
     except Exception as exc:  # raised below, once the other ranks know (no rank waits forever)
         error = exc
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(
-        gathered, (part, None if error is None else f"{type(error).__name__}: {error}")
+        gathered, (result, None if error is None else f"{type(error).__name__}: {error}")
     )
     if error is not None:
         raise error
-    for r, (their_part, their_error) in enumerate(gathered):
+    for r, (_, their_error) in enumerate(gathered):
         if their_error is not None:
-            raise RuntimeError(f"rank {r} could not fingerprint the data files: {their_error}")
-        for name, files in their_part.items():
-            out[name].update(files)
-    return out
+            raise RuntimeError(f"rank {r} could not {doing}: {their_error}")
+    return [theirs for theirs, _ in gathered]
 
 
 def _share(
@@ -430,33 +445,19 @@ def check_share(
             it; under ``torch.distributed`` the other ranks raise ``RuntimeError`` naming that
             rank and the error, none waits in the gather).
     """
-    collective = is_collective(world_size)
-    changes: dict[str, list[FileChange]] = {}
-    error: Exception | None = None
-    try:
-        if recorded is not None:
-            changes = _share_changes(recorded, datasets)
-    except Exception as exc:  # raised below, once the other ranks know (no rank waits forever)
-        if not collective:
-            raise
-        error = exc
-    if collective:
-        import torch.distributed as dist
 
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(
-            gathered, (changes, None if error is None else f"{type(error).__name__}: {error}")
-        )
-        if error is not None:
-            raise error
-        changes = {}
-        for r, (theirs_found, their_error) in enumerate(gathered):
-            if their_error is not None:
-                raise RuntimeError(f"rank {r} could not check its data files: {their_error}")
-            for name, found in theirs_found.items():
-                changes.setdefault(name, []).extend(found)
+    def mine() -> dict[str, list[FileChange]]:
+        return {} if recorded is None else _share_changes(recorded, datasets)
+
+    if is_collective(world_size):
+        changes: dict[str, list[FileChange]] = {}
+        for found in _gather(mine, world_size, "check its data files"):
+            for name, files in found.items():
+                changes.setdefault(name, []).extend(files)
         changes = {n: sorted(f, key=lambda c: c.file) for n, f in sorted(changes.items())}
-    elif recorded is None:
+    else:
+        changes = mine()
+    if recorded is None:
         logger.info("%s records no data file fingerprints: the data files are not checked", where)
     return _refuse_or_warn(changes, allow_changed_files, where)
 
@@ -466,14 +467,12 @@ def _share_changes(
 ) -> dict[str, list[FileChange]]:
     """The recorded files (:func:`fingerprint_share`) that differ now, by dataset."""
     changes: dict[str, list[FileChange]] = {}
-    theirs = recorded["datasets"]
+    theirs = _comparable(recorded)
     for name in sorted(theirs):
         index = datasets.get(name)
         if index is None:
             continue
         files = theirs[name]
-        if recorded.get("sample_bytes") != SAMPLE_BYTES:  # digests of other byte ranges
-            files = {f: {**fp, "sha256": ""} for f, fp in files.items()}
         number = {f: i for i, f in enumerate(index.file_names())}
         now = index.file_fingerprints([number[f] for f in files if f in number])
         if found := compare(files, now):
@@ -512,17 +511,23 @@ def check_data_files(
     if recorded is None:
         logger.info("%s records no data file fingerprints: the data files are not checked", where)
         return {}
-    theirs = recorded["datasets"]
-    if recorded.get("sample_bytes") != SAMPLE_BYTES:  # digests of other byte ranges
-        theirs = {
-            name: {f: {**fp, "sha256": ""} for f, fp in files.items()}
-            for name, files in theirs.items()
-        }
+    theirs = _comparable(recorded)
     current = dataset_fingerprints(
         {n: ix for n, ix in datasets.items() if n in theirs}, rank=rank, world_size=world_size
     )
     changes = {name: c for name in sorted(current) if (c := compare(theirs[name], current[name]))}
     return _refuse_or_warn(changes, allow_changed_files, where)
+
+
+def _comparable(recorded: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:
+    """The recorded fingerprints by dataset, as :func:`compare` takes them: digests of other
+    byte ranges than :data:`SAMPLE_BYTES` (an earlier format) blanked, so not compared."""
+    theirs = recorded["datasets"]
+    if recorded.get("sample_bytes") == SAMPLE_BYTES:
+        return theirs
+    return {
+        name: {f: {**fp, "sha256": ""} for f, fp in files.items()} for name, files in theirs.items()
+    }
 
 
 def _refuse_or_warn(
