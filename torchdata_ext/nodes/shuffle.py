@@ -157,7 +157,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
 
     def _draw(self) -> Any:
         if len(self._journal) > 2 * self.buffer_size + _JOURNAL_SLACK:
-            self._rebase()  # also when no state is taken (a plain Loader takes none per step)
+            self._rebase()  # bounds its memory, states taken or not (a plain Loader takes none)
         buf = self._buf
         if not self._exhausted and len(buf) < self.buffer_size:
             self._fill()
@@ -215,8 +215,6 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             if last is not None and last.built and last.journal is journal:
                 # the last state was read (a dataloader worker sends each): build on it
                 journal = self._journal = journal.after(last)
-            elif len(journal) > 2 * self.buffer_size + _JOURNAL_SLACK:  # bound its memory
-                journal = self._rebase()
             self._last = _LazyGroups(journal, len(journal), len(self._buf))
             state["prov_groups"] = self._last
         else:
@@ -224,14 +222,13 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return state
 
     # -- helpers -------------------------------------------------------------------------------
-    def _rebase(self) -> _Journal:
+    def _rebase(self) -> None:
         """Build the journal into a new base of the buffer as it is now, so it lets go of the
         tables of items handed out (states taken before keep the journal they were given)."""
         journal = self._journal
         now = _LazyGroups(journal, len(journal), len(self._buf))
         now.groups()
-        journal = self._journal = journal.after(now)
-        return journal
+        self._journal = journal.after(now)
 
     def _fill(self) -> None:
         """Pull until the buffer is full or the source ends, reporting a long fill."""
@@ -402,8 +399,7 @@ class _LazyGroups(Sequence[list[Any]]):
         return self.groups()[i]
 
     def __len__(self) -> int:
-        n_blocks = -(-self.n // _BLOCK)
-        return -(-n_blocks // _GROUP)
+        return _counts(self.n)[1]
 
     def __iter__(self) -> Iterator[list[Any]]:
         return iter(self.groups())
@@ -413,6 +409,12 @@ class _LazyGroups(Sequence[list[Any]]):
 
     def __repr__(self) -> str:
         return f"_LazyGroups({self.groups()!r})"
+
+
+def _counts(n: int) -> tuple[int, int]:
+    """Blocks and groups of ``n`` slots (the last of each may be partial)."""
+    n_blocks = -(-n // _BLOCK)
+    return n_blocks, -(-n_blocks // _GROUP)
 
 
 def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
@@ -426,8 +428,7 @@ def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
     dirty = {s // _BLOCK for s in changes if s < n}
     if n < n0 and n % _BLOCK:
         dirty.add((n - 1) // _BLOCK)  # the last block lost slots
-    n_blocks = -(-n // _BLOCK)
-    n_groups = -(-n_blocks // _GROUP)
+    n_blocks, n_groups = _counts(n)
     del groups[n_groups:]
     blocks = sorted(dirty)
     tables: list[Any] = []
