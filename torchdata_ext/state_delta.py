@@ -16,9 +16,9 @@ random pipelines in ``tests/test_state_delta.py``):
 So an object identical (``is``) to the one sent before is unchanged and skipped without
 looking inside; only what is new is compared. A value built only when read (the shuffle
 buffer's provenance, journaled per draw) has a ``__state_value__()`` method giving the plain
-value it stands for, which is what is compared and sent. :func:`apply` copies a container on a changed
-path once per delta and never writes into a state it was given, so states handed out earlier
-(``TokenLoader.state_dict()`` results) stay valid: taking a state costs nothing.
+value it stands for, which is what is compared and sent. :func:`apply` copies a container on
+a changed path once per delta and never writes into a state it was given, so states handed out
+earlier (``TokenLoader.state_dict()`` results) stay valid: taking a state costs nothing.
 
 Operations are tuples ``(path, kind, value)``:
 
