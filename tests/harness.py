@@ -17,7 +17,7 @@ from torchdata.nodes import BaseNode, Loader
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.pipeline import PipelineConfig, build_datasets
-from torchdata_ext.testing import write_arrow_batches
+from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 
 def item_key(item: Any) -> Any:
@@ -155,6 +155,31 @@ def write_random_arrow_datasets(
             write_arrow_batches(
                 f"{root}/{name}/p{f}.arrow", docs[f::2], storage_options=storage_options
             )
+
+
+def write_random_text_datasets(
+    root: str, datasets: Iterable[tuple[str, int, float]], words: list[str], seed: int
+) -> None:
+    """The text twin of :func:`write_random_arrow_datasets`: per ``(name, documents, mean)``,
+    texts of ``1 + exponential(mean)`` words drawn from ``words``, the even ones in
+    ``root/name/p0.jsonl`` and the odd ones in ``p1.jsonl``; one generator of ``seed``."""
+    rng = np.random.default_rng(seed)
+    for name, n_docs, mean in datasets:
+        texts = [" ".join(rng.choice(words, 1 + int(rng.exponential(mean)))) for _ in range(n_docs)]
+        for f in range(2):
+            write_jsonl(f"{root}/{name}/p{f}.jsonl", texts[f::2])
+
+
+def text_config(root: str, **extra: Any) -> PipelineConfig:
+    """The small text pipeline the rescale and transform tests run over
+    :func:`write_random_text_datasets`' ``web`` and ``code`` (byte tokenizer, 32-token
+    sequences, 12 logical shards, one epoch), with ``extra`` fields."""
+    return PipelineConfig(
+        data_path=root, datasets="web,code", weights="2,1", file_type="jsonl",
+        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=12,
+        batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
+        **extra,
+    )  # fmt: skip
 
 
 def document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:

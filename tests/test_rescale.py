@@ -13,7 +13,13 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
+from harness import (
+    check_exactly_once,
+    document_lengths,
+    text_config,
+    write_random_arrow_datasets,
+    write_random_text_datasets,
+)
 
 from torchdata_ext import World
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -158,20 +164,10 @@ def test_best_fit_rescale_hands_on_the_window(cfg, tmp_path, old, new) -> None:
 
 @pytest.fixture(scope="module")
 def text_cfg(tmp_path_factory) -> PipelineConfig:
-    from torchdata_ext.testing import write_jsonl
-
-    root = tmp_path_factory.mktemp("text_rescale")
-    rng = np.random.default_rng(11)
+    root = str(tmp_path_factory.mktemp("text_rescale"))
     words = ["data", "loader", "rescale", "token", "é", "shard"]
-    for name, n_docs in (("web", 90), ("code", 50)):
-        texts = [" ".join(rng.choice(words, 1 + int(rng.exponential(12)))) for _ in range(n_docs)]
-        for f in range(2):
-            write_jsonl(str(root / name / f"p{f}.jsonl"), texts[f::2])
-    return PipelineConfig(
-        data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=12,
-        batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
-    )  # fmt: skip
+    write_random_text_datasets(root, [("web", 90, 12), ("code", 50, 12)], words, seed=11)
+    return text_config(root)
 
 
 @pytest.mark.parametrize(("old", "new"), [((2, 0), (1, 0)), ((1, 0), (3, 0)), ((1, 2), (3, 1))])

@@ -10,7 +10,13 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, check_restore_at_every_step, run
+from harness import (
+    check_exactly_once,
+    check_restore_at_every_step,
+    run,
+    text_config,
+    write_random_text_datasets,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -439,17 +445,11 @@ def shout(text: str, meta) -> str:
 
 @pytest.fixture(scope="module")
 def text_cfg(tmp_path_factory) -> PipelineConfig:
-    root = tmp_path_factory.mktemp("transform_text")
-    rng = np.random.default_rng(11)
+    root = str(tmp_path_factory.mktemp("transform_text"))
     words = ["data", "loader", "spam", "token", "shard", "rescale"]
-    for name, n_docs in (("web", 80), ("code", 40)):
-        texts = [" ".join(rng.choice(words, 1 + int(rng.exponential(6)))) for _ in range(n_docs)]
-        for f in range(2):
-            write_jsonl(str(root / name / f"p{f}.jsonl"), texts[f::2])
-    return PipelineConfig(
-        data_path=str(root), datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", tokenizer="byte", seq_length=32, eos_token=0, logical_shards=12,
-        batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
+    write_random_text_datasets(root, [("web", 80, 6), ("code", 40, 6)], words, seed=11)
+    return text_config(
+        root,
         transforms=[Filter(no_spam, on="text"), shout, Map(reverse_and_grow), {"min_length": 14},
                     {"truncate": 50}],
     )  # fmt: skip
