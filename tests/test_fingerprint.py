@@ -299,19 +299,26 @@ def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.Monke
 
 
 # -- torch.distributed: each rank reads a share, every rank gets every file ---------------------
+def _counted_reads() -> list[str]:
+    """From now on in this process, the name of each file whose bytes are fingerprinted, in
+    order (a spawned rank's view of which files it read)."""
+    read: list[str] = []
+    real = fingerprint._sampled_sha256
+
+    def counting(url: str, size: int, storage_options):
+        read.append(url.rsplit("/", 1)[-1])
+        return real(url, size, storage_options)
+
+    fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+    return read
+
+
 def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        read: list[str] = []
-        real = fingerprint._sampled_sha256
-
-        def counting(url: str, size: int, storage_options):
-            read.append(url.rsplit("/", 1)[-1])
-            return real(url, size, storage_options)
-
-        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+        read = _counted_reads()
         loader = loader_of(root, rank=rank, ranks=2)
         take(iter(loader), 2)
         save_checkpoint(loader, folder)
@@ -428,14 +435,7 @@ def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> No
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        read: list[str] = []
-        real = fingerprint._sampled_sha256
-
-        def counting(url: str, size: int, storage_options):
-            read.append(url.rsplit("/", 1)[-1])
-            return real(url, size, storage_options)
-
-        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+        read = _counted_reads()
         loader = loader_of(root, rank=rank, ranks=2)
         take(iter(loader), 2)
         dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=folder)
