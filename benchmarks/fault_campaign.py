@@ -41,6 +41,8 @@ import numpy as np
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.provenance import PAD
+from torchdata_ext.row_check import RowRules, row_problems
 from torchdata_ext.testing import write_arrow_batches
 
 DATASETS = ("web", "code")
@@ -54,7 +56,7 @@ STEP_TIMEOUT_S = 120.0  # a run that shows no progress for this long has hung
 def make_config(data: str) -> PipelineConfig:
     return PipelineConfig(
         data_path=data, datasets=",".join(DATASETS), weights="2,1", seq_length=32,
-        eos_token=0, logical_shards=24, shuffle_buffer=8, block_docs=3, epochs=1,
+        eos_token=0, bos_token=1, logical_shards=24, shuffle_buffer=8, block_docs=3, epochs=1,
         mix_quantum_tokens=0, seed=7,
     )  # fmt: skip
 
@@ -105,7 +107,9 @@ def run_loop(args: argparse.Namespace) -> None:
                 break
             step += 1
             rows = [] if seq is None else np.asarray(seq["provenance"]).tolist()
-            say(f"{step} " + " ".join(",".join(map(str, r)) for r in rows if r[0] >= 0 and r[4]))
+            # the whole row (document pieces and the BOS/EOS the packer placed, not padding):
+            # the campaign checks its structure too, not only the tokens
+            say(f"{step} " + " ".join(",".join(map(str, r)) for r in rows if r[0] != PAD and r[4]))
             if step % args.every == 0:
                 say(f"SAVE {step} {time.time():.6f}")
                 save_checkpoint(loader, os.path.join(args.ckpt, f"step_{step:06d}"))
@@ -365,27 +369,37 @@ class Campaign:
             f"{t.seconds:.1f}s; last complete checkpoint: step {t.restart_from}{left}"
         )
 
-    def delivered(self) -> list[str]:
-        """Provenance rows delivered, each run counted up to the checkpoint the next restored."""
-        out: list[str] = []
+    def delivered(self) -> list[list[np.ndarray]]:
+        """The packed rows delivered (their provenance, padding left out), a stream per rank
+        and run, each run counted up to the checkpoint the next restored."""
+        out: list[list[np.ndarray]] = []
         for t, after in zip(self.trials, [*self.trials[1:], None]):
             cut = None if after is None else after.resumed_at
             for lines in Logs(os.path.join(self.root, "logs", t.name)).all_ranks():
+                stream = []
                 for ln in lines:
                     head, _, rest = ln.partition(" ")
                     if head.isdigit() and (cut is None or int(head) <= cut) and rest:
-                        out += rest.split()
+                        rows = [list(map(int, r.split(","))) for r in rest.split()]
+                        stream.append(np.array(rows, np.int64).reshape(-1, 5))
+                out.append(stream)
         return out
 
     def verify(self, lengths: dict[tuple[int, int, int], int]) -> bool:
         counts = {key: np.zeros(n, np.int64) for key, n in lengths.items()}
         unknown = 0
-        for row in self.delivered():
-            ds, f, d, start, n = map(int, row.split(","))
-            if (ds, f, d) not in counts:
-                unknown += 1
-                continue
-            counts[(ds, f, d)][start : start + n] += 1
+        streams = self.delivered()
+        for stream in streams:
+            for rows in stream:
+                for ds, f, d, start, n in rows[rows[:, 0] >= 0].tolist():
+                    if (ds, f, d) not in counts:
+                        unknown += 1
+                        continue
+                    counts[(ds, f, d)][start : start + n] += 1
+        # the rows' structure: separators, BOS/EOS once per document, pieces ending rows
+        by_name = {(DATASETS[ds], f, d): n for (ds, f, d), n in lengths.items()}
+        rules = RowRules.of(make_config(self.data))
+        problems = row_problems([[(r, DATASETS) for r in st] for st in streams], by_name, rules)
         total = sum(lengths.values())
         missing = sum(int((c == 0).sum()) for c in counts.values())
         repeated = sum(int(np.maximum(c - 1, 0).sum()) for c in counts.values())
@@ -393,7 +407,13 @@ class Campaign:
         kills = [t for t in self.trials if not t.finished]
         moments = Counter(t.moment for t in kills)
         topologies = sorted({t.topology for t in self.trials})
-        ok = missing == 0 and repeated == 0 and unknown == 0 and refused[0] == refused[1]
+        ok = (
+            missing == 0
+            and repeated == 0
+            and unknown == 0
+            and refused[0] == refused[1]
+            and not problems
+        )
         print(
             f"summary: {len(kills)} trials, each SIGKILLed: {moments['save']} during "
             f"save_checkpoint, {moments['steps']} between steps, {moments['startup/restore']} "
@@ -405,8 +425,11 @@ class Campaign:
             "(hidden names, never a checkpoint file's)\n"
             f"{len(lengths):,} documents, {total:,} tokens: {total - missing:,} delivered, "
             f"{missing:,} missing, {repeated:,} repeated, {unknown} rows of unknown documents\n"
+            f"row structure (separators, BOS/EOS once per document, pieces ending rows): "
+            f"{'no problem' if not problems else f'{len(problems)} problems, e.g. ' + problems[0]}\n"
             + (
-                "OK: every token of every document delivered exactly once in the epoch"
+                "OK: every token of every document delivered exactly once in the epoch, in rows "
+                "an uninterrupted run could have made"
                 if ok
                 else "FAILED: tokens missing or repeated (see above)"
             ),

@@ -29,4 +29,8 @@ def test_kill_campaign_with_a_small_count(tmp_path) -> None:
     assert re.match(r"trial_001: 2 rank\(s\) x 2 worker\(s\), started fresh, SIGKILL", lines[0])
     assert "summary: 2 trials, each SIGKILLed" in out.stdout
     assert re.search(r"tokens: [\d,]+ delivered, 0 missing, 0 repeated", out.stdout)
+    assert (
+        "row structure (separators, BOS/EOS once per document, pieces ending rows): "
+        "no problem" in out.stdout
+    )
     assert "OK: every token of every document delivered exactly once" in out.stdout

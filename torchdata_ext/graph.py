@@ -25,13 +25,17 @@ __all__ = [
     "graph_nodes",
     "graph_summary",
     "is_reader_state",
+    "pack_states",
     "reader_states",
     "set_at",
+    "shuffle_states",
     "token_counters",
     "walk_state",
 ]
 
 _READER_STATE_KEYS = frozenset({"fingerprint", "n_logical_shards", "dataset"})
+_SHUFFLE_STATE_KEYS = frozenset({"source", "draws", "exhausted"})
+_PACK_STATE_KEYS = frozenset({"mode", "seq_len", "consumed", "open_docs", "dataset_names"})
 
 
 def graph_nodes(root: BaseNode) -> list[BaseNode]:
@@ -116,6 +120,24 @@ def budget_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
         p: x
         for p, x in walk_state(graph, prune=is_reader_state)
         if isinstance(x, dict) and set(x) >= _BUDGET_STATE_KEYS
+    }
+
+
+def shuffle_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The states of the shuffle buffers inside a graph state, by path."""
+    return {
+        p: x
+        for p, x in walk_state(graph, prune=is_reader_state)
+        if isinstance(x, dict) and set(x) >= _SHUFFLE_STATE_KEYS
+    }
+
+
+def pack_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """The states of the packers (``Pack``) inside a graph state, by path."""
+    return {
+        p: x
+        for p, x in walk_state(graph, prune=is_reader_state)
+        if isinstance(x, dict) and set(x) >= _PACK_STATE_KEYS
     }
 
 

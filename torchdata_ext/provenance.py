@@ -16,7 +16,11 @@ state. A packed sequence carries a provenance table instead: an ``int64`` array 
   placed as padding (kept apart from :data:`LITERAL` so padding stays recognisable when the pad
   token id equals another special token, e.g. Bamba's ``eos_token = 0 = pad_token``).
 
-The ``doc`` and ``start`` columns of literal and pad rows are 0.
+A BOS or EOS the packer placed names the document it opens or closes: its ``doc`` column is
+the document number and its ``start`` column ``literal_code(dataset_id, file)`` (negative), so
+a row that ends with a BOS, or starts with an EOS, still says whose it is
+(:func:`literal_owner`). Other literal rows (line specials, separators of old checkpoints) and
+pad rows have ``doc`` and ``start`` 0.
 
 The rows' lengths add up to the sequence length. :func:`resolve` rebuilds the tokens.
 """
@@ -30,11 +34,53 @@ import numpy as np
 
 from torchdata_ext.handlers.base import DocData
 
-__all__ = ["LITERAL", "PAD", "PROV_COLUMNS", "DocumentSource", "resolve"]
+__all__ = [
+    "LITERAL",
+    "PAD",
+    "PROV_COLUMNS",
+    "DocumentSource",
+    "literal_code",
+    "literal_owner",
+    "rekey_datasets",
+    "resolve",
+]
 
 LITERAL = -1
 PAD = -2
 PROV_COLUMNS = 5
+_DATASET_BITS = 16  # dataset ids below 2**16 fit a literal's owner code
+
+
+def literal_code(dataset_id: np.ndarray | int, file: np.ndarray | int) -> np.ndarray | int:
+    """The ``start`` column of a BOS/EOS row owned by a document of ``file`` of dataset
+    ``dataset_id`` (negative, so 0 still means "owned by nobody")."""
+    return -1 - ((np.asarray(file, np.int64) << _DATASET_BITS) | dataset_id)
+
+
+def rekey_datasets(table: np.ndarray, remap: np.ndarray) -> np.ndarray:
+    """A copy of provenance ``table`` with its dataset ids ``i`` replaced by ``remap[i]`` (in
+    document rows and in the owners BOS/EOS rows name), e.g. to move rows between two Packs
+    that met the datasets in another order."""
+    t = np.array(table, np.int64).reshape(-1, PROV_COLUMNS)
+    remap = np.asarray(remap, np.int64)
+    data = t[:, 0] >= 0
+    t[data, 0] = remap[t[data, 0]]
+    named = (t[:, 0] == LITERAL) & (t[:, 3] < 0)
+    if named.any():
+        code = -1 - t[named, 3]
+        low = (1 << _DATASET_BITS) - 1
+        t[named, 3] = literal_code(remap[code & low], code >> _DATASET_BITS)
+    return t
+
+
+def literal_owner(row: Sequence[int]) -> tuple[int, int, int] | None:
+    """``(dataset_id, file, doc)`` of the document a BOS/EOS provenance row belongs to, or
+    None (a line special, padding, a data row, or a literal written before literals were
+    named)."""
+    if row[0] != LITERAL or row[3] >= 0:
+        return None
+    code = -1 - int(row[3])
+    return code & ((1 << _DATASET_BITS) - 1), code >> _DATASET_BITS, int(row[2])
 
 
 @runtime_checkable

@@ -13,6 +13,18 @@ three steps (no file I/O here: :mod:`torchdata_ext.checkpoint` reads the states 
    merged old cursors of its shards, with the in-flight pieces of those shards returned to them
    (delivered first), and the interleave token counters are the old ones re-split.
 
+The rows a model trains on stay rows an uninterrupted run could have made:
+
+* **Buffered rows go on whole.** A shuffle buffer's rows are not cut back into document
+  pieces (a piece whose document went on in a row already delivered would be packed against
+  the next document): each row goes, as its provenance table, into the shuffle buffer of one
+  new worker (old worker ``g``'s row ``i`` to the ``i mod k``-th of the ``k`` new workers that
+  read ``g``), which delivers it again exactly as it was, BOS/EOS included.
+* **Specials exactly once.** The packer's remainder is handed back with its specials:
+  a document whose EOS is held without any of its tokens goes back as its empty last piece
+  (it gets just the EOS); a document whose BOS ended a delivered row goes back from 0 with
+  the new owner's Pack told not to place the BOS again (its ``bos_done`` state key).
+
 Budgets (:class:`~torchdata_ext.nodes.take.Take`) are per run, each worker holding its share:
 the cut reads each old worker's live remaining budget and adds back what the nodes above the
 ``Take`` held in flight (it goes back to the readers and passes the ``Take`` again); each old
@@ -24,21 +36,27 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.graph import (
     budget_states,
     graph_nodes,
     graph_summary,
+    pack_states,
     reader_states,
     set_at,
+    shuffle_states,
     token_counters,
 )
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
+from torchdata_ext.nodes.shuffle import ShuffleBuffer
 from torchdata_ext.nodes.take import Take
+from torchdata_ext.provenance import rekey_datasets
+from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.shards import (
     count_new_readers,
     old_workers_to_read,
@@ -47,10 +65,31 @@ from torchdata_ext.shards import (
 )
 from torchdata_ext.world import World
 
-__all__ = ["live_cut", "old_workers_needed", "rescale_worker_states"]
+__all__ = ["Cut", "cut", "live_cut", "old_workers_needed", "rescale_worker_states"]
 
 Piece = tuple[str, int, int, int, int]  # (dataset, file, doc, start, stop)
 Budget = tuple[int | None, int | None]  # (tokens, documents) left; None: not budgeted
+
+
+class Cut(NamedTuple):
+    """A consistent cut of one worker's graph (see :func:`cut`).
+
+    Attributes:
+        readers: each reader's live state (after everything it handed out), by dataset.
+        pieces: the document pieces held in flight above the readers, to hand back,
+            ``(dataset, file, doc, start, stop)``.
+        budgets: each budget's live remaining share plus what was held in flight above its
+            ``Take``, by budget name.
+        rows: rows a shuffle buffer holds, to hand on whole: ``(names, tables)``, each table a
+            row's provenance with dataset ids indexing ``names``.
+        bos_done: ``(dataset, file, doc)`` of handed-back documents whose BOS was delivered.
+    """
+
+    readers: dict[str, dict[str, Any]]
+    pieces: list[Piece]
+    budgets: dict[str, Budget]
+    rows: tuple[list[str], list[np.ndarray]]
+    bos_done: list[tuple[str, int, int]]
 
 
 def old_workers_needed(n_logical_shards: int, old_total: int, new_world: World) -> list[int]:
@@ -76,28 +115,34 @@ def _holds_nothing(node: BaseNode) -> bool:
     return isinstance(node, (ShardReader, Collate))
 
 
-def _live_cut(
-    graph_state: dict[str, Any], world: World, build: Callable[[World], BaseNode]
-) -> tuple[dict[str, dict[str, Any]], list[Piece], dict[str, Budget]]:
-    """Restore an old worker's graph and return a consistent cut: each reader's live state
-    (after everything it handed out), every piece held in flight above it, and each budget's
-    live remaining share plus what was held in flight above its ``Take`` (by budget name)."""
+def _live_cut(graph_state: dict[str, Any], world: World, build: Callable[[World], BaseNode]) -> Cut:
+    """Restore an old worker's graph and take its consistent cut (:func:`cut`)."""
     root = build(world)
     graph_state = _with_added_sources(graph_state, root)
-    return live_cut(root, graph_state)
+    return cut(root, graph_state)
 
 
 def live_cut(
     root: BaseNode, state: dict[str, Any]
 ) -> tuple[dict[str, dict[str, Any]], list[Piece], dict[str, Budget]]:
+    """:func:`cut` with every held item as pieces (a shuffle buffer's rows too): the live
+    reader states, the pieces held above them, and the budgets left. What an audit reads."""
+    got = cut(root, state, rows=False)
+    return got.readers, got.pieces, got.budgets
+
+
+def cut(root: BaseNode, state: dict[str, Any], *, rows: bool = True) -> Cut:
     """Restore the graph under ``root`` from ``state`` and take a consistent cut: the live
     state of each reader (after everything it handed out, by dataset), every piece the nodes
-    above it hold in flight, ``(dataset, file, doc, start, stop)``, and each budget's live
-    remaining share plus what was held in flight above its ``Take`` (by budget name).
+    above it hold in flight, ``(dataset, file, doc, start, stop)``, each budget's live
+    remaining share plus what was held in flight above its ``Take`` (by budget name), and
+    (``rows``) the rows of the graph's shuffle buffer, handed on whole (a graph with several
+    buffers hands all of them back as pieces).
 
     Args:
         root: a freshly built graph (or a subgraph, e.g. a Pack and what feeds it).
         state: the state of ``root`` to restore.
+        rows: hand a shuffle buffer's rows on whole instead of as pieces.
 
     Raises:
         ValueError: a node holds data and cannot report it (no ``inflight()``).
@@ -107,8 +152,18 @@ def live_cut(
     pieces: list[Piece] = []
     held: list[tuple[BaseNode, list[Piece]]] = []
     nodes = graph_nodes(root)
+    buffers = [n for n in nodes if isinstance(n, ShuffleBuffer)]
+    whole: tuple[list[str], list[np.ndarray]] = ([], [])
+    bos_done: list[tuple[str, int, int]] = []
     for node in nodes:  # first every node's held data (a node may pull while reporting) ...
-        if hasattr(node, "inflight"):
+        if rows and len(buffers) == 1 and node is buffers[0]:
+            whole = node.held_rows()
+        elif hasattr(node, "held"):
+            got, done = node.held()
+            pieces.extend(got)
+            held.append((node, got))
+            bos_done.extend((str(d), int(f), int(k)) for d, f, k in done)
+        elif hasattr(node, "inflight"):
             got = node.inflight()
             pieces.extend(got)
             held.append((node, got))
@@ -126,7 +181,7 @@ def live_cut(
         close = getattr(node, "close", None)
         if callable(close):
             close()
-    return readers, pieces, budgets
+    return Cut(readers, pieces, budgets, whole, bos_done)
 
 
 def _budgets_left(
@@ -247,19 +302,34 @@ def rescale_worker_states(
     if missing:
         raise ValueError(f"rescaling needs the states of old workers {missing}")
     in_checkpoint = {name for g in needed for name in graph_summary(old_graphs[g])}
+    new_total = new_world.total_workers
+    # (O(1) each: a pass over every new worker's needs is hours at 4,096 ranks x 8 workers)
+    readers_of = {g: count_new_readers(n, old_total, new_total, g) for g in needed}
+    # this worker's place among an old worker's readers: the first (v % readers) get one more
+    first_reader = {
+        g: shard_owner(n, new_total, worker_shards(n, old_total, g).start) for g in needed
+    }
     by_dataset: dict[str, list[dict[str, Any]]] = {}
     returned: dict[str, list[tuple[int, int, int, int]]] = {}
     budgets: dict[int, dict[str, Budget]] = {}
+    rows: list[tuple[list[str], np.ndarray]] = []  # the buffered rows this worker delivers
+    bos_done: set[tuple[str, int, int]] = set()
     for g in needed:
         old_world = World(g // old_workers, old_ranks, g % old_workers, old_workers)
-        readers, pieces, budgets[g] = _live_cut(old_graphs[g], old_world, build)
-        for name, st in readers.items():
+        got = _live_cut(old_graphs[g], old_world, build)
+        budgets[g] = got.budgets
+        for name, st in got.readers.items():
             if name not in in_checkpoint:
                 continue  # an added dataset: its reader state stays fresh
             by_dataset.setdefault(name, []).append(st)
-        for ds, file, doc, start, stop in pieces:
+        for ds, file, doc, start, stop in got.pieces:
             returned.setdefault(ds, []).append((file, doc, start, stop))
+        bos_done.update(got.bos_done)
+        names, tables = got.rows
+        mine = new_world.global_worker - first_reader[g]
+        rows.extend((names, t) for t in tables[mine :: readers_of[g]])
     live = {r.dataset.name: r for r in graph_nodes(root) if isinstance(r, ShardReader)}
+    no_bos: list[list[Any]] = []  # this worker's handed-back documents whose BOS was delivered
     for path, st in targets.items():
         name = st["dataset"]
         old = by_dataset.get(name)
@@ -270,15 +340,13 @@ def rescale_worker_states(
         merged = merge_reader_states(old, complete=False)
         if returned.get(name):
             merged = live[name].with_returned(merged, returned[name])
+            for extras in reader_cursors(merged).extras.values():
+                for file, doc, start, _stop in extras.get("returned", []):
+                    if start == 0 and (name, int(file), int(doc)) in bos_done:
+                        no_bos.append([name, int(file), int(doc)])
         set_at(box, path, merged)
+    _hand_on(box, rows, sorted(no_bos))
     # token counters: each old worker's share split among the new workers that read it
-    new_total = new_world.total_workers
-    # (O(1) each: a pass over every new worker's needs is hours at 4,096 ranks x 8 workers)
-    readers_of = {g: count_new_readers(n, old_total, new_total, g) for g in needed}
-    # this worker's place among an old worker's readers: the first (v % readers) get one more
-    first_reader = {
-        g: shard_owner(n, new_total, worker_shards(n, old_total, g).start) for g in needed
-    }
     for path, counters in token_counters(box).items():
         summed = dict.fromkeys(counters, 0)
         for g in needed:
@@ -315,6 +383,44 @@ def rescale_worker_states(
                 share += left // parts + (i < left % parts)
             set_at(box, (*path, key), share)
     return box["graph"]
+
+
+def _hand_on(
+    box: dict[str, Any], rows: list[tuple[list[str], np.ndarray]], no_bos: list[list[Any]]
+) -> None:
+    """Put the buffered ``rows`` this worker delivers into its shuffle buffer's state (their
+    dataset ids re-keyed by name to its Pack's names) and ``no_bos`` into its Pack's state."""
+    packs = pack_states(box)
+    if no_bos:
+        if len(packs) != 1:
+            raise ValueError(
+                f"cannot rescale: {len(packs)} Pack nodes in the graph; a rescale that hands "
+                "back documents whose BOS was delivered needs exactly one"
+            )
+        ((path, st),) = packs.items()
+        set_at(box, path, {**st, "bos_done": no_bos})
+    if not rows:
+        return
+    buffers = shuffle_states(box)
+    if len(buffers) != 1:
+        raise ValueError(f"cannot hand on buffered rows to {len(buffers)} shuffle buffers")
+    ((path, buf),) = buffers.items()
+    inner = pack_states({"b": buf})
+    if len(inner) != 1:
+        raise ValueError("cannot hand on buffered rows: the shuffle buffer is not on one Pack")
+    ((ppath, pack),) = inner.items()
+    names = [str(x) for x in pack["dataset_names"]]
+    ids = {x: i for i, x in enumerate(names)}
+    tables = []
+    for old_names, table in rows:
+        for x in old_names:
+            if x not in ids:
+                ids[x] = len(names)
+                names.append(x)
+        tables.append(rekey_datasets(table, np.array([ids[x] for x in old_names], np.int64)))
+    buf = ShuffleBuffer.state_with_rows(buf, tables)
+    set_at(buf, ppath[1:], {**pack, "dataset_names": names})
+    set_at(box, path, buf)
 
 
 def _weights_at(box: dict[str, Any], counters_path: tuple) -> dict[str, float]:

@@ -22,6 +22,7 @@ restore rebuilds the window from there and skips those bins.
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import numpy as np
 
@@ -79,22 +80,26 @@ class _BestFit:
             self._advance_anchor()
         return self._layout.emit(parts)
 
-    def inflight(self) -> list[_Piece]:
+    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
         """The pieces of the window's bins not yet emitted, then the rest of the block the
-        window ended in (the window built again first after a restore)."""
+        window ended in (the window built again first after a restore), and the documents
+        among them whose BOS was delivered (see :meth:`~._stream._Cursor.held`)."""
         c = self._cursor
         if self._bins is None and not c.exhausted:  # restored lazily: rebuild the window
             bins = self._build_window()
             if bins:
                 self._bins = bins
         out: list[_Piece] = []
-        for parts in (self._bins or [])[self._bins_done :]:
-            for s, a, b in parts:
-                out.extend(c.pieces(s, a, b))
+        bos_done: list[list[Any]] = []
+        ranges = [part for parts in (self._bins or [])[self._bins_done :] for part in parts]
         cur = c.cur
         if cur is not None and c.pos < cur.n_units:
-            out.extend(c.pieces(cur, int(cur.unit_off[c.pos]), len(cur.tokens)))
-        return out
+            ranges.append((cur, int(cur.unit_off[c.pos]), len(cur.tokens)))
+        for s, a, b in ranges:
+            got, done = c.held(s, a, b)
+            out.extend(got)
+            bos_done.extend(done)
+        return out, bos_done
 
     def _advance_anchor(self) -> None:
         self._bins_done = 0

@@ -22,6 +22,8 @@ uninterrupted run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from torchdata_ext.nodes._packed import PackedSequence, _Layout
@@ -71,7 +73,7 @@ class _Chunk:
     def _has_document_tokens(self, parts: list[_Part]) -> bool:
         return any(self._cursor.pieces(s, a, b) for s, a, b in parts)
 
-    def inflight(self) -> list[_Piece]:
+    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
         """The rest of the current block (pulled again first after a restore)."""
         return self._cursor.rest_of_block()
 

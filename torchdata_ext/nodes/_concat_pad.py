@@ -9,10 +9,16 @@ packed (Pack's ``source`` / ``consumed`` state keys)::
     pad      |bol B a a a E P P eol| |bol B b b b E P P eol| ...   whole units while they fit
 
 In ``pad`` a unit longer than an empty sequence starts a new sequence and is split across
-sequences.
+sequences. With no EOS configured (only a BOS between documents), a piece that a rescale
+handed back from inside its document starts a new sequence, the one before it padded: in an
+uninterrupted run such a continuation always starts a sequence, and placed after another
+document nothing would separate the two.
 """
 
 from __future__ import annotations
+
+import bisect
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +56,7 @@ class _ConcatPad:
             raise StopIteration
         return self._layout.emit(parts)
 
-    def inflight(self) -> list[_Piece]:
+    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
         """The rest of the current block (pulled again first after a restore)."""
         return self._cursor.rest_of_block()
 
@@ -77,6 +83,14 @@ class _ConcatPad:
                     if filled:
                         break
                     b = a + space  # longer than an empty sequence: split it
+            if s.pin_at is not None:  # a handed-back continuation starts its row
+                i = bisect.bisect_left(s.pin_at, a)
+                if i < len(s.pin_at) and s.pin_at[i] == a:
+                    if filled:
+                        break
+                    i += 1
+                if i < len(s.pin_at) and s.pin_at[i] < b:
+                    b = s.pin_at[i]
             parts.append((s, a, b))
             filled += b - a
             c.pos = b

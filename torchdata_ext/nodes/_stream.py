@@ -23,7 +23,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
+from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
 _SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
 
@@ -51,6 +51,16 @@ class _Stream:
     _row_off: list[int] | None = None  # row_off as a list, for bisect
     unit_last: np.ndarray | None = None  # whether each unit ends its document (bool)
     _doc_ends: np.ndarray | None = None  # stream token offsets where documents end, cached
+    # the block each unit is a piece of (file, doc, start, length arrays) and which units got
+    # a BOS / an EOS placed (None: none did): what a hand-back needs to report exactly
+    block: DocumentBlock | None = None
+    unit_bos: np.ndarray | None = None
+    unit_eos: np.ndarray | None = None
+    no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
+    bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
+    # stream offsets of units a rescale handed back from inside their document, when no EOS
+    # separates documents: each starts a row (see _ConcatPad), or it would be glued
+    pin_at: list[int] | None = None
 
     def doc_ends(self) -> np.ndarray:
         """The stream token offsets where documents end (after their EOS), ascending."""
@@ -118,11 +128,15 @@ class _Mark(NamedTuple):
         consumed: what of that block is already used (stream tokens or units, by strategy).
         open_docs: ``[dataset, file, doc]`` of documents open at that block that began with
             the shared BOS/EOS token (the block's :attr:`_Stream.carry_in`).
+        bos_done: ``[dataset, file, doc]`` of documents whose BOS was already delivered
+            although their first piece is still to come (a rescale handed the piece back
+            after a row that ended with the BOS): they get no BOS again.
     """
 
     source: Any
     consumed: int
     open_docs: list[list[Any]]
+    bos_done: list[list[Any]] = []
 
 
 class _Cursor:
@@ -150,6 +164,8 @@ class _Cursor:
         self.dataset_names: list[str] = []
         self._ds_ids: dict[str, int] = {}
         self._open: set[tuple[str, int, int]] = set()
+        self._no_bos: set[tuple[str, int, int]] = set()
+        self._no_bos_list: list[list[Any]] = []  # _no_bos as the state lists it
         self.cur: _Stream | None = None
         self.pos = 0
         self.exhausted = False
@@ -163,13 +179,15 @@ class _Cursor:
         self.dataset_names = dataset_names
         self._ds_ids = {n: i for i, n in enumerate(dataset_names)}
         self._open = {(str(d), int(f), int(k)) for d, f, k in start.open_docs}
+        self._no_bos = {(str(d), int(f), int(k)) for d, f, k in start.bos_done}
+        self._no_bos_list = start.bos_done
         self._skip = start.consumed
 
     def here(self) -> _Mark:
         """The clean point of the current position: the current block and ``pos`` in it."""
         if self.cur is None:
             return self._start
-        return _Mark(self.cur.pre_state, self.pos, self.cur.carry_in)
+        return _Mark(self.cur.pre_state, self.pos, self.cur.carry_in, self.cur.no_bos_in or [])
 
     def pull(self) -> bool:
         """Read the next block into ``cur``; False when the source is exhausted."""
@@ -185,15 +203,61 @@ class _Cursor:
         self.pos, self._skip = self._skip, 0
         return True
 
-    def rest_of_block(self) -> list[_Piece]:
-        """The document pieces of the current block not yet used (the block is pulled again
-        first after a restore, skipping what was used): what a strategy holds in flight."""
+    def rest_of_block(self) -> tuple[list[_Piece], list[list[Any]]]:
+        """What the current block holds not yet used (the block is pulled again first after a
+        restore, skipping what was used): a strategy's pieces in flight, as :meth:`held`."""
         if self.cur is None and not self.exhausted:
             self.pull()
         cur = self.cur
         if cur is None or self.pos >= len(cur.tokens):
-            return []
-        return self.pieces(cur, self.pos, len(cur.tokens))
+            return [], []
+        return self.held(cur, self.pos, len(cur.tokens))
+
+    def held(self, s: _Stream, a: int, b: int) -> tuple[list[_Piece], list[list[Any]]]:
+        """What stream tokens ``a .. b`` hold, for a hand-back that keeps the specials exact.
+
+        Returns the pieces ``(dataset, file, doc, start, stop)`` to hand back, and the
+        ``[dataset, file, doc]`` of documents whose piece from 0 is handed back but whose BOS
+        lies before ``a`` (it was delivered: the new owner must not place it again). A
+        document whose EOS lies in the range but none of its tokens (the row before ended
+        with its last token) is handed back as the empty last piece ``(end, end)``, which gets
+        just the EOS; a BOS alone in the range, as the empty first piece ``(0, 0)``.
+        """
+        if a >= b or s.block is None:
+            return [], []
+        blk = s.block
+        name = blk.dataset
+        uo = s.unit_off
+        u0 = max(int(np.searchsorted(uo, a, "right")) - 1, 0)
+        u1 = int(np.searchsorted(uo, b, "left"))
+        pieces: list[_Piece] = []
+        bos_done: list[list[Any]] = []
+        lengths = blk.offsets[1:] - blk.offsets[:-1]
+        for u in range(u0, min(u1, s.n_units)):
+            lo, hi = int(uo[u]), int(uo[u + 1])
+            if lo == hi:
+                continue  # an empty whole document: no tokens, no specials
+            bos = bool(s.unit_bos[u]) if s.unit_bos is not None else False
+            skipped = u in s.bos_skipped
+            eos = bool(s.unit_eos[u]) if s.unit_eos is not None else False
+            dlo, dhi = lo + bos, hi - eos
+            x, y = max(a, dlo), min(b, dhi)
+            f, d, st0 = int(blk.file[u]), int(blk.doc[u]), int(blk.start[u])
+            if x < y:
+                start = st0 + x - dlo
+                pieces.append((name, f, d, start, start + y - x))
+                if (bos and x == dlo and lo < a) or (skipped and x == dlo):
+                    bos_done.append([name, f, d])
+            elif eos and a <= hi - 1 < b:
+                end = st0 + int(lengths[u])
+                pieces.append((name, f, d, end, end))
+            elif bos and a <= lo < b:
+                pieces.append((name, f, d, 0, 0))
+        return pieces, bos_done
+
+    def pending_bos_done(self) -> list[list[Any]]:
+        """The documents told to get no BOS (``bos_done``) not yet met in a block."""
+        return sorted([list(k) for k in self._no_bos])
 
     def pieces(self, s: _Stream, a: int, b: int) -> list[_Piece]:
         """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
@@ -225,6 +289,7 @@ class _Cursor:
                 "tokenize node between the reader and Pack)"
             )
         carry_in = sorted([list(k) for k in self._open]) if self._combined else []
+        no_bos_in = self._no_bos_list
         ds_id = self._dataset_id(block.dataset)
         tokens = np.asarray(block.tokens)
         if tokens.dtype != self.dtype:
@@ -268,6 +333,15 @@ class _Cursor:
         if keep is not None:
             addbos = None if addbos is None else addbos & keep
             addeos = None if addeos is None else addeos & keep
+        skipped: set[int] = set()
+        if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
+            for i in np.flatnonzero(addbos).tolist():
+                key = (block.dataset, int(block.file[i]), int(block.doc[i]))
+                if key in self._no_bos:
+                    self._no_bos.discard(key)
+                    addbos[i] = False
+                    skipped.add(i)
+            self._no_bos_list = sorted([list(k) for k in self._no_bos])
         n_bos = 0 if addbos is None else int(np.count_nonzero(addbos))
         n_eos = 0 if addeos is None else int(np.count_nonzero(addeos))
         if not n_bos:
@@ -316,6 +390,8 @@ class _Cursor:
             rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
             rows[0::2] = mid
             rows[1::2] = self._eos_row
+            rows[1::2, 2] = mid[:, 2]
+            rows[1::2, 3] = literal_code(ds_id, mid[:, 1])
         else:
             no = np.zeros(n, bool)
             which = np.flatnonzero(
@@ -328,8 +404,28 @@ class _Cursor:
             rows3[:, 0] = self._bos_row
             rows3[:, 1] = mid
             rows3[:, 2] = self._eos_row
+            rows3[:, 0::2, 2] = mid[:, None, 2]  # the specials name their document
+            rows3[:, 0::2, 3] = literal_code(ds_id, mid[:, None, 1])
             rows = rows3.reshape(-1, PROV_COLUMNS)[which]
         row_off = np.empty(len(rows) + 1, np.int64)
         row_off[0] = 0
         np.cumsum(rows[:, 4], out=row_off[1:])
-        return _Stream(pre_state, carry_in, out, rows, row_off, unit_off, unit_last=last)
+        pin_at = None
+        if block.stop is not None and self.eos_token is None and self.bos_token is not None:
+            inside = np.flatnonzero((np.asarray(block.start) > 0) & nonempty)
+            pin_at = unit_off[inside].tolist() or None
+        return _Stream(
+            pre_state,
+            carry_in,
+            out,
+            rows,
+            row_off,
+            unit_off,
+            unit_last=last,
+            block=block,
+            unit_bos=addbos,
+            unit_eos=addeos,
+            no_bos_in=no_bos_in,
+            bos_skipped=frozenset(skipped),
+            pin_at=pin_at,
+        )

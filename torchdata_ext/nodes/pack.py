@@ -62,8 +62,9 @@ class _Strategy(Protocol):
         """The next sequence; ``StopIteration`` at the end of the source."""
         ...
 
-    def inflight(self) -> list[_Piece]:
-        """The document pieces pulled but not yet emitted."""
+    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
+        """The document pieces pulled but not yet emitted, and the documents among them
+        whose BOS was delivered (see :meth:`~._stream._Cursor.held`)."""
         ...
 
 
@@ -142,7 +143,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
     of that block, specials included, already packed; best_fit: its pieces before the window);
     ``bins`` (best_fit: bins of the window already emitted); ``open_docs`` (only with
     ``bos_token == eos_token``: ``[dataset, file, doc]`` of chunked documents open at that block
-    that began with the separator); ``dataset_names``. No token data. Resume guarantee:
+    that began with the separator); ``bos_done`` (``[dataset, file, doc]`` of documents a
+    rescale handed back whose BOS was already delivered: they get none again; empty but right
+    after such a rescale); ``dataset_names``. No token data. Resume guarantee:
     restoring continues with exactly the sequences the uninterrupted run would have produced.
     """
 
@@ -254,7 +257,8 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             self.source.reset(initial_state[self.SOURCE_KEY])
             consumed, bins_done = int(initial_state["consumed"]), int(initial_state["bins"])
             carry = [list(k) for k in initial_state["open_docs"]]
-            start = _Mark(initial_state[self.SOURCE_KEY], consumed, carry)
+            done = [list(k) for k in initial_state.get("bos_done", [])]  # absent before 0.2
+            start = _Mark(initial_state[self.SOURCE_KEY], consumed, carry, done)
             names = [str(n) for n in initial_state["dataset_names"]]
         else:
             self.source.reset()
@@ -309,6 +313,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             "consumed": start.consumed,
             "bins": bins_done,
             "open_docs": start.open_docs,
+            "bos_done": start.bos_done,
             "dataset_names": list(self.dataset_names),
         }
 
@@ -317,8 +322,17 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         """Document tokens pulled from the source but not yet emitted, as
         ``(dataset, file, doc, start, stop)``; used to hand them on when rescaling. In
         ``best_fit`` mode: the pieces of the window's bins not yet emitted, then the rest of
-        the block the window ended in."""
-        return self._strategy.inflight()
+        the block the window ended in. See :meth:`held` for the specials."""
+        return self.held()[0]
+
+    def held(self) -> tuple[list[tuple[str, int, int, int, int]], list[list[Any]]]:
+        """:meth:`inflight`, and ``[dataset, file, doc]`` of the documents among the pieces
+        whose BOS was already delivered (a row ended with it): a rescale tells the pieces'
+        new owner not to place it again (the ``bos_done`` state key; documents it names that
+        this Pack has not met yet are reported again). A document of which only the EOS is
+        held is handed back as its empty last piece ``(end, end)``."""
+        pieces, done = self._strategy.inflight()
+        return pieces, done + self._cursor.pending_bos_done()
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` of ``dataset``, whole, from the source."""

@@ -166,7 +166,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         j = mix_seed(self.seed, _DRAW_TAG, self._draws) % len(buf)
         self._draws += 1
         item = buf[j]
-        if not self._exhausted:
+        if not self._exhausted and len(buf) <= self.buffer_size:
             try:
                 buf[j] = self._pull()
                 self._note(j, buf[j])
@@ -303,6 +303,38 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             for ds, f, d, start, length in self._provenance(item).tolist():
                 if ds >= 0 and length > 0:
                     out.append((names[ds], f, d, start, start + length))
+        return out
+
+    def held_rows(self) -> tuple[list[str], list[np.ndarray]]:
+        """The buffered items as rows to hand on whole when rescaling: the dataset names the
+        provenance ids index, and each item's provenance table (BOS/EOS and pieces as the
+        item holds them, so the new owner delivers exactly this row again)."""
+        if not self._buf:
+            return [], []
+        names = getattr(self.source, "dataset_names", None)
+        if names is None:
+            raise ValueError(
+                "cannot hand on shuffle-buffer contents: its source has no dataset_names "
+                "(put the shuffle buffer on a Pack)"
+            )
+        return list(names), [np.asarray(self._provenance(x), np.int64) for x in self._buf]
+
+    @staticmethod
+    def state_with_rows(state: dict[str, Any], tables: Sequence[np.ndarray]) -> dict[str, Any]:
+        """A copy of a fresh (empty) buffer ``state`` holding ``tables`` (provenance tables,
+        ids in the state's Pack names) as its items: what a rescale gives a new worker. The
+        items are rebuilt on restore like any buffered item; more than ``buffer_size`` of them
+        drain first (each draw takes one without refilling) until the buffer is back to size.
+        """
+        if state.get("items"):
+            raise ValueError("state_with_rows needs the state of an empty shuffle buffer")
+        out = {k: v for k, v in state.items() if k != "items"}
+        if not tables:
+            out["items"] = []
+            return out
+        counts = np.fromiter((len(t) for t in tables), np.int64, len(tables))
+        rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
+        out["prov_blocks"] = [(_narrow(counts), _narrow(rows))]
         return out
 
     def _provenance(self, item: Any) -> np.ndarray:

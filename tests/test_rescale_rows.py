@@ -1,0 +1,154 @@
+"""A rescale hands on training rows, not just tokens (issue 19).
+
+The rows delivered after a rescale (any ``R x W -> R' x W'``, and a second rescale after it)
+must be rows an uninterrupted run could have made: separators between documents, each
+packer-placed BOS/EOS once per document, pieces in order, budgets cutting only a document's
+end. :mod:`rows` checks those invariants from the rows' provenance; the runs rescale through
+``rescale_worker_states`` exactly as ``load_checkpoint`` does (the multi-process and gloo paths
+are in ``test_rescale.py`` and ``test_rescale_rows_ranks.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from harness import document_lengths, write_random_arrow_datasets
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rows import check_rows, simulate
+
+from torchdata_ext.pipeline import PipelineConfig
+from torchdata_ext.provenance import literal_owner
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> PipelineConfig:
+    root = tmp_path_factory.mktemp("rows")
+    write_random_arrow_datasets(str(root), (("web", 120, 20), ("code", 60, 45)), seed=3)
+    return PipelineConfig(
+        data_path=str(root), datasets="web,code", weights="2,1", seq_length=32, eos_token=0,
+        bos_token=1, logical_shards=24, batch_size=2, seed=5, shuffle_buffer=16, block_docs=5,
+        epochs=1, mix_quantum_tokens=0, best_fit_window=7,
+    )  # fmt: skip
+
+
+topology = st.tuples(st.integers(1, 3), st.integers(1, 3))
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    mode=st.sampled_from(["concat", "pad", "best_fit", "chunk"]),
+    buffer=st.sampled_from([1, 3, 16]),
+    chunk=st.sampled_from([None, 7, 40]),
+    specials=st.sampled_from([(1, 0), (None, 0), (1, None), (0, 0)]),
+    topologies=st.lists(topology, min_size=2, max_size=3),
+    steps=st.integers(0, 9),
+    seed=st.integers(0, 3),
+    selection=st.sampled_from(["all", "min_length", "eval", "transform"]),
+)
+def test_rows_after_rescales_are_rows_of_an_uninterrupted_run(
+    base, mode, buffer, chunk, specials, topologies, steps, seed, selection
+) -> None:
+    bos, eos = specials
+    cfg = dataclasses.replace(
+        base, pack_mode=mode, shuffle_buffer=buffer, max_chunksize=chunk, bos_token=bos,
+        eos_token=eos, seed=seed, **SELECTIONS[selection],
+    )  # fmt: skip
+    streams = simulate(cfg, topologies, lambda phase, g: steps + (g * 3 + phase) % 5)
+    check_rows(streams, _delivered_uninterrupted(cfg), cfg)
+
+
+SELECTIONS: dict[str, dict] = {
+    "all": {},
+    "min_length": {"min_length": 12},
+    "eval": {"eval_fraction": 0.2},
+    "transform": {"transforms": [{"min_length": 6}, {"truncate": 50}]},
+}
+_REFERENCE: dict = {}
+
+
+def _delivered_uninterrupted(cfg) -> dict:
+    """The documents (and their delivered lengths) of one uninterrupted epoch of ``cfg``:
+    with a filter, a split or a transform, what a rescaled run must deliver exactly."""
+    key = (cfg.data_path, cfg.min_length, cfg.eval_fraction, repr(cfg.transforms))
+    if key not in _REFERENCE:
+        if key[1:] == (1, 0.0, "[]"):
+            _REFERENCE[key] = document_lengths(cfg)
+        else:
+            ref = dataclasses.replace(cfg, shuffle_buffer=1, pack_mode="concat", bos_token=1)
+            got: dict = {}
+            for stream in simulate(ref, [(1, 1)], lambda phase, g: 0):
+                for item in stream:
+                    for ds, f, d, start, n in item["provenance"].tolist():
+                        if ds >= 0:
+                            k = (item["_names"][ds], f, d)
+                            got[k] = max(got.get(k, 0), start + n)
+            _REFERENCE[key] = got
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("mode", ["concat", "pad"])
+@pytest.mark.parametrize("tops", [[(2, 2), (1, 3)], [(1, 3), (3, 1), (2, 1)]], ids=str)
+def test_budget_cut_keeps_document_starts_through_rescales(base, mode, tops) -> None:
+    """A phase's token budget cuts only the end of a document, rescaled or not: what is
+    delivered of every document is a prefix of it, and the phase gets exactly its budget."""
+    cfg = dataclasses.replace(
+        base, pack_mode=mode, phases=[
+            {"datasets": "web", "max_tokens": 900}, {"datasets": "code"},
+        ], datasets=[], weights=[],
+    )  # fmt: skip
+    lengths = document_lengths(dataclasses.replace(base))
+    for steps in (1, 4):
+        streams = simulate(cfg, tops, lambda phase, g, k=steps: k + g % 3)
+        check_rows(streams, lengths, cfg, budget=True)
+        web = sum(
+            n
+            for stream in streams
+            for item in stream
+            for ds, _f, _d, _s, n in item["provenance"].tolist()
+            if ds >= 0 and item["_names"][ds] == "web"
+        )
+        assert web == 900
+
+
+@pytest.mark.parametrize("buffer", [1, 16])
+@pytest.mark.parametrize("old,new", [((2, 2), (1, 3)), ((2, 2), (3, 1)), ((1, 1), (2, 1))])
+def test_specials_held_by_the_packer_are_handed_on_once(base, buffer, old, new) -> None:
+    """The cases the issue traced: a row that ends with a BOS whose document is still held
+    from token 0, and a row that ends with a document's last token whose EOS is held."""
+    cfg = dataclasses.replace(base, shuffle_buffer=buffer)
+    lengths = document_lengths(cfg)
+    for steps in range(1, 12):
+        streams = simulate(cfg, [old, new], lambda phase, g, k=steps: k + g)
+        check_rows(streams, lengths, cfg)
+
+
+def test_oracle_catches_glued_documents_and_doubled_specials(base) -> None:
+    """The oracle fails on the defects of the issue (so its passes mean something)."""
+    import numpy as np
+
+    cfg = dataclasses.replace(base, shuffle_buffer=1)
+    lengths = document_lengths(cfg)
+    streams = simulate(cfg, [(1, 1)], lambda phase, g: 0)
+    check_rows(streams, lengths, cfg)
+    rows = [np.asarray(x["provenance"]) for x in streams[0]]
+    at = next(i for i, p in enumerate(rows) if (p[:, 0] == -1).sum() >= 2 and len(p) > 4)
+    p = rows[at]
+    eos_at = next(
+        i
+        for i in range(1, len(p) - 1)
+        if literal_owner(p[i].tolist()) and p[i, 1] == 0 and p[i + 1, 0] == -1
+    )
+    glued = [dict(x) for x in streams[0]]
+    glued[at]["provenance"] = np.delete(p, [eos_at, eos_at + 1], axis=0)  # drop EOS and BOS
+    with pytest.raises(AssertionError, match="glued|not after its BOS|not its EOS"):
+        check_rows([glued], lengths, cfg)
+    doubled = [dict(x) for x in streams[0]] + [{"provenance": p[eos_at : eos_at + 1]}]
+    doubled[-1]["_names"] = streams[0][at]["_names"]
+    with pytest.raises(AssertionError, match="without exactly one EOS"):
+        check_rows([doubled], lengths, cfg)
