@@ -30,7 +30,7 @@ import numpy as np
 
 from torchdata_ext.handlers.base import DocData
 
-__all__ = ["LITERAL", "PAD", "PROV_COLUMNS", "DocumentSource", "resolve"]
+__all__ = ["LITERAL", "PAD", "PROV_COLUMNS", "DocumentSource", "remap_ids", "resolve"]
 
 LITERAL = -1
 PAD = -2
@@ -88,4 +88,30 @@ def resolve(
                 )
             out[pos : pos + length] = data[start : start + length]
         pos += length
+    return out
+
+
+def remap_ids(rows: np.ndarray, saved: Sequence[str], names: Sequence[str]) -> np.ndarray:
+    """Provenance ``rows`` whose dataset ids index ``saved``, with the ids of ``names`` instead
+    (the same rows when both orders agree): provenance saved under one order of the dataset
+    names (a checkpoint) read under another (the config it is restored with).
+
+    Raises:
+        ValueError: a row names a dataset ``names`` does not have.
+    """
+    saved, names = [str(n) for n in saved], [str(n) for n in names]
+    if names[: len(saved)] == saved or not len(rows):
+        return rows
+    at = {n: i for i, n in enumerate(names)}
+    table = np.array([at.get(n, -3) for n in saved] or [-3], np.int64)
+    out = np.array(rows, dtype=np.int64).reshape(-1, PROV_COLUMNS)
+    data = out[:, 0] >= 0
+    new = table[out[data, 0]]
+    if (new < 0).any():
+        missing = sorted({saved[i] for i in np.unique(out[data, 0][new < 0]).tolist()})
+        raise ValueError(
+            f"the saved provenance holds documents of datasets {missing}, which this pipeline "
+            f"does not read (it reads {names}); restore with the checkpoint's datasets"
+        )
+    out[data, 0] = new
     return out
