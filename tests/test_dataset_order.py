@@ -174,3 +174,22 @@ def test_remap_ids() -> None:
     )
     with pytest.raises(ValueError, match=r"datasets \['code'\], which this pipeline"):
         remap_ids(rows, ["web", "code"], ["web"])
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["same_topology", "rescaled"])
+def test_curriculum_phases_in_another_order_are_refused_naming_them(cfg, tmp_path, ranks) -> None:
+    """Phases are places in a curriculum (each holds its own budget): a checkpoint restored with
+    its phases swapped is refused, naming each phase's datasets, also on a rescale (before,
+    the rescale restored each reader by name but gave phase 0's remaining budget to the
+    dataset now in phase 0)."""
+    phases = [{"datasets": "web", "max_tokens": 900}, {"datasets": "code"}]
+    run = dataclasses.replace(cfg, datasets=[], weights=[], phases=phases)
+    first_part(run, str(tmp_path / "c"), Trainer(), 1, 0, n=4)
+    swapped = dataclasses.replace(run, phases=phases[::-1])
+    with pytest.raises(
+        ValueError,
+        match=r"phases read other datasets \(phase 0: checkpoint \['web'\], now \['code'\]; "
+        r"phase 1: checkpoint \['code'\], now \['web'\]\); list the phases in the checkpoint's",
+    ):
+        restored(swapped, str(tmp_path / "c"), ranks, 0)
+    restored(run, str(tmp_path / "c"), 1, 0)  # the same phases restore
