@@ -90,8 +90,10 @@ def restored(cfg: PipelineConfig, ckpt: str, ranks: int, workers: int) -> list[T
 
 
 @pytest.mark.parametrize(
-    ("workers", "mode"), [(0, "tokens"), (0, "samples"), (2, "samples")], ids=str
-)  # fmt: skip
+    ("workers", "mode"),
+    [(0, "tokens"), (0, "samples"), pytest.param(2, "samples", marks=pytest.mark.multiprocess)],
+    ids=str,
+)
 def test_restore_with_the_datasets_listed_the_other_way(cfg, tmp_path, workers, mode) -> None:
     """Same topology. Before the fix the provenance ids kept the checkpoint's order (every
     restored row named the other dataset) and in ``samples`` mode the mix mapped its draws to
