@@ -40,11 +40,12 @@ def cfg(tmp_path_factory) -> PipelineConfig:
     )  # fmt: skip
 
 
-def deliver(delivered: Counter, batch) -> None:
-    """Add the document tokens of a batch to ``delivered`` (by provenance)."""
+def deliver(delivered: Counter, batch, names=NAMES) -> None:
+    """Add the document tokens of a batch to ``delivered`` (by provenance; its dataset ids
+    index ``names``, the datasets of the config the batch was made with)."""
     for ds, f, d, _, n in np.asarray(batch["provenance"]).reshape(-1, 5).tolist():
         if ds >= 0 and n > 0:
-            delivered[(NAMES[ds], f, d)] += n
+            delivered[(names[ds], f, d)] += n
 
 
 def rows(report, *, in_flight: bool | None = None, epoch: int | None = 0) -> set:
@@ -69,6 +70,9 @@ def check_report(report, delivered: Counter, lengths: dict) -> None:
         # tokens consumed = tokens delivered + tokens in flight, exactly
         assert d.current.tokens == sum(delivered[k] for k in mine) + d.in_flight_tokens
         assert d.in_flight_documents == len({k for k in consumed - full if k[0] == d.name})
+        # what the audit says was delivered is what the trainer received
+        assert d.tokens_delivered == sum(delivered[k] for k in mine)
+        assert d.documents_delivered == sum(1 for k in full if k[0] == d.name)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +162,87 @@ def test_audit_of_a_two_rank_two_worker_run_then_a_rescale(cfg, tmp_path) -> Non
     check_report(audit_checkpoint(str(tmp_path / "after"), cfg), delivered, lengths)
 
 
+def _run(loaders, delivered: Counter, steps: int, names=NAMES) -> None:
+    """``steps`` batches (``+ 2`` per rank) of each rank's loader into ``delivered``."""
+    for rank, loader in enumerate(loaders):
+        for step, batch in enumerate(loader, 1):
+            deliver(delivered, batch, names)
+            if step == steps + 2 * rank:
+                break
+
+
+def _loaders(cfg, ranks: int, ckpt: str | None = None) -> list:
+    """One in-process loader per rank of ``ranks`` (restored from ``ckpt`` if given)."""
+    out = []
+    for rank in range(ranks):
+        loader = TokenLoader(functools.partial(build_pipeline, cfg), rank=rank, world_size=ranks)
+        if ckpt is not None:
+            load_checkpoint(loader, ckpt)
+        out.append(loader)
+    return out
+
+
+def _save(loaders, url: str) -> None:
+    for loader in loaders:
+        save_checkpoint(loader, url)
+
+
+def test_delivered_consumed_and_in_flight_at_every_save(cfg, tmp_path) -> None:
+    """Saves mid-run at 2 ranks, right after a restore at 5 ranks (before any batch), after
+    more batches, and right after a restore at the same 5 ranks: at each, per dataset, the
+    audit's delivered documents and tokens are what the trainer received (provenance of the
+    delivered rows) and equal consumed less in flight. A restore delivers nothing, so the
+    audits taken right after one say what the checkpoint restored from says: before, the token
+    share came from the saved replay points (it lagged delivery), and the audit's own replay
+    pulled each restored worker's first block, counting documents no reader had read."""
+    cfg = dataclasses.replace(cfg, epochs=1)  # 5 ranks finish shards early: one epoch only
+    lengths = document_lengths(cfg)
+    delivered: Counter = Counter()
+    loaders = _loaders(cfg, 2)
+    _run(loaders, delivered, 7)
+    reports = {}
+    for at, ranks in (("a", 2), ("b", 5), ("c", 5), ("d", 5)):
+        if at != "a":  # restore the last save at 5 ranks (a rescale, then the same topology)
+            loaders = _loaders(cfg, ranks, str(tmp_path / chr(ord(at) - 1)))
+        if at == "c":
+            _run(loaders, delivered, 5)
+        _save(loaders, str(tmp_path / at))
+        reports[at] = report = audit_checkpoint(str(tmp_path / at), cfg)
+        check_report(report, delivered, lengths)
+        for d in report.datasets:
+            assert d.documents_delivered == d.current.documents - d.in_flight_documents
+            assert d.tokens_delivered == d.current.tokens - d.in_flight_tokens
+    for before, after in (("a", "b"), ("c", "d")):
+        for x, y in zip(reports[before].datasets, reports[after].datasets):
+            assert (y.current, y.tokens_delivered, y.documents_delivered, y.token_share) == (
+                x.current,
+                x.tokens_delivered,
+                x.documents_delivered,
+                x.token_share,
+            )
+            assert y.in_flight_documents == x.in_flight_documents
+            assert y.in_flight_tokens == x.in_flight_tokens
+    assert reports["b"].datasets[0].in_flight_by_holder["handed_back"] > 0
+
+
+def test_audit_under_a_config_that_lists_the_datasets_the_other_way(cfg, tmp_path) -> None:
+    """Saved under ``web,code`` (2, 1) and restored under ``code,web`` (1, 2): the audits of
+    both checkpoints, with either config, name each dataset's own documents."""
+    other = dataclasses.replace(cfg, datasets="code,web", weights="1,2")
+    lengths = document_lengths(cfg)
+    delivered: Counter = Counter()
+    loaders = _loaders(cfg, 1)
+    _run(loaders, delivered, 9)
+    _save(loaders, str(tmp_path / "a"))
+    loaders = _loaders(other, 1, str(tmp_path / "a"))
+    _run(loaders, delivered, 8, names=["code", "web"])
+    _save(loaders, str(tmp_path / "b"))
+    for config in (cfg, other):
+        report = audit_checkpoint(str(tmp_path / "b"), config)
+        assert [d.name for d in report.datasets] == [str(n) for n in config.datasets]
+        check_report(report, delivered, lengths)
+
+
 def test_without_replay_counts_to_the_recorded_replay_points(cfg, tmp_path) -> None:
     lengths = document_lengths(cfg)
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
@@ -207,6 +292,9 @@ def test_epochs_of_ranks_at_different_places(cfg, tmp_path) -> None:
     assert max(settled.values()) == 2
     for k, n in lengths.items():
         assert settled[k] == delivered[k] // n, k
+    for d in report.datasets:  # over both epochs
+        assert d.tokens_delivered == sum(v for k, v in delivered.items() if k[0] == d.name)
+        assert d.documents_delivered == sum(n for k, n in settled.items() if k[0] == d.name)
 
 
 def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
@@ -231,7 +319,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
     lengths = index.doc_lengths()
     _, audit = _audit_dataset(
         index, state, _Held(index, lengths), lengths, None,
-        weight=None, target_share=None, tokens_delivered=None, token_share=None,
+        weight=None, target_share=None,
     )  # fmt: skip
     assert audit.current.tokens == sum(got.values())
     assert audit.current.documents == len(got)
@@ -439,7 +527,7 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     lengths = index.doc_lengths()
     cursors, audit = _audit_dataset(
         index, state, _Held(index, lengths), lengths, None,
-        weight=None, target_share=None, tokens_delivered=None, token_share=None,
+        weight=None, target_share=None,
     )  # fmt: skip
     assert (audit.epoch_min, audit.current.epoch, audit.current.documents) == (1, 0, 80)
     assert audit.current.tokens == int(lengths.sum()) and len(audit.epochs) == 1

@@ -82,7 +82,8 @@ def format_table(report: AuditReport) -> str:
     lines.append(
         "documents seen: consumed from the readers in that epoch; in flight: consumed, "
         "tokens not yet delivered (held by the pipeline / in the shuffle buffer / handed "
-        "back by a rescale); token share: of the tokens mixed, against the target weight"
+        "back by a rescale); token share: of the tokens delivered (consumed - in flight, all "
+        "epochs), against the target weight"
     )
     if report.changed_files:
         lines.append(
@@ -134,7 +135,7 @@ def plot(report: AuditReport, url: str, storage_options: dict[str, Any] | None =
     ax2.barh(y + 0.2, target, height=0.4, color="#9a9a9a", label="target")
     ax2.set_yticks(y, names)
     ax2.invert_yaxis()
-    ax2.set_xlabel("% of the tokens mixed")
+    ax2.set_xlabel("% of the tokens delivered")
     ax2.legend(fontsize="small", frameon=False, **below)
     where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
     fig.suptitle(f"audit of {where}", fontsize="medium")

@@ -8,8 +8,8 @@ the states, without reading documents:
   lowest on the documents and tokens consumed out of the dataset's total (exact);
 * the documents **in flight**: pieces held by tokenize / interleave / pack, the pieces of the
   sequences in the shuffle buffer, and pieces a rescale handed back to a shard (``returned``);
-* each dataset's share of the tokens the mix delivered (interleave counters) against its
-  target weight;
+* the documents and tokens **delivered**, and each dataset's share of the tokens delivered
+  against its target weight;
 * :meth:`AuditReport.documents`: one row per document consumed, to prove a document was or
   was not seen.
 
@@ -29,6 +29,16 @@ Definitions (what the numbers mean exactly):
   (``tests/test_audit.py`` and ``tests/test_kill.py`` check this against the provenance of
   the delivered batches, between two checkpoints of one run).
 * A piece in flight is attributed to the latest epoch in which its document was consumed.
+* **Delivered** (``documents_delivered``, ``tokens_delivered``, the token share) is consumed
+  less in flight, over every epoch so far (a logical shard in epoch ``e`` passed epochs
+  ``0 .. e - 1`` whole): the documents all of whose tokens reached the trainer and the tokens
+  that did, plus those dropped as above (and a budget's cut tail), counted from the same cut
+  as the other numbers, so ``delivered = consumed - in flight`` holds at every checkpoint,
+  right after a restore too (a restore delivers nothing: its audit equals the audit of the
+  checkpoint it restored). Tokens unknown (text): None.
+* A block the pack had pulled but used nothing of when the state was taken (a state just
+  restored or rescaled, or one taken right at a block's start) is not in the checkpoint: a
+  restore reads it again, and the audit does not count its documents as consumed.
 * Documents held out for evaluation (``eval_fraction``, :mod:`torchdata_ext.split`) are
   passed by the training readers' walk and never delivered: they are left out of every count,
   total and row (``DatasetAudit.held_out_documents`` says how many).
@@ -43,9 +53,10 @@ Where the checkpoint lags: the reader state a checkpoint records is a replay poi
 nodes above re-read their current block on restore and drop what they had used, see
 ``docs/DESIGN.md``), so the readers' live cursors are not in it. With ``replay=True``
 (default) the audit restores, per worker, only the pack node and what feeds it (never the
-shuffle buffer, whose contents are known from provenance) and takes the same consistent cut
-a rescale takes (:func:`torchdata_ext.rescale.live_cut`): this reads the few blocks those
-nodes were working on (at most a few blocks per dataset per worker). ``replay=False``
+shuffle buffer, whose contents are known from provenance; the nodes under the pack alone when
+the pack holds nothing) and takes the same consistent cut a rescale takes
+(:func:`torchdata_ext.rescale.live_cut`): this reads the few blocks those nodes were working
+on (at most a few blocks per dataset per worker). ``replay=False``
 reads nothing but the checkpoint and the counts: documents are then counted up to the
 recorded replay points, and what tokenize / interleave / pack hold is not known
 (``AuditReport.replayed`` is False and the report says so).
@@ -61,7 +72,7 @@ import io
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -75,7 +86,6 @@ from torchdata_ext.graph import (
     graph_nodes,
     is_reader_state,
     reader_states,
-    token_counters,
     walk_state,
 )
 from torchdata_ext.index import DatasetIndex
@@ -142,9 +152,13 @@ class DatasetAudit:
         skipped_documents: documents skipped by ``on_error="skip"`` (all epochs).
         weight: its target weight (None without a mix).
         target_share: the weight over the sum of the weights.
-        tokens_delivered: tokens the mix handed on from this dataset (all epochs; interleave
-            counters, which count the tokens of pieces as they leave the mix).
+        tokens_delivered: the tokens of the documents consumed in every epoch so far less
+            those in flight: what the trainer received (plus what the pipeline dropped: see
+            the module docstring), from the same cut as the other counts; None when tokens are
+            unknown (text).
         token_share: ``tokens_delivered`` over all datasets' (None if nothing delivered yet).
+        documents_delivered: the documents consumed in every epoch so far less those in
+            flight: all of whose tokens the trainer received (or dropped).
     """
 
     name: str
@@ -165,6 +179,7 @@ class DatasetAudit:
     target_share: float | None
     tokens_delivered: int | None
     token_share: float | None
+    documents_delivered: int | None = None
 
     @property
     def current(self) -> EpochConsumption:
@@ -383,7 +398,6 @@ def audit_checkpoint(
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
-    delivered: dict[str, int] = {}
     lagging = 0
     counted_ranks: set[int] = set()
     for world, meta, graph in read_worker_states(url, storage_options):
@@ -393,9 +407,6 @@ def audit_checkpoint(
         # the outermost pack and shuffle buffer; every mix (one per curriculum phase)
         pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
         shuffle_state = _find(graph, ("draws", "exhausted", "source"))
-        for counters in token_counters({"graph": graph}).values():
-            for name, v in counters.items():
-                delivered[name] = delivered.get(name, 0) + int(v)
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
             _, rows = buffered_provenance(shuffle_state)
@@ -407,7 +418,10 @@ def audit_checkpoint(
         if replay and pack_state is not None:
             root = build_pipeline(cfg, world, datasets, collate=False)
             pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
-            readers, cut, _ = live_cut(pack, pack_state)
+            if int(pack_state["consumed"]) or int(pack_state["bins"]):
+                readers, cut, _ = live_cut(pack, pack_state)
+            else:  # the pack holds nothing: its replay would only pull a block it never used
+                readers, cut, _ = live_cut(pack.source, pack_state[Pack.SOURCE_KEY])
             for name in datasets:
                 held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
         else:  # the outermost state of each reader (a curriculum's phases repeat it)
@@ -418,7 +432,6 @@ def audit_checkpoint(
             live[name].append(st)
     weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
     total_w = sum(w for w in weights.values() if w is not None)
-    total_delivered = sum(delivered.values())
     audits: list[DatasetAudit] = []
     cursors: dict[str, _Cursors] = {}
     for name, index in datasets.items():
@@ -426,7 +439,6 @@ def audit_checkpoint(
         back = [p for ex in reader_cursors(merged).extras.values() for p in ex.get("returned", [])]
         held[name].add("handed_back", back)
         w = weights[name]
-        got = delivered.get(name)
         c, audit = _audit_dataset(
             index,
             merged,
@@ -435,11 +447,13 @@ def audit_checkpoint(
             _training_side(index, cfg.eval_split(name)),
             weight=w,
             target_share=None if w is None or not total_w else w / total_w,
-            tokens_delivered=got,
-            token_share=None if got is None or not total_delivered else got / total_delivered,
         )
         cursors[name] = c
         audits.append(audit)
+    got = [a.tokens_delivered for a in audits]
+    total = sum(t for t in got if t is not None)
+    if total and None not in got:
+        audits = [replace(a, token_share=(a.tokens_delivered or 0) / total) for a in audits]
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
@@ -541,8 +555,6 @@ def _audit_dataset(
     *,
     weight: float | None,
     target_share: float | None,
-    tokens_delivered: int | None,
-    token_share: float | None,
 ) -> tuple[_Cursors, DatasetAudit]:
     n = int(merged["n_logical_shards"])
     view = reader_cursors(merged)
@@ -596,6 +608,11 @@ def _audit_dataset(
             )
         )
     by_holder = {h: len(held.documents(h)) for h in HOLDERS}
+    # every epoch so far: a shard in epoch e has passed all of epochs 0 .. e - 1 whole
+    documents_all = int((epoch * size).sum() + walked_docs.sum())
+    tokens_delivered = None
+    if doc_tokens is not None and held.tokens is not None:
+        tokens_delivered = int((epoch * shard_tokens).sum() + doc_tokens.sum()) - held.tokens
     cursors = _Cursors(
         index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept, first
     )
@@ -617,7 +634,8 @@ def _audit_dataset(
         weight=weight,
         target_share=target_share,
         tokens_delivered=tokens_delivered,
-        token_share=token_share,
+        token_share=None,  # set by audit_checkpoint, over all datasets
+        documents_delivered=documents_all - len(in_flight),
     )
     return cursors, audit
 

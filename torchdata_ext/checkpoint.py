@@ -62,7 +62,7 @@ from torchdata_ext.fingerprint import (
 
 # graph_nodes, _reader_states and _token_counters are imported from here by examples and tests
 from torchdata_ext.graph import graph_nodes as graph_nodes
-from torchdata_ext.graph import graph_summary
+from torchdata_ext.graph import graph_summary, phase_datasets
 from torchdata_ext.graph import reader_states as _reader_states  # noqa: F401
 from torchdata_ext.graph import token_counters as _token_counters  # noqa: F401
 from torchdata_ext.index import DatasetIndex
@@ -336,8 +336,10 @@ def load_checkpoint(
     Raises:
         ChangedFilesError: a data file changed since the save (a ``ValueError`` naming the
             files and what differs; see :mod:`torchdata_ext.fingerprint`).
-        ValueError: the checkpoint is of other data, seed, logical shards or weights, or one
-            of its files is corrupt.
+        ValueError: the checkpoint is of other data, seed, logical shards or weights, its
+            curriculum phases read other datasets (phases listed in another order), or one of
+            its files is corrupt. Datasets are matched by name: the same datasets listed in
+            another order (same weight per name) restore.
         FileNotFoundError: no complete checkpoint at ``url``.
     """
     manifest = read_manifest(url, storage_options)
@@ -361,6 +363,7 @@ def load_checkpoint(
         graphs = {
             w: _read_worker(url, loader.rank * W + w, meta, storage_options) for w in range(W)
         }
+        _check_phases(url, root, graphs[0])
         if reweighted and int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"checkpoint {url} was taken {meta['skip_batches']} batches after the workers' "
@@ -397,6 +400,7 @@ def load_checkpoint(
         g: _read_worker(url, g, metas[g // old_workers], storage_options)
         for g in sorted({g for gs in needed.values() for g in gs})
     }
+    _check_phases(url, root, next(iter(cache.values())))
     new_graphs = {
         w.worker_id: rescale_worker_states(
             cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
@@ -478,6 +482,30 @@ def _check_datasets(
             "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
         )
     return added, reweighted
+
+
+def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose curriculum phases read other datasets than this pipeline's
+    phases in the same places: a phase's state and budget are matched by its place, so
+    phases listed in another order would restore one phase's state into another (the
+    readers and mixes would refuse it, but a rescale would hand one phase's budget to another)."""
+    theirs = phase_datasets(graph)
+    saved = {n for names in theirs.values() for n in names}  # datasets added since: not matched
+    mine = {
+        k: kept
+        for k, names in phase_datasets(root.state_dict()).items()
+        if (kept := [n for n in names if n in saved])
+    }
+    differ = [
+        f"phase {k[-1]}: checkpoint {theirs.get(k)}, now {mine.get(k)}"
+        for k in sorted(set(mine) | set(theirs), key=str)
+        if mine.get(k) != theirs.get(k)
+    ]
+    if differ:
+        raise ValueError(
+            f"cannot restore loader checkpoint {url}: its curriculum phases read other datasets "
+            f"({'; '.join(differ)}); list the phases in the checkpoint's order"
+        )
 
 
 def _listed_changes(root: BaseNode, manifest: dict[str, Any], name: str) -> str:

@@ -7,7 +7,8 @@ Two kinds of walk:
 * :func:`walk_state` visits a graph *state* (nested dicts and lists of plain data), and the
   finders built on it pick out what rescaling and checkpoints need: the reader states
   (:func:`reader_states`), the interleave token counters (:func:`token_counters`), the
-  budgets of ``Take`` nodes (:func:`budget_states`) and the
+  budgets of ``Take`` nodes (:func:`budget_states`), the datasets of each curriculum phase
+  (:func:`phase_datasets`) and the
   per-dataset summary a checkpoint manifest records (:func:`graph_summary`).
 
 Nothing here imports the loader, rescaling or checkpoint modules, so all of them can import it.
@@ -26,6 +27,7 @@ __all__ = [
     "graph_summary",
     "is_reader_state",
     "pack_states",
+    "phase_datasets",
     "reader_states",
     "set_at",
     "shuffle_states",
@@ -139,6 +141,17 @@ def pack_states(graph: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
         for p, x in walk_state(graph, prune=is_reader_state)
         if isinstance(x, dict) and set(x) >= _PACK_STATE_KEYS
     }
+
+
+def phase_datasets(graph: dict[str, Any]) -> dict[tuple, list[str]]:
+    """The datasets each curriculum phase of a graph state reads (sorted), by the phase's path
+    (ending in ``"phases", index``: a ``Concat`` state, :mod:`torchdata_ext.nodes.concat`)."""
+    out: dict[tuple, list[str]] = {}
+    for path, st in reader_states(graph).items():
+        at = [i for i, k in enumerate(path[:-1]) if k == "phases"]
+        if at:
+            out.setdefault(path[: at[-1] + 2], []).append(st["dataset"])
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def set_at(tree: Any, path: tuple, value: Any) -> None:

@@ -41,7 +41,7 @@ __all__ = [
     "DocumentSource",
     "literal_code",
     "literal_owner",
-    "rekey_datasets",
+    "remap_ids",
     "resolve",
 ]
 
@@ -55,22 +55,6 @@ def literal_code(dataset_id: np.ndarray | int, file: np.ndarray | int) -> np.nda
     """The ``start`` column of a BOS/EOS row owned by a document of ``file`` of dataset
     ``dataset_id`` (negative, so 0 still means "owned by nobody")."""
     return -1 - ((np.asarray(file, np.int64) << _DATASET_BITS) | dataset_id)
-
-
-def rekey_datasets(table: np.ndarray, remap: np.ndarray) -> np.ndarray:
-    """A copy of provenance ``table`` with its dataset ids ``i`` replaced by ``remap[i]`` (in
-    document rows and in the owners BOS/EOS rows name), e.g. to move rows between two Packs
-    that met the datasets in another order."""
-    t = np.array(table, np.int64).reshape(-1, PROV_COLUMNS)
-    remap = np.asarray(remap, np.int64)
-    data = t[:, 0] >= 0
-    t[data, 0] = remap[t[data, 0]]
-    named = (t[:, 0] == LITERAL) & (t[:, 3] < 0)
-    if named.any():
-        code = -1 - t[named, 3]
-        low = (1 << _DATASET_BITS) - 1
-        t[named, 3] = literal_code(remap[code & low], code >> _DATASET_BITS)
-    return t
 
 
 def literal_owner(row: Sequence[int]) -> tuple[int, int, int] | None:
@@ -134,4 +118,35 @@ def resolve(
                 )
             out[pos : pos + length] = data[start : start + length]
         pos += length
+    return out
+
+
+def remap_ids(rows: np.ndarray, saved: Sequence[str], names: Sequence[str]) -> np.ndarray:
+    """Provenance ``rows`` whose dataset ids index ``saved``, with the ids of ``names`` instead
+    (the same rows when both orders agree): provenance saved under one order of the dataset
+    names (a checkpoint) read under another (the config it is restored with).
+
+    Raises:
+        ValueError: a row names a dataset ``names`` does not have.
+    """
+    saved, names = [str(n) for n in saved], [str(n) for n in names]
+    if names[: len(saved)] == saved or not len(rows):
+        return rows
+    at = {n: i for i, n in enumerate(names)}
+    table = np.array([at.get(n, -3) for n in saved] or [-3], np.int64)
+    out = np.array(rows, dtype=np.int64).reshape(-1, PROV_COLUMNS)
+    data = out[:, 0] >= 0
+    new = table[out[data, 0]]
+    if (new < 0).any():
+        missing = sorted({saved[i] for i in np.unique(out[data, 0][new < 0]).tolist()})
+        raise ValueError(
+            f"the saved provenance holds documents of datasets {missing}, which this pipeline "
+            f"does not read (it reads {names}); restore with the checkpoint's datasets"
+        )
+    out[data, 0] = new
+    named = (out[:, 0] == LITERAL) & (out[:, 3] < 0)  # a BOS/EOS names its document
+    if named.any():
+        code = -1 - out[named, 3]
+        low = (1 << _DATASET_BITS) - 1
+        out[named, 3] = literal_code(table[code & low], code >> _DATASET_BITS)
     return out

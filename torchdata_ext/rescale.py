@@ -55,7 +55,7 @@ from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.reader import ShardReader, merge_reader_states
 from torchdata_ext.nodes.shuffle import ShuffleBuffer
 from torchdata_ext.nodes.take import Take
-from torchdata_ext.provenance import rekey_datasets
+from torchdata_ext.provenance import remap_ids
 from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.shards import (
     count_new_readers,
@@ -417,7 +417,7 @@ def _hand_on(
             if x not in ids:
                 ids[x] = len(names)
                 names.append(x)
-        tables.append(rekey_datasets(table, np.array([ids[x] for x in old_names], np.int64)))
+        tables.append(remap_ids(table, old_names, names))
     buf = ShuffleBuffer.state_with_rows(buf, tables)
     set_at(buf, ppath[1:], {**pack, "dataset_names": names})
     set_at(box, path, buf)

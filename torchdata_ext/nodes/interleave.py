@@ -86,7 +86,9 @@ class Interleave(BaseNode[DocumentBlock]):
     """Mix sources of :class:`~torchdata_ext.document.DocumentBlock` s at chosen weights.
 
     Args:
-        sources: name -> node; the order breaks ties in ``"tokens"`` mode. Names key the state.
+        sources: name -> node; the order breaks ties in ``"tokens"`` mode and maps the
+            ``"samples"`` draws. Names key the state; a restored state keeps the order it was
+            saved in (the same sources listed in another order go on exactly as saved).
         weights: name -> weight (> 0, need not sum to 1), one per source.
         mode: ``"tokens"``: each source gets ``weight / sum(weights)`` of the tokens
             (deterministic); ``"samples"``: each document is drawn from a source with probability
@@ -158,6 +160,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self.sources: list[BaseNode[DocumentBlock]] = [sources[n] for n in self.names]
         self.weights: list[float] = [float(weights[n]) for n in self.names]
         self._target_weights = list(self.weights)
+        self._configured = (list(self.names), dict(sources), dict(zip(self.names, self.weights)))
         self._switch_weights = False
         self.mode = mode
         self.seed = int(seed)
@@ -178,6 +181,7 @@ class Interleave(BaseNode[DocumentBlock]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._order(None if initial_state is None else list(initial_state[self.SOURCES_KEY]))
         n = len(self.names)
         self._blocks = [None] * n
         self._before = [None] * n
@@ -345,6 +349,22 @@ class Interleave(BaseNode[DocumentBlock]):
         return fetch(dataset, file, doc)
 
     # -- internals -----------------------------------------------------------------------------
+    def _order(self, saved: list[str] | None) -> None:
+        """Order the sources as ``saved`` lists them (a state's order), else as configured.
+
+        The order breaks ties and maps the ``"samples"`` draws to sources, so a state restored
+        under a config that lists the same sources in another order must go on in the order it
+        was saved in: its first block is replayed by the nodes above and must come out as it
+        did. States are matched by name; other names are refused by :meth:`reset`.
+        """
+        names, sources, weights = self._configured
+        if saved is not None and set(saved) == set(names):
+            names = [str(n) for n in saved]
+        self.names = list(names)
+        self.sources = [sources[n] for n in names]
+        self._target_weights = [weights[n] for n in names]
+        self._owner = {}
+
     def _ensure_block(self, i: int) -> bool:
         """Give source ``i`` a block with pieces left; False (and mark it ended) if it has none."""
         block = self._blocks[i]

@@ -107,6 +107,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             sequence (concat, pad, chunk) or that whole window (best_fit).
         drop_remainder: ``chunk`` mode only: drop each document's last sequence when it is
             not full (its tokens are never delivered) instead of padding it.
+        dataset_names: the datasets' provenance ids, in order (``build_pipeline``: the config's
+            ``datasets``); a dataset not listed gets the next id when first met. A restore keeps
+            these ids whatever order the checkpoint's state lists the names in.
 
     Output, one dict per sequence:
 
@@ -245,8 +248,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
 
     @property
     def dataset_names(self) -> list[str]:
-        """The dataset names met so far (from the state on restore), indexed by the dataset
-        ids of the provenance tables."""
+        """The dataset names indexed by the dataset ids of the provenance tables: the
+        ``dataset_names`` given, in that order (also after a restore from a state that lists
+        them in another order), then any other dataset met, in the order met."""
         return self._cursor.dataset_names
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -259,7 +263,11 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             carry = [list(k) for k in initial_state["open_docs"]]
             done = [list(k) for k in initial_state.get("bos_done", [])]  # absent before 0.2
             start = _Mark(initial_state[self.SOURCE_KEY], consumed, carry, done)
-            names = [str(n) for n in initial_state["dataset_names"]]
+            saved = [str(n) for n in initial_state["dataset_names"]]
+            # provenance ids follow this Pack's dataset_names, whatever order the checkpoint
+            # met them in (a config may list its datasets in another order on restore); a node
+            # holding ids of the saved state maps them with provenance.remap_ids
+            names = self._fixed_names + [n for n in saved if n not in self._fixed_names]
         else:
             self.source.reset()
             start, bins_done = _Mark(self.source.state_dict(), 0, []), 0

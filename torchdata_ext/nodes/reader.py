@@ -732,6 +732,12 @@ class ShardReader(BaseNode[DocumentBlock]):
 
     # -- state checks --------------------------------------------------------------------------
     def _check_state(self, state: dict[str, Any]) -> None:
+        if state["dataset"] != self.dataset.name:  # states meet readers by name, never by place
+            raise ValueError(
+                f"cannot restore dataset {self.dataset.name!r} from the reader state of dataset "
+                f"{state['dataset']!r}: the pipeline puts its datasets (or curriculum phases) "
+                "in other places than the checkpoint; restore with the checkpoint's phases"
+            )
         for key, mine in (
             ("fingerprint", self._fingerprint),
             ("seed", self.seed),

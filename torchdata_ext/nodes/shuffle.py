@@ -54,7 +54,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext._progress import Progress
-from torchdata_ext.provenance import PROV_COLUMNS
+from torchdata_ext.provenance import PROV_COLUMNS, remap_ids
 from torchdata_ext.walk import mix_seed
 
 __all__ = ["ShuffleBuffer", "buffered_provenance"]
@@ -350,6 +350,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 "rebuild items: pass rebuild=... or use a source with a rebuild() method"
             )
         counts, rows = buffered_provenance(state)
+        saved = state[self.SOURCE_KEY]
+        saved = saved.get("dataset_names") if isinstance(saved, dict) else None
+        names = getattr(self.source, "dataset_names", None)
+        if saved is not None and names is not None:  # ids by name: the Pack may order them anew
+            rows = remap_ids(rows, saved, names)
         bounds = np.concatenate([[0], np.cumsum(counts)])
         out = []
         with Progress(
