@@ -142,7 +142,7 @@ def _cut_handed_back(
         )
         pieces.append(piece)
         lasts.append(last)
-    return DocumentBlock.from_pieces(
+    out = DocumentBlock.from_pieces(
         block.dataset,
         pieces,
         block.file,
@@ -153,6 +153,8 @@ def _cut_handed_back(
         epoch=block.epoch,
         dtype=tokens.dtype,
     )
+    out.stop = block.stop  # still handed back: Pack starts a continuation's row
+    return out
 
 
 class Tokenize(BaseNode[DocumentBlock]):

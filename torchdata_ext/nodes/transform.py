@@ -344,7 +344,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             )
             pieces.append(piece)
             lasts.append(last)
-        return DocumentBlock.from_pieces(
+        out = DocumentBlock.from_pieces(
             block.dataset,
             pieces,
             block.file[keep],
@@ -355,6 +355,8 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             epoch=block.epoch,
             dtype=block.tokens.dtype,
         )
+        out.stop = block.stop[keep]  # still handed back: Pack starts a continuation's row
+        return out
 
 
 def _one(dataset: str, file: int, doc: int, data: DocData) -> DocumentBlock:
