@@ -32,7 +32,12 @@ Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each
 reads only the old workers' files it needs (the old owners of its logical shards) and
 :mod:`torchdata_ext.rescale` plans its state from them (merged reader cursors of its shards,
 in-flight data handed back, interleave token counters re-split), so the epoch goes on with
-nothing repeated and nothing lost.
+nothing repeated and nothing lost. A DCP checkpoint (:class:`DCPLoaderState`) restores the same
+way, through the same :func:`_restore`, from the entries ``dcp.load`` read for this rank.
+
+Why ~730 lines, one module: the folder and DCP checkpoints share the manifest checks, the
+restore and the rescale call (one definition each); the DCP key layout and the choice of
+entries to read live apart, in :mod:`torchdata_ext._dcp_entries`.
 """
 
 from __future__ import annotations
