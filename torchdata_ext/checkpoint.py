@@ -32,7 +32,12 @@ Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each
 reads only the old workers' files it needs (the old owners of its logical shards) and
 :mod:`torchdata_ext.rescale` plans its state from them (merged reader cursors of its shards,
 in-flight data handed back, interleave token counters re-split), so the epoch goes on with
-nothing repeated and nothing lost.
+nothing repeated and nothing lost. A DCP checkpoint (:class:`DCPLoaderState`) restores the same
+way, through the same :func:`_restore`, from the entries ``dcp.load`` read for this rank.
+
+Why ~730 lines, one module: the folder and DCP checkpoints share the manifest checks, the
+restore and the rescale call (one definition each); the DCP key layout and the choice of
+entries to read live apart, in :mod:`torchdata_ext._dcp_entries`.
 """
 
 from __future__ import annotations
@@ -44,11 +49,12 @@ import logging
 import pickle
 import posixpath
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from torchdata_ext import _dcp_entries
 from torchdata_ext.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
@@ -344,29 +350,59 @@ def load_checkpoint(
     """
     manifest = read_manifest(url, storage_options)
     checked = manifest.get("checksums") == _CHECKSUMS
+
+    def check_files(datasets: dict[str, DatasetIndex]) -> None:
+        check_data_files(
+            manifest.get("file_fingerprints"),
+            datasets,
+            rank=loader.rank,
+            world_size=loader.world_size,
+            allow_changed_files=allow_changed_files,
+            where=f"loader checkpoint {url}",
+        )
+
+    _restore(
+        loader,
+        manifest,
+        f"checkpoint {url}",
+        rank_meta=lambda r: _read_rank(url, r, storage_options, checked),
+        worker=lambda g, meta: _read_worker(url, g, meta, storage_options),
+        check_files=check_files,
+        allow_weight_changes=allow_weight_changes,
+        allow_new_datasets=allow_new_datasets,
+    )
+
+
+def _restore(
+    loader: TokenLoader,
+    manifest: dict[str, Any],
+    where: str,
+    *,
+    rank_meta: Callable[[int], dict[str, Any]],
+    worker: Callable[[int, dict[str, Any]], dict[str, Any]],
+    check_files: Callable[[dict[str, DatasetIndex]], Any],
+    allow_weight_changes: bool,
+    allow_new_datasets: bool,
+) -> None:
+    """Restore ``loader`` from a checkpoint, folder or DCP (``where`` names it in messages):
+    ``manifest`` (topology, datasets), ``rank_meta(r)`` (old rank ``r``'s ``next_worker`` and
+    ``skip_batches``) and ``worker(g, rank_meta)`` (old global worker ``g``'s graph state) read
+    only what this rank needs; ``check_files`` refuses changed data files. The same topology
+    restores the rank's own states; another one is planned by :mod:`torchdata_ext.rescale`."""
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
     root, mine = _configured(loader)
     added, reweighted = _check_datasets(
         root, mine, manifest, allow_weight_changes, allow_new_datasets
     )
-    check_data_files(
-        manifest.get("file_fingerprints"),
-        _datasets_of(root),
-        rank=loader.rank,
-        world_size=loader.world_size,
-        allow_changed_files=allow_changed_files,
-        where=f"loader checkpoint {url}",
-    )
+    check_files(_datasets_of(root))
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
-        meta = _read_rank(url, loader.rank, storage_options, checked)
-        graphs = {
-            w: _read_worker(url, loader.rank * W + w, meta, storage_options) for w in range(W)
-        }
-        _check_phases(url, root, graphs[0])
+        meta = rank_meta(loader.rank)
+        graphs = {w: worker(loader.rank * W + w, meta) for w in range(W)}
+        _check_phases(where, root, graphs[0])
         if reweighted and int(meta.get("skip_batches", 0)):
             raise ValueError(
-                f"checkpoint {url} was taken {meta['skip_batches']} batches after the workers' "
+                f"{where} was taken {meta['skip_batches']} batches after the workers' "
                 f"last state snapshot; those batches are made again on restore, which needs the "
                 f"weights they were made with, so the weights of {reweighted} cannot change here: "
                 "restore with the checkpoint's weights, or change them at a checkpoint taken at a "
@@ -382,25 +418,24 @@ def load_checkpoint(
     n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
     worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
     needed = {w.worker_id: old_workers_needed(n, old_total, w) for w in worlds}
-    # every file this rank needs is read (and checked) before any state is planned
+    # every entry this rank needs is read (and checked) before any state is planned
     metas = {
-        r: _read_rank(url, r, storage_options, checked)
-        for r in sorted({g // old_workers for gs in needed.values() for g in gs})
+        r: rank_meta(r) for r in sorted({g // old_workers for gs in needed.values() for g in gs})
     }
     for r, meta in metas.items():  # each old rank that owned a needed worker must be at a snapshot
         if int(meta.get("skip_batches", 0)):
             raise ValueError(
-                f"checkpoint {url}: rank {r} saved its state {meta['skip_batches']} batches after "
+                f"{where}: rank {r} saved its state {meta['skip_batches']} batches after "
                 "its workers' last snapshot (snapshot_every_n_steps > 1), so the checkpoint "
                 f"restores only on the same {old_ranks} ranks x {old_workers} workers; to "
                 "rescale, take checkpoints at multiples of snapshot_every_n_steps (or use "
                 "snapshot_every_n_steps=1)"
             )
     cache = {
-        g: _read_worker(url, g, metas[g // old_workers], storage_options)
+        g: worker(g, metas[g // old_workers])
         for g in sorted({g for gs in needed.values() for g in gs})
     }
-    _check_phases(url, root, next(iter(cache.values())))
+    _check_phases(where, root, next(iter(cache.values())))
     new_graphs = {
         w.worker_id: rescale_worker_states(
             cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
@@ -408,8 +443,8 @@ def load_checkpoint(
         for w in worlds
     }
     logger.info(
-        "rescaled loader checkpoint %s from %dx%d to %dx%d (read %d of %d worker states)",
-        url, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
+        "rescaled loader %s from %dx%d to %dx%d (read %d of %d worker states)",
+        where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
     )  # fmt: skip
     loader.load_worker_states(new_graphs, next_worker=0)
 
@@ -503,7 +538,7 @@ def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
     ]
     if differ:
         raise ValueError(
-            f"cannot restore loader checkpoint {url}: its curriculum phases read other datasets "
+            f"cannot restore {url}: its curriculum phases read other datasets "
             f"({'; '.join(differ)}); list the phases in the checkpoint's order"
         )
 
@@ -523,61 +558,160 @@ def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------------
 class DCPLoaderState:
-    """Put the loader state into the same ``torch.distributed.checkpoint`` as the model.
+    """Put the loader state into the same ``torch.distributed.checkpoint`` as the model, and
+    restore it from there at any number of ranks x workers.
 
     ``dcp.save({"model": ..., "optim": ..., "data": DCPLoaderState(loader)}, checkpoint_id=...)``
-    stores each rank's state under its own key (``rank_00003``), so ranks never overwrite each
-    other, and ``dcp.load`` restores it on the same topology. (To change the number of ranks or
-    workers, save a folder checkpoint with :func:`save_checkpoint` too, and restore with
-    :func:`load_checkpoint`.)
+    stores a manifest (topology and datasets, once), an entry per rank and an entry per worker
+    (see :mod:`torchdata_ext._dcp_entries`); ranks never overwrite each other.
+    ``dcp.load({..., "data": DCPLoaderState(loader)}, checkpoint_id=...)`` restores it, on the
+    same topology or another (more or fewer ranks, other workers, 0 included), with the
+    guarantees of :func:`load_checkpoint`: each rank reads only the manifest, the entries of the
+    old workers that owned its logical shards and a share of the rank entries; the old workers'
+    in-flight data is handed on (:mod:`torchdata_ext.rescale`), and a checkpoint of other data,
+    seed or logical shards is refused, saying why. Works with any DCP storage
+    (``FileSystemWriter``/``Reader``, ``FsspecWriter``/``Reader`` on ``s3://``...).
 
     Each rank also records the fingerprints of its share of the data files (every
-    ``world_size``-th file: :func:`~torchdata_ext.fingerprint.fingerprint_share`), and
-    ``dcp.load`` refuses a data file changed in place since, naming it, on every rank, as
-    :func:`load_checkpoint` does. A state saved before fingerprints were recorded loads
-    unchecked.
+    ``world_size``-th file: :func:`~torchdata_ext.fingerprint.fingerprint_share`); a load refuses
+    a data file changed in place since, naming it, on every rank (new rank ``r`` checks the
+    shares of old ranks ``r, r + world_size, ...``). A state saved before fingerprints were
+    recorded loads unchecked; one saved before entries per worker (one ``rank_*`` entry per
+    rank) restores on the same topology only.
 
     Args:
         loader: the loader whose state is saved and restored (restore before iterating).
-        allow_changed_files: on load, log the changed data files instead of refusing them.
+        allow_weight_changes / allow_new_datasets / allow_changed_files: as for
+            :func:`load_checkpoint`.
     """
 
-    def __init__(self, loader: TokenLoader, *, allow_changed_files: bool = False) -> None:
+    def __init__(
+        self,
+        loader: TokenLoader,
+        *,
+        allow_weight_changes: bool = False,
+        allow_new_datasets: bool = False,
+        allow_changed_files: bool = False,
+    ) -> None:
         self.loader = loader
+        self.allow_weight_changes = allow_weight_changes
+        self.allow_new_datasets = allow_new_datasets
         self.allow_changed_files = allow_changed_files
 
-    def _key(self) -> str:
-        """This rank's key in the DCP state."""
-        return f"rank_{self.loader.rank:05d}"
+    def state_dict(self, owner: object | None = None) -> dict[str, Any]:
+        """The entries to save (each a ``BytesIO`` of a pickle, which DCP stores as is); inside
+        ``dcp.load``, the entries this rank reads (see the class).
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"rank_NNNNN": the pickled loader state and this rank's file fingerprints}`` (a
-        ``BytesIO``, which DCP stores as is)."""
+        Args:
+            owner: the object the user's state dict holds, when this one works for it (the
+                torchtitan data loader); default: this object.
+        """
+        found = _dcp_entries.loading_from(self if owner is None else owner)
+        if found is not None:
+            reader, prefix = found
+            return dict.fromkeys(self._entries_to_read(reader, prefix), io.BytesIO())
         loader = self.loader
-        payload = {
-            "loader": loader.state_dict(),
+        state = loader.state_dict()
+        datasets, summary = _loader_config(loader)
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "loader_format": STATE_FORMAT,
+            "world_size": loader.world_size,
+            "num_workers": loader.logical_workers,
+            "datasets": summary,
+        }
+        meta = {
+            "next_worker": state["next_worker"],
+            "skip_batches": state["skip_batches"],
             "file_fingerprints": fingerprint_share(
-                _loader_datasets(loader), rank=loader.rank, world_size=loader.world_size
+                datasets, rank=loader.rank, world_size=loader.world_size
             ),
         }
-        return {self._key(): io.BytesIO(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))}
+        out = {
+            _dcp_entries.MANIFEST: _pickled(manifest),
+            _dcp_entries.rank_key(loader.rank): _pickled(meta),
+        }
+        for g, st in state["workers"].items():
+            out[_dcp_entries.worker_key(int(g))] = _pickled(st)
+        return out
+
+    def _entries_to_read(self, reader: Any, prefix: str) -> list[str]:
+        """The keys this rank asks ``dcp.load`` for, from the checkpoint's list of keys."""
+        loader = self.loader
+        keys = _dcp_entries.keys_under(reader.read_metadata(), prefix)
+        old = _dcp_entries.topology_of(keys)
+        if old is None:  # saved before entries per worker: this rank's entry, same topology
+            return [_dcp_entries.rank_key(loader.rank)]
+        shards = {d["n_logical_shards"] for d in _loader_config(loader)[1].values()}
+        return _dcp_entries.entries_to_read(
+            old, min(shards), loader.rank, loader.world_size, loader.logical_workers
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the loader from what :meth:`state_dict` saved for this rank.
+        """Restore the loader from the entries ``dcp.load`` read (see :meth:`state_dict`).
 
         Raises:
-            ValueError: the state has no entry for this rank (saved on other ranks).
             ChangedFilesError: a data file changed since the save (see the class).
+            ValueError: a checkpoint of other data, seed or logical shards (saying which), or
+                entries this rank needs are missing.
         """
+        if _dcp_entries.MANIFEST not in state:
+            self._load_single(state)
+            return
+        entries = {k: _unpickled(v) for k, v in state.items()}
+        where = "the loader state in the DCP checkpoint"
+        loader = self.loader
+
+        def entry(key: str) -> dict[str, Any]:
+            try:
+                return entries[key]
+            except KeyError:
+                raise ValueError(
+                    f"{where} was loaded without its entry {key!r}: restore through "
+                    "dcp.load({..., key: DCPLoaderState(loader)}), which reads the entries this "
+                    "rank needs"
+                ) from None
+
+        shares = [
+            m["file_fingerprints"]
+            for k, m in entries.items()
+            if (r := _dcp_entries.rank_of(k)) is not None and r % loader.world_size == loader.rank
+        ]
+        recorded = (
+            {"sample_bytes": shares[0]["sample_bytes"],
+             "datasets": _merged_shares(s["datasets"] for s in shares)}
+            if shares
+            else {"sample_bytes": SAMPLE_BYTES, "datasets": {}}
+        )  # fmt: skip
+        _restore(
+            loader,
+            {**entry(_dcp_entries.MANIFEST), "file_fingerprints": recorded},
+            where,
+            rank_meta=lambda r: entry(_dcp_entries.rank_key(r)),
+            worker=lambda g, _meta: entry(_dcp_entries.worker_key(g))["graph"],
+            check_files=lambda datasets: check_share(
+                recorded,
+                datasets,
+                world_size=loader.world_size,
+                allow_changed_files=self.allow_changed_files,
+                where=where,
+            ),
+            allow_weight_changes=self.allow_weight_changes,
+            allow_new_datasets=self.allow_new_datasets,
+        )
+
+    def _load_single(self, state: dict[str, Any]) -> None:
+        """A state saved before entries per worker: the whole loader state of each rank under
+        its ``rank_*`` key (with its file fingerprints, or alone before those)."""
+        key = _dcp_entries.rank_key(self.loader.rank)
         try:
-            raw = state[self._key()]
+            raw = state[key]
         except KeyError:
             raise ValueError(
-                f"the checkpoint has no loader state for {self._key()}; it was saved with "
-                "another number of ranks: restore with load_checkpoint from a folder checkpoint"
+                f"the checkpoint has no loader state for {key}; it was saved by an earlier "
+                "version with another number of ranks, which restores on its own topology only"
             ) from None
-        data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-        payload = pickle.loads(data)
+        payload = _unpickled(raw)
         if "loader" not in payload:  # saved before fingerprints: the loader state alone
             payload = {"loader": payload, "file_fingerprints": None}
         loader = self.loader
@@ -586,9 +720,27 @@ class DCPLoaderState:
             _loader_datasets(loader),
             world_size=loader.world_size,
             allow_changed_files=self.allow_changed_files,
-            where=f"the loader state of {self._key()} in the DCP checkpoint",
+            where=f"the loader state of {key} in the DCP checkpoint",
         )
         loader.load_state_dict(payload["loader"])
+
+
+def _pickled(obj: Any) -> io.BytesIO:
+    return io.BytesIO(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _unpickled(raw: Any) -> Any:
+    data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
+    return pickle.loads(data)
+
+
+def _merged_shares(shares: Iterator[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Rank shares of file fingerprints (``{dataset: {file: fingerprint}}``) as one."""
+    out: dict[str, dict[str, Any]] = {}
+    for share in shares:
+        for name, files in share.items():
+            out.setdefault(name, {}).update(files)
+    return out
 
 
 _config_by_loader: weakref.WeakKeyDictionary[

@@ -1,0 +1,169 @@
+"""A torchtitan data loader whose state reshards: :class:`TokenDataLoader`.
+
+torchtitan's trainer builds its data loader from ``Trainer.Config.dataloader`` with
+``config.build(dp_world_size=..., dp_rank=..., tokenizer=..., seq_len=...,
+local_batch_size=...)`` and saves it in its DCP checkpoint under ``"dataloader"``. Its own loaders
+store one pickled state per dp rank and refuse another dp degree on load; this one stores its
+state as :class:`~torchdata_ext.checkpoint.DCPLoaderState` does, so a checkpoint taken at dp N
+(W workers) restores at dp N' (W' workers): each document of the epoch exactly once, each rank
+reading only the entries of the old workers it succeeds.
+
+Use in a torchtitan config (``config_registry`` function)::
+
+    from torchdata_ext.torchtitan import TokenDataLoader
+
+    config = llama3_debugmodel()
+    config.dataloader = TokenDataLoader.Config(pipeline="pipeline.yaml", num_workers=2)
+
+The pipeline config (a :class:`~torchdata_ext.pipeline.PipelineConfig` as YAML/JSON, any fsspec
+URL, and/or ``fields``) says the datasets, weights, formats and URLs; the trainer's ``seq_len``
+and ``local_batch_size`` replace its ``seq_length`` and ``batch_size``. Each batch is
+``({"input": input_ids, "positions": position_ids}, labels)``: what torchtitan's training step
+takes (positions restart at each document, for per-document attention masks).
+
+Requires torchtitan (``pip install "torchdata-ext[torchtitan]"``, Python >= 3.11).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    from torchtitan.components.dataloader import BaseDataLoader
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "torchdata_ext.torchtitan needs torchtitan: pip install 'torchdata-ext[torchtitan]' "
+        "(torchtitan>=0.3, Python >= 3.11)"
+    ) from exc
+
+from torchdata_ext.checkpoint import DCPLoaderState
+from torchdata_ext.loader import TokenLoader
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.world import World
+
+__all__ = ["TokenDataLoader", "pipeline_config"]
+
+_KEYS = ["input_ids", "labels", "position_ids"]
+
+
+def pipeline_config(
+    pipeline: str, fields: dict[str, Any], *, seq_len: int, local_batch_size: int
+) -> PipelineConfig:
+    """The pipeline config of a :class:`TokenDataLoader`: file ``pipeline`` (if any), then
+    ``fields``, then the trainer's sequence length and batch size.
+
+    Raises:
+        ValueError: neither a file nor fields, or a field the pipeline does not know.
+    """
+    if not pipeline and not fields:
+        raise ValueError(
+            "TokenDataLoader.Config needs the pipeline: set pipeline='pipeline.yaml' (a "
+            "PipelineConfig as YAML/JSON) or fields={'data_path': ..., 'datasets': ...}"
+        )
+    base = PipelineConfig.from_file(pipeline).to_dict() if pipeline else {}
+    return PipelineConfig.from_dict(
+        {
+            **base,
+            **fields,
+            "seq_length": seq_len,
+            "batch_size": local_batch_size,
+            "shift": True,
+            "output_keys": _KEYS,
+        }
+    )
+
+
+def _build(cfg: PipelineConfig, world: World) -> Any:
+    return build_pipeline(cfg, world)
+
+
+class TokenDataLoader(BaseDataLoader):
+    """torchtitan's ``BaseDataLoader`` over a torchdata-ext pipeline (see the module).
+
+    Args:
+        config: a :class:`TokenDataLoader.Config`.
+        dp_world_size / dp_rank: the data-parallel degree and this rank's place (the trainer's
+            ``batch_degree`` and ``batch_rank``).
+        tokenizer: the trainer's tokenizer; unused (the pipeline config names its tokenizer,
+            which must give the model's token ids).
+        seq_len / local_batch_size: tokens per row and rows per batch.
+        snapshot_every_n_steps: unused: the state is exact at every step and costs nothing.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        pipeline: str = ""
+        """A PipelineConfig as YAML or JSON (any fsspec URL): datasets, weights, formats, URLs."""
+
+        fields: dict[str, Any] = field(default_factory=dict)
+        """PipelineConfig fields, over those of ``pipeline``."""
+
+        num_workers: int = 0
+        """Dataloader worker processes per rank (0: a background thread)."""
+
+        allow_weight_changes: bool = False
+        """On restore, accept weights that differ from the checkpoint's."""
+
+        allow_new_datasets: bool = False
+        """On restore, accept datasets the checkpoint does not have."""
+
+        allow_changed_files: bool = False
+        """On restore, log data files changed since the save instead of refusing them."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any = None,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        fields = dict(config.fields)
+        if config.dataset_path:
+            fields.setdefault("data_path", config.dataset_path)
+        self.pipeline = pipeline_config(
+            config.pipeline, fields, seq_len=seq_len, local_batch_size=local_batch_size
+        )
+        self.loader = TokenLoader(
+            functools.partial(_build, self.pipeline),
+            num_workers=config.num_workers,
+            rank=dp_rank,
+            world_size=dp_world_size,
+        )
+        self._state = DCPLoaderState(
+            self.loader,
+            allow_weight_changes=config.allow_weight_changes,
+            allow_new_datasets=config.allow_new_datasets,
+            allow_changed_files=config.allow_changed_files,
+        )
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for batch in self.loader:
+            yield {"input": batch["input_ids"], "positions": batch["position_ids"]}, batch["labels"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's entries (saving), or the entries it reads (inside ``dcp.load``); see
+        :class:`~torchdata_ext.checkpoint.DCPLoaderState`."""
+        return self._state.state_dict(owner=self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from the entries ``dcp.load`` read, at this dp degree and worker count."""
+        if not state_dict:  # torchtitan: an empty state is a fresh start
+            return
+        self._state.load_state_dict(state_dict)
+
+    def describe(self) -> dict[str, Any]:
+        """The pipeline this loader runs, as plain fields (for logs)."""
+        return dataclasses.asdict(self.pipeline)
