@@ -39,8 +39,10 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock, handed_back_piece
+from torchdata_ext.graph import graph_nodes
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.transforms import Filter, Map, On, Transform, from_spec
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.transforms import Filter, Map, On, Transform, TransformError, from_spec
 
 __all__ = ["FilterDocuments", "MapDocuments", "TransformDocuments"]
 
@@ -227,7 +229,27 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         return fetch(dataset, file, doc)
 
     def _apply(self, block: DocumentBlock) -> DocumentBlock:
-        """The steps applied to a block of whole documents."""
+        """The steps applied to a block of whole documents; a user function's error re-raised
+        with its file's URL added."""
+        try:
+            return self._apply_steps(block)
+        except TransformError as err:
+            name, cause = self._file_name(err.where), err.__cause__
+            if err.where is None or not name or cause is None:
+                raise
+            raise TransformError.of(err.step, cause, err.where, name) from cause
+
+    def _file_name(self, where: tuple[str, int, int] | None) -> str:
+        """The URL of file number ``where[1]`` of dataset ``where[0]`` ("" if unknown)."""
+        if where is None:
+            return ""
+        for node in graph_nodes(self.source):
+            index = getattr(node, "dataset", None)
+            if isinstance(index, DatasetIndex) and index.name == where[0]:
+                return index.files[where[1]] if 0 <= where[1] < len(index.files) else ""
+        return ""
+
+    def _apply_steps(self, block: DocumentBlock) -> DocumentBlock:
         if not self._checked and len(block):
             self._checked = True
             for step in self.steps:
