@@ -20,8 +20,9 @@ Corpus: 3 sub-datasets 3:1:1 of uint32 Arrow (Bamba layout), seq 4096 + 1, batch
 ``--layout`` measures only what contiguous ``input_ids`` / ``labels`` cost (``PackedBatch.
 to_tensors`` copies them out of the ``[B, L + 1]`` token tensor so every path gives the same
 layout): the loader's rate with those copies and, alternately in the same run, with the views
-the copies replaced (``batch._contiguous`` swapped for the identity), for the in-process thread
-and 2 worker processes.
+the copies replaced (``batch._contiguous`` swapped for the identity), for 2 worker processes
+(the path that copies) and the in-process thread (a control: it never had views, so its ratio
+shows the machine's noise).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def layout_cost(cfg: PipelineConfig, datasets, steps: int, repeat: int) -> None:
         f"{min(cpu[True]) * 1e3:.3f} ms, strided views {min(cpu[False]) * 1e3:.3f} ms"
     )
     build = functools.partial(_build, cfg, datasets)
-    paths = {"in-process thread": 0, "2 worker processes": 2}
+    paths = {"in-process thread (control, no copy)": 0, "2 worker processes": 2}
     rates: dict[tuple[str, bool], list[float]] = {}
     for _ in range(repeat):
         for label, workers in paths.items():
