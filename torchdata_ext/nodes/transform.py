@@ -171,8 +171,9 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         self.max_dropped = max_dropped
         self._dropped_by: dict[str, int] = {}  # per step name: documents dropped, for messages
         self._emptied = 0  # documents the steps left with no data
+        self._stage_named = False
         self._drops = DropWatch(
-            f"the transforms {steps}",  # the dataset is named at the first block
+            f"the transforms {steps}",
             max_dropped,
             "check the filters and maps (a filter's True keeps a document), or raise "
             "max_dropped_documents if they are meant to be this selective",
@@ -215,8 +216,9 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             firsts = out.start == 0
             kept = int((firsts & (out.offsets[1:] > out.offsets[:-1])).sum())
             self._emptied += int(firsts.sum()) - kept
-        if not self._drops.stage.startswith("dataset"):
+        if not self._stage_named:  # the dataset is known from the first block
             self._drops.stage = f"dataset {block.dataset!r}: {self._drops.stage}"
+            self._stage_named = True
         self._drops.count(read, kept, self._why_dropped)
 
     def _why_dropped(self) -> str:
