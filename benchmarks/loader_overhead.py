@@ -15,12 +15,20 @@ Corpus: 3 sub-datasets 3:1:1 of uint32 Arrow (Bamba layout), seq 4096 + 1, batch
 10,000-sequence shuffle buffer.
 
     python benchmarks/loader_overhead.py [--tokens 150_000_000] [--steps 200] [--repeat 3]
-        [--quick]
+        [--quick] [--layout]
+
+``--layout`` measures only what contiguous ``input_ids`` / ``labels`` cost (``PackedBatch.
+to_tensors`` copies them out of the ``[B, L + 1]`` token tensor so every path gives the same
+layout): the loader's rate with those copies and, alternately in the same run, with the views
+the copies replaced (``batch._contiguous`` swapped for the identity), for 2 worker processes
+(the path that copies) and the in-process thread (a control: it never had views, so its ratio
+shows the machine's noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import pickle
@@ -33,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
-from torchdata_ext import World  # noqa: E402
+from torchdata_ext import World, batch  # noqa: E402
 from torchdata_ext.loader import TokenLoader, _PipelineIterator  # noqa: E402
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 from torchdata_ext.state_delta import apply  # noqa: E402
@@ -112,6 +120,51 @@ def state_traffic(cfg: PipelineConfig, datasets, batches: int) -> tuple[float, f
     return statistics.mean(sizes), statistics.mean(costs), full
 
 
+def layout_cost(cfg: PipelineConfig, datasets, steps: int, repeat: int) -> None:
+    """What the contiguous ``input_ids`` / ``labels`` cost against the strided views they
+    replaced: ``to_tensors()`` per batch (CPU time, which other processes disturb little), and
+    the loader's rate (a 64-sequence buffer: the start-up fill is not what is measured),
+    alternately, ``repeat`` rounds each."""
+    cfg = dataclasses.replace(cfg, shuffle_buffer=64)
+    contiguous = batch._contiguous
+    node = build_pipeline(cfg, World(), datasets)
+    packed = [node.next_packed_batch() for _ in range(32)]
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeat * 5):
+        for copy in (False, True):
+            batch._contiguous = contiguous if copy else (lambda t: t)  # type: ignore[assignment]
+            t0 = time.process_time()
+            for b in packed:
+                b.to_tensors()
+            cpu[copy].append((time.process_time() - t0) / len(packed))
+    batch._contiguous = contiguous  # type: ignore[assignment]
+    print(
+        f"to_tensors() per batch of 8 x 4096 (CPU time, best of {repeat * 5}): contiguous "
+        f"{min(cpu[True]) * 1e3:.3f} ms, strided views {min(cpu[False]) * 1e3:.3f} ms"
+    )
+    build = functools.partial(_build, cfg, datasets)
+    paths = {"in-process thread (control, no copy)": 0, "2 worker processes": 2}
+    rates: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(repeat):
+        for label, workers in paths.items():
+            for copy in (False, True):
+                batch._contiguous = contiguous if copy else (lambda t: t)  # type: ignore[assignment]
+                try:
+                    make = functools.partial(TokenLoader, build, num_workers=workers)
+                    _, _, rate = run_loop(make, None, steps)
+                finally:
+                    batch._contiguous = contiguous  # type: ignore[assignment]
+                rates.setdefault((label, copy), []).append(rate)
+    for label in paths:
+        views, copies = rates[(label, False)], rates[(label, True)]
+        print(
+            f"TokenLoader, {label}, no training step: contiguous input_ids/labels "
+            f"{max(copies) / 1e6:.1f}M tokens/s vs strided views {max(views) / 1e6:.1f}M = "
+            f"{max(copies) / max(views):.2f}x (best of {repeat}; medians "
+            f"{statistics.median(copies) / statistics.median(views):.2f}x)"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=150_000_000, help="corpus size (tokens)")
@@ -120,6 +173,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1024, help="logical shards per dataset")
     p.add_argument("--repeat", type=int, default=3, help="rounds of the no-step comparison")
     p.add_argument("--quick", action="store_true", help="small corpus and few steps")
+    p.add_argument("--layout", action="store_true", help="only the contiguous-layout cost")
     args = p.parse_args()
     if args.quick:
         args.tokens, args.steps, args.shards = 20_000_000, 40, 256
@@ -133,6 +187,9 @@ def main() -> None:
         dtype="int32",
     )  # fmt: skip
     datasets = build_datasets(cfg)
+    if args.layout:
+        layout_cost(cfg, datasets, args.steps * 2, args.repeat)
+        return
     build = functools.partial(_build, cfg, datasets)
 
     steps = {ms: Step(ms) for ms in (50.0, 5.0)}  # calibrated before any loader runs

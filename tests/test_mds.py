@@ -159,7 +159,7 @@ def test_prepare_writes_mds_shards_and_their_index_json(prepared: Path) -> None:
     assert [s["raw_data"]["bytes"] for s in index["shards"]] == [p.stat().st_size for p in shards]
     for entry in index["shards"]:
         assert entry["column_names"] == ["tokens"]
-        assert entry["column_encodings"] == ["ndarray:uint32"] and entry["zip_data"] is None
+        assert entry["column_encodings"] == ["ndarray:uint16"] and entry["zip_data"] is None
     docs = [d.tolist() for p in shards for d in _read(MdsHandler(), str(p))]
     assert docs == [_tok(t) for t in TEXTS]  # in input order, no EOS added
     assert sum(s["samples"] for s in index["shards"]) == len(TEXTS)

@@ -23,9 +23,10 @@ def _ids(text: str, offset: int = 1) -> list[int]:
 
 
 def _arrow_docs(path: str | Path) -> list[list[int]]:
-    """The documents of one Arrow output, checking its layout (one ``uint32`` column)."""
+    """The documents of one Arrow output, checking its layout (one ``uint16`` column: the
+    smallest dtype that holds these tests' vocabularies)."""
     with pa.ipc.open_file(str(path)) as reader:
-        assert reader.schema == pa.schema([("tokens", pa.uint32())])
+        assert reader.schema == pa.schema([("tokens", pa.uint16())])
         return [reader.get_batch(i).column(0).to_pylist() for i in range(reader.num_record_batches)]
 
 
@@ -93,7 +94,7 @@ def test_npy_flat_tokens_with_eos_and_data_sources(inputs: Path, tmp_path: Path)
     assert res == PrepareResult(out=str(out), outputs=_outputs(out, 3, ".npy"), documents=5,
                                 tokens=21)  # fmt: skip
     arrays = [np.load(p) for p in res.outputs]
-    assert all(a.dtype == np.uint32 and a.ndim == 1 for a in arrays)
+    assert all(a.dtype == np.uint16 and a.ndim == 1 for a in arrays)
     assert [a.tolist() for a in arrays] == [docs[0] + docs[1], docs[2] + docs[3], docs[4]]
     assert (out / "data_sources.txt").read_text() == "".join(p + "\n" for p in res.outputs)
     assert _counts(out) == [("part00000_00000.npy", 2, 8), ("part00000_00001.npy", 2, 8),

@@ -52,7 +52,7 @@ def test_prepare_writes_the_metadata_next_to_the_counts(text_in: Path, tmp_path:
         "special_ids": [],
         "bos_token": None,
         "eos_token": 300,
-        "dtype": "uint32",
+        "dtype": "uint16",
         "format": "npy",
         "package_version": torchdata_ext.__version__,
     }
@@ -144,15 +144,19 @@ def test_inspect_decodes_with_what_prepare_recorded(text_in: Path, tmp_path: Pat
     summary = torchdata_ext.inspect_dataset(str(out), out=buf)
     assert summary["documents"] == 3 and summary["prepared"]["eos_token"] == 300
     assert "prepared:  tokenizer 'byte' (byte_offset=4), vocab_size 301, bos_token None, " \
-           "eos_token 300, uint32" in buf.getvalue()  # fmt: skip
+           "eos_token 300, uint16" in buf.getvalue()  # fmt: skip
     got = torchdata_ext.inspect_dataset(str(out), doc=1, out=io.StringIO())
     assert got["text"] == TEXTS[1]
     assert got["tokens"] == [b + 4 for b in TEXTS[1].encode()] + [300]
     assert main(["inspect", str(out), "--doc", "2"]) == 0  # no --tokenizer, no --eos-token
     assert capsys.readouterr().out.splitlines()[-2:] == ["text:", TEXTS[2]]
-    # an explicit flag still wins
-    raw = torchdata_ext.inspect_dataset(str(out), doc=1, byte_offset=0, out=io.StringIO())
-    assert raw["text"] != TEXTS[1]
+    # another byte offset would decode the tokens into other text: refused, naming both
+    with pytest.raises(
+        ValueError,
+        match=r"tokenizer='byte' \(byte_offset=0\) is not the "
+        r"tokenizer the data was prepared with, 'byte' \(byte_offset=4\)",
+    ):
+        torchdata_ext.inspect_dataset(str(out), doc=1, byte_offset=0, out=io.StringIO())  # fmt: skip
 
 
 def test_inspect_without_the_recorded_tokenizer_shows_tokens(text_in: Path, tmp_path: Path) -> None:

@@ -29,7 +29,15 @@ from torchdata_ext.pipeline import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
-from torchdata_ext.transforms import Filter, Map, drop_tokens, from_spec, length_filter, truncate
+from torchdata_ext.transforms import (
+    Filter,
+    Map,
+    TransformError,
+    drop_tokens,
+    from_spec,
+    length_filter,
+    truncate,
+)
 
 BAD = 7  # a token some documents hold; drop_tokens removes them
 
@@ -192,8 +200,9 @@ def test_user_functions_cannot_write_into_the_block() -> None:
         tokens[0] = 0
         return tokens
 
-    with pytest.raises(ValueError, match="read-only"):
+    with pytest.raises(TransformError, match="read-only") as info:
         Map(scribble).apply(block_of([np.arange(3, dtype=np.int32)]))
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 # -- the node on a real reader -----------------------------------------------------------------

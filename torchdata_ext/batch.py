@@ -2,8 +2,8 @@
 
 A batch of packed sequences is fully described by its tokens and where its documents start:
 ``position_ids``, ``document_ids`` and ``loss_mask`` are functions of the document runs, and
-``input_ids`` / ``labels`` are two views of one ``[B, L + 1]`` token array (with ``shift``).
-So a worker ships a :class:`PackedBatch`: one token tensor plus the runs (a few hundred
+``input_ids`` / ``labels`` are the first and last ``L`` columns of one ``[B, L + 1]`` token array
+(with ``shift``). So a worker ships a :class:`PackedBatch`: one token tensor plus the runs (a few hundred
 int32s), about a quarter of the bytes of the five ``[B, L]`` tensors, and the training
 process builds only the keys it was asked for (:meth:`PackedBatch.to_tensors`).
 
@@ -121,15 +121,17 @@ class PackedBatch:
     provenance: np.ndarray | None = None
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The batch as the model consumes it: ``input_ids`` and ``labels`` are views of
-        :attr:`tokens`; the other keys are built here, only those in :attr:`keys`."""
+        """The batch as the model consumes it, only the keys in :attr:`keys`, each a
+        C-contiguous ``[B, L]`` tensor as on every other path (``labels.view(-1)`` works):
+        ``input_ids`` and ``labels`` are copied out of :attr:`tokens` (views of it would have
+        stride ``L + 1``), the other keys are built here."""
         n, keys = self.seq_len, self.keys
         rows, size = self.tokens.shape
         out: dict[str, torch.Tensor] = {}
         if "input_ids" in keys:
-            out["input_ids"] = self.tokens[:, :n]
+            out["input_ids"] = _contiguous(self.tokens[:, :n])
         if "labels" in keys and self.shift:
-            out["labels"] = self.tokens[:, 1:]
+            out["labels"] = _contiguous(self.tokens[:, 1:])
         arrays: dict[str, np.ndarray] = {}
         dt = _NUMPY_DTYPES.get(self.tokens.dtype)
         if dt is None:
@@ -147,6 +149,19 @@ class PackedBatch:
         if self.provenance is not None and "provenance" in keys:
             out["provenance"] = torch.from_numpy(self.provenance)
         return {k: out[k] for k in keys if k in out}
+
+
+def _contiguous(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (columns of a token tensor) as a C-contiguous tensor, pinned if its base is:
+    a NumPy copy (no intra-op threads next to the training step) unless it already is."""
+    if part.is_contiguous():
+        return part
+    out = torch.empty(part.shape, dtype=part.dtype, pin_memory=part.is_pinned())
+    try:
+        np.copyto(out.numpy(), part.numpy())
+    except TypeError:  # a dtype NumPy does not have
+        out.copy_(part)
+    return out
 
 
 @dataclass

@@ -11,8 +11,9 @@ shown by global index, or by index within one file, decoded (tokens) or encoded 
 tokenizer on request; its report shows the first 1,000 tokens and 10,000 characters unless
 ``full`` (the CLI's ``--all``), and the returned document is always whole. Data that ``prepare``
 wrote carries how it was tokenized (:mod:`torchdata_ext.prepared_meta`): the summary shows it,
-and documents are decoded with that tokenizer (and flat ``.npy`` split on that EOS) unless
-told otherwise.
+and documents are decoded with that tokenizer (found by the absolute path or URL recorded; and
+flat ``.npy`` split on that EOS); a tokenizer other than the recorded one (another
+``tokenizer.json`` hash or byte offset) is refused, as it would show the wrong text.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from torchdata_ext.handlers.base import format_for_url, registered_formats
 from torchdata_ext.handlers.mds import drop_mds_side_files
 from torchdata_ext.index import DatasetIndex, read_data_sources
-from torchdata_ext.prepared_meta import PreparedMeta, read_meta
+from torchdata_ext.prepared_meta import PreparedMeta, other_tokenizer, read_meta
 from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET, as_encoder, load_tokenizer
 from torchdata_ext.urls import expand_urls, filesystem, join
 
@@ -66,7 +67,8 @@ def inspect_dataset(
         doc: print this document: a global index over all files, or within ``file``.
         file: a file of the dataset, by position in the sorted list or by (end of) its name.
         tokenizer: ``"byte"`` or a ``tokenizer.json`` to decode tokens (or encode text);
-            default: the one ``prepare`` recorded in the data's metadata file, else none.
+            default: the one ``prepare`` recorded in the data's metadata file, else none. For
+            such data it must be the recorded one (``ValueError`` otherwise).
         byte_offset: the byte tokenizer's offset (default: the one ``prepare`` recorded, else
             1, as everywhere).
         compression: of JSONL files: ``"infer"``, None, ``"gzip"`` or ``"zstd"``.
@@ -120,6 +122,15 @@ def inspect_dataset(
                     f"here ({exc}); showing tokens only: pass tokenizer=... to decode",
                     stacklevel=2,
                 )
+            if tok is not None and found is not None and meta is not None:
+                ours = other_tokenizer(meta, tok, tokenizer)
+                if ours is not None:
+                    raise ValueError(
+                        f"tokenizer={tokenizer!r} ({ours}) is not the tokenizer the data was "
+                        f"prepared with, {meta.tokenizer_name} ({found[1]}): it would decode "
+                        "the tokens into the wrong text; pass that tokenizer (and byte_offset), "
+                        "or none to use the recorded one"
+                    )
         result, lines = _document(index, doc if doc is not None else 0, file, tok, shown)
     out = out or sys.stdout
     for line in lines:

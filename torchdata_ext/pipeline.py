@@ -36,6 +36,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int, split_list
+from torchdata_ext._drops import DEFAULT_MAX_DROPPED
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.curriculum import check_budget, check_phases, with_budget
 from torchdata_ext.index import DatasetIndex
@@ -139,6 +140,12 @@ class PipelineConfig:
             text for text datasets) or built-in specs: ``{"min_length": 32}``,
             ``{"max_length": 8192}``, ``{"drop_tokens": [7]}``, ``{"truncate": 2048}`` (token
             counts). Functions must be deterministic and picklable.
+        max_dropped_documents: on an endless stream (``epochs=None``), a reader or a transform
+            node that read this many documents in a row and kept none (``min_length``, the
+            split, ``on_error``, filters, maps emptying documents) fails naming its counts
+            instead of waiting for a batch forever (default 1,000,000; also after a whole pass
+            over a worker's documents with none kept); None: only after that pass. See
+            ``docs/first-hour.md``.
     """
 
     data_path: str = ""
@@ -179,6 +186,7 @@ class PipelineConfig:
     phases: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int | dict[str, int] | None = None
     max_documents: int | dict[str, int] | None = None
+    max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
 
     def __post_init__(self) -> None:
         self._check_phases()
@@ -210,6 +218,8 @@ class PipelineConfig:
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
         self._check_eval_split()
         check_int("byte_offset", self.byte_offset, 0)
+        if self.max_dropped_documents is not None:
+            check_int("max_dropped_documents", self.max_dropped_documents, 1)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
         self.check_special_ids(byte)
@@ -499,6 +509,7 @@ def _build(
             dtype=np.int32,
             split=cfg.eval_split(name),
             subset=subset,
+            max_dropped=cfg.max_dropped_documents,
         )
         readers.append(node)
         steps = cfg.transforms_for(name)
@@ -510,12 +521,12 @@ def _build(
                     f"transforms for dataset {name!r} include text steps {text_steps}, but the "
                     "config has no tokenizer (the data is tokens): use token transforms"
                 )
-            node = TransformDocuments(node, text_steps)
+            node = TransformDocuments(node, text_steps, max_dropped=cfg.max_dropped_documents)
         if tokenizer is not None:
             # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
             node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
         if token_steps:
-            node = TransformDocuments(node, token_steps)
+            node = TransformDocuments(node, token_steps, max_dropped=cfg.max_dropped_documents)
         sources[name] = (
             node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
         )
@@ -556,6 +567,7 @@ def _build(
         window=cfg.best_fit_window,
         drop_remainder=cfg.drop_remainder,
         dataset_names=list(datasets),
+        max_dropped=cfg.max_dropped_documents,
     )
     if cfg.shuffle_buffer > 1 and not evaluating:
         share = functools.partial(_worker_share, cfg, list(datasets.values()), readers)

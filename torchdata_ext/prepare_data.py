@@ -13,17 +13,20 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
   U+FFFD: the documents affected are counted (``undecodable_documents``) and a
   ``UnicodeWarning`` names the first file.
 * ``format="arrow"`` (Bamba layout): Arrow IPC files, one record batch per document, one
-  ``uint32`` column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``uint32`` ``.npy`` token
-  arrays, every document followed by ``eos_token`` (default 0), plus ``data_sources.txt``
-  listing them. ``format="mds"`` (Mosaic MDS, as ``mosaicml-streaming`` and LLM Foundry read
-  it): one sample per document in an ``ndarray:uint32`` column ``tokens``, plus ``index.json``.
-  All get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file).
+  integer column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``.npy`` token arrays,
+  every document followed by ``eos_token`` (default 0), plus ``data_sources.txt`` listing
+  them. ``format="mds"`` (Mosaic MDS, as ``mosaicml-streaming`` and LLM Foundry read it): one
+  sample per document in an ``ndarray:<dtype>`` column ``tokens``, plus ``index.json``. All
+  get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file). Tokens are stored as
+  the smallest of ``uint16``/``uint32`` that holds the vocabulary and ``eos_token`` (``uint16``
+  for the byte tokenizer or an 8,000-token BPE; ``dtype=`` forces one), recorded in the
+  metadata.
 * ``tokenizer="byte"`` is :class:`~torchdata_ext.tokenizers.ByteTokenizer` with
   ``offset=byte_offset`` (default 1, as in the pipeline config and ``inspect``, so id 0 stays
   free for EOS; ids 1..256 are bytes); otherwise the path of a Hugging Face ``tokenizer.json``.
   An ``eos_token`` the tokenizer emits for ordinary text, or outside ``uint32``, is refused.
-* ``meta/torchdata_ext_meta.json`` (:mod:`torchdata_ext.prepared_meta`) records the tokenizer,
-  its offset, vocabulary size, BOS/EOS ids, dtype, format and package version; the pipeline
+* ``meta/torchdata_ext_meta.json`` (:mod:`torchdata_ext.prepared_meta`) records the tokenizer
+  (a local file as an absolute path, with its hash), its offset, vocabulary size, BOS/EOS ids, dtype, format and package version; the pipeline
   refuses a config that disagrees with it and ``inspect`` decodes with it. A run into a folder
   whose file says otherwise (another part with other settings) is refused.
 * ``data_fraction``/``seed`` keep a seeded sample of the documents (the same for a seed
@@ -54,6 +57,7 @@ rewrites ``data_sources.txt`` and the counts file from every complete output in 
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import io
 import json
@@ -86,6 +90,7 @@ from torchdata_ext.tokenizers import (
     check_special_tokens,
     load_tokenizer,
     token_ids,
+    tokenizer_location,
 )
 from torchdata_ext.urls import expand_urls, filesystem, is_local, unstrip
 
@@ -97,12 +102,15 @@ _PARQUET_SUFFIXES = tuple(registered_formats()["parquet"])
 INPUT_SUFFIXES = (*registered_formats()["jsonl"], *_PARQUET_SUFFIXES, ".txt")
 PROGRESS_VERSION = 1
 # settings added after PROGRESS_VERSION 1, at the values every earlier run used
-_PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer"}
+_PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer", "dtype": "uint32"}
 _PROGRESS_DEFAULTS.update(FILTER_DEFAULTS)  # data_fraction, seed, min_length, max_length
 _TOKENIZE_BATCH = 256  # texts per encode_batch call
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
 _SUFFIX = {"arrow": ".arrow", "npy": ".npy", "mds": ".mds"}
-_MDS_COLUMNS = {"tokens": "ndarray:uint32"}
+
+
+def _mds_columns(dtype: str) -> dict[str, str]:
+    return {"tokens": f"ndarray:{dtype}"}
 
 
 @dataclass
@@ -162,6 +170,7 @@ def prepare(
     seed: int = 0,
     min_length: int | None = None,
     max_length: int | None = None,
+    dtype: str | None = None,
 ) -> PrepareResult:
     """Tokenize text files into shards in ``out`` (see the module docstring); resumable.
 
@@ -192,6 +201,9 @@ def prepare(
         seed: the sample's seed (used only when ``data_fraction < 1``).
         min_length / max_length: keep only documents of at least / at most this many tokens
             after tokenizing, not counting the appended ``eos_token`` (None: no bound).
+        dtype: the stored token dtype, ``"uint16"`` or ``"uint32"``; None (default): the
+            smallest that holds the vocabulary and ``eos_token`` (``uint16`` up to 65,536 ids,
+            e.g. the byte tokenizer or an 8,000-token BPE), recorded in the metadata.
 
     Returns:
         What this call did (:class:`PrepareResult`).
@@ -219,7 +231,12 @@ def prepare(
     tok = _tokenizer(tokenizer, byte_offset)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
     meta = PreparedMeta.describe(
-        tok, tokenizer, bos_token=None, eos_token=eos_token, dtype="uint32", format=format
+        tok,
+        tokenizer_location(tokenizer),
+        bos_token=None,
+        eos_token=eos_token,
+        dtype=dtype,
+        format=format,
     )
     config = {
         "version": PROGRESS_VERSION,
@@ -235,6 +252,7 @@ def prepare(
         "num_shards": num_shards,
         "encoding": codecs.lookup(encoding).name,
         "compression": compression,
+        "dtype": meta.dtype,
     }
     config.update(doc_filter.as_config())
     ppath = posixpath.join(out_path, f"_progress_part{shard_id:05d}.json")
@@ -259,12 +277,13 @@ def prepare(
     if state["done"]:
         result.skipped = True
         write_meta(out, meta, storage_options)
-        _finalize(fs, out, out_path, format, eos_token, storage_options)
+        _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
         return result
 
     from tqdm import tqdm
 
-    encode = {"npy": _npy_bytes, "arrow": _arrow_bytes, "mds": _mds_bytes}[format]
+    encoder = {"npy": _npy_bytes, "arrow": _arrow_bytes, "mds": _mds_bytes}[format]
+    encode = functools.partial(encoder, dtype=np.dtype(meta.dtype))
     eos = None if eos_token is None else np.array([eos_token], np.uint32)
     buf: list[np.ndarray] = []
     buf_tokens = 0
@@ -359,7 +378,7 @@ def prepare(
             stacklevel=2,
         )
     write_meta(out, meta, storage_options)
-    _finalize(fs, out, out_path, format, eos_token, storage_options)
+    _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
     return result
 
 
@@ -560,31 +579,34 @@ def _tokenized(
 
 
 # -- writing outputs -------------------------------------------------------------------------------
-def _arrow_bytes(docs: Sequence[np.ndarray]) -> bytes:
-    """An Arrow IPC file: one record batch per document, one ``uint32`` column ``tokens``."""
+def _arrow_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
+    """An Arrow IPC file: one record batch per document, one ``dtype`` column ``tokens``."""
     import pyarrow as pa
 
-    schema = pa.schema([("tokens", pa.uint32())])
+    kind = pa.from_numpy_dtype(dtype)
+    schema = pa.schema([("tokens", kind)])
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as writer:
         for doc in docs:
-            writer.write_batch(pa.record_batch([pa.array(doc, type=pa.uint32())], schema=schema))
+            column = pa.array(doc.astype(dtype, copy=False), type=kind)
+            writer.write_batch(pa.record_batch([column], schema=schema))
     return bytes(sink.getvalue())
 
 
-def _npy_bytes(docs: Sequence[np.ndarray]) -> bytes:
-    """A ``.npy`` file: the documents concatenated into one flat ``uint32`` array."""
+def _npy_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
+    """A ``.npy`` file: the documents concatenated into one flat ``dtype`` array."""
     buf = io.BytesIO()
-    flat = np.concatenate(list(docs)) if docs else np.zeros(0, np.uint32)
-    np.save(buf, flat.astype(np.uint32), allow_pickle=False)
+    flat = np.concatenate(list(docs)) if docs else np.zeros(0, dtype)
+    np.save(buf, flat.astype(dtype), allow_pickle=False)
     return buf.getvalue()
 
 
-def _mds_bytes(docs: Sequence[np.ndarray]) -> bytes:
-    """An MDS shard: one sample per document, one ``ndarray:uint32`` column ``tokens``."""
+def _mds_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
+    """An MDS shard: one sample per document, one ``ndarray:<dtype>`` column ``tokens``."""
     from torchdata_ext.handlers.mds_writer import encode_mds_shard
 
-    return encode_mds_shard([{"tokens": d} for d in docs], _MDS_COLUMNS)
+    columns = _mds_columns(dtype.name)
+    return encode_mds_shard([{"tokens": d.astype(dtype, copy=False)} for d in docs], columns)
 
 
 def _is_stale_temp(name: str, shard_id: int) -> bool:
@@ -615,9 +637,10 @@ def _finalize(
     format: str,
     eos_token: int | None,
     storage_options: dict[str, Any],
+    dtype: str,
 ) -> None:
     """Write ``data_sources.txt`` (npy) or ``index.json`` (mds) and the counts file from every
-    complete output."""
+    complete output (of tokens of ``dtype``)."""
     suffix = _SUFFIX[format]
     names = sorted(
         p
@@ -643,7 +666,9 @@ def _finalize(
         if format == "mds":
             from torchdata_ext.handlers.mds_writer import write_mds_index
 
-            write_mds_index(out, [unstrip(fs, p) for p in names], _MDS_COLUMNS, storage_options)
+            write_mds_index(
+                out, [unstrip(fs, p) for p in names], _mds_columns(dtype), storage_options
+            )
         DatasetIndex.build(
             out, file_type=format, storage_options=storage_options, write_counts="data"
         )

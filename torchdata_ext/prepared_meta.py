@@ -7,7 +7,7 @@ data from elsewhere) loads as before, unchecked. Example::
 
     {"meta_version": 1, "tokenizer": "byte", "byte_offset": 1, "tokenizer_sha256": null,
      "vocab_size": 257, "ordinary_ids": [[1, 257]], "special_ids": [],
-     "bos_token": null, "eos_token": 0, "dtype": "uint32", "format": "npy",
+     "bos_token": null, "eos_token": 0, "dtype": "uint16", "format": "npy",
      "package_version": "0.1.0"}
 
 ``ordinary_ids`` are the half-open id ranges the tokenizer emits for ordinary text (no special
@@ -34,11 +34,14 @@ __all__ = [
     "check_config",
     "check_same_settings",
     "meta_url",
+    "other_tokenizer",
     "read_meta",
     "write_meta",
 ]
 
 META_FILE = "torchdata_ext_meta.json"
+TOKEN_DTYPES = ("uint16", "uint32")
+"""The dtypes ``prepare`` stores tokens as, smallest first (no vocabulary fits ``uint8``)."""
 META_VERSION = 1
 
 
@@ -56,14 +59,16 @@ class PreparedMeta:
     """How a token dataset was prepared (the fields of the metadata file).
 
     Attributes:
-        tokenizer: the tokenizer spec given to ``prepare`` (``"byte"`` or a tokenizer.json).
+        tokenizer: the tokenizer given to ``prepare``: ``"byte"``, a model name, a URL, or a
+            local tokenizer.json as an absolute path (so ``inspect`` finds it from anywhere).
         byte_offset: the byte tokenizer's offset (None for a tokenizer.json).
         tokenizer_sha256: short hash of the tokenizer.json's content (None for ``"byte"``).
         vocab_size: one more than the largest id in the data (tokenizer and special ids).
         ordinary_ids: half-open ``[lo, hi)`` ranges of the ids ordinary text produces.
         special_ids: the tokenizer's own special-token ids.
         bos_token / eos_token: written at each document's start / end (None: none).
-        dtype: the NumPy dtype of the stored tokens (``"uint32"``).
+        dtype: the NumPy dtype of the stored tokens (``"uint16"`` or ``"uint32"``: by
+            default the smallest that holds ``vocab_size``).
         format: ``"arrow"`` or ``"npy"``.
         package_version: the torchdata-ext version that wrote it.
         meta_version: the layout of this file.
@@ -90,17 +95,32 @@ class PreparedMeta:
         *,
         bos_token: int | None,
         eos_token: int | None,
-        dtype: str,
+        dtype: str | None,
         format: str,
     ) -> PreparedMeta:
-        """The metadata of data written with ``tokenizer`` (loaded from ``spec``)."""
+        """The metadata of data written with ``tokenizer`` (loaded from ``spec``) as ``dtype``
+        (None: the smallest of :data:`TOKEN_DTYPES` that holds its ids).
+
+        Raises:
+            ValueError: ``dtype`` is not one of :data:`TOKEN_DTYPES` or cannot hold the ids.
+        """
         ids = token_ids(tokenizer, spec)
         written = [t + 1 for t in (bos_token, eos_token) if t is not None]
+        vocab_size = max([ids.vocab_size, *written])
+        fits = [d for d in TOKEN_DTYPES if vocab_size - 1 <= np.iinfo(d).max]
+        if dtype is None:
+            dtype = fits[0] if fits else TOKEN_DTYPES[-1]
+        elif dtype not in TOKEN_DTYPES or dtype not in fits:
+            raise ValueError(
+                f"dtype={dtype!r} cannot store the tokens: ids go up to {vocab_size - 1} "
+                f"(vocab_size={vocab_size}); use one of {fits or list(TOKEN_DTYPES)}, or "
+                "dtype=None for the smallest"
+            )
         return cls(
             tokenizer=spec,
             byte_offset=ids.byte_offset,
             tokenizer_sha256=tokenizer_hash(tokenizer),
-            vocab_size=max([ids.vocab_size, *written]),
+            vocab_size=vocab_size,
             ordinary_ids=ids.ordinary,
             special_ids=ids.specials,
             bos_token=bos_token,
@@ -127,9 +147,11 @@ class PreparedMeta:
         )
 
     def settings(self) -> dict[str, Any]:
-        """The fields that say what the tokens mean (all but the versions)."""
+        """The fields that say what the tokens mean: all but the versions and where the
+        tokenizer was found (its hash and offset say which it is; parts prepared on two
+        machines may find it at two paths)."""
         out = dataclasses.asdict(self)
-        del out["package_version"], out["meta_version"]
+        del out["package_version"], out["meta_version"], out["tokenizer"]
         return out
 
     def to_json(self) -> bytes:
@@ -181,6 +203,17 @@ def read_meta(
     return PreparedMeta.from_json(raw, url), url
 
 
+def other_tokenizer(meta: PreparedMeta, tokenizer: Any, spec: str | None) -> str | None:
+    """None if ``tokenizer`` (loaded from ``spec``) is the one ``meta`` says prepared the data
+    (same byte offset, same tokenizer.json hash); else what it is, for a message
+    (``"byte_offset=2"`` or ``"sha256 ..."``)."""
+    mine = token_ids(tokenizer, spec)
+    digest = tokenizer_hash(tokenizer)
+    if (mine.byte_offset, digest) == (meta.byte_offset, meta.tokenizer_sha256):
+        return None
+    return f"byte_offset={mine.byte_offset}" if mine.byte_offset is not None else f"sha256 {digest}"
+
+
 def check_config(
     meta: PreparedMeta,
     url: str,
@@ -205,17 +238,8 @@ def check_config(
     """
     head = f"dataset {dataset!r} was prepared"
     if tokenizer is not None:
-        mine = token_ids(tokenizer, tokenizer_spec)
-        same = (mine.byte_offset, tokenizer_hash(tokenizer)) == (
-            meta.byte_offset,
-            meta.tokenizer_sha256,
-        )
-        if not same:
-            ours = (
-                f"byte_offset={mine.byte_offset}"
-                if mine.byte_offset is not None
-                else f"sha256 {tokenizer_hash(tokenizer)}"
-            )
+        ours = other_tokenizer(meta, tokenizer, tokenizer_spec)
+        if ours is not None:
             raise ValueError(
                 f"tokenizer={tokenizer_spec!r} ({ours}) but {head} with the tokenizer "
                 f"{meta.tokenizer_name} ({url}); use that tokenizer (and byte_offset), or "

@@ -19,6 +19,7 @@ one of them, or that the output dtype cannot hold, naming the allowed ids.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -37,6 +38,7 @@ __all__ = [
     "load_tokenizer",
     "token_ids",
     "tokenizer_hash",
+    "tokenizer_location",
 ]
 
 _NUM_BYTES = 256
@@ -204,6 +206,15 @@ def as_encoder(tokenizer: Any) -> Encoder:
         f"tokenizer={type(tokenizer).__name__} is not a tokenizer: pass a Hugging Face "
         "tokenizers.Tokenizer, a transformers tokenizer, or torchdata_ext.tokenizers.ByteTokenizer()"
     )
+
+
+def tokenizer_location(spec: str) -> str:
+    """``spec`` as it finds the same tokenizer from any folder: a local file as an absolute
+    path (what ``prepare`` records, so ``inspect`` run elsewhere decodes); ``"byte"``, URLs
+    and model names as given."""
+    if spec == "byte" or "://" in spec or not os.path.exists(spec):
+        return spec
+    return os.path.abspath(spec)
 
 
 def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:

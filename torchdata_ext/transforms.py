@@ -18,6 +18,11 @@ into a transform, so YAML configs can use the built-ins.
 ``(dataset, file, doc)``. Restores and rescales rebuild buffered documents from provenance by
 reading them again and re-applying the functions, and a dropped document counts as consumed.
 The node checks this cheaply (each step applied twice to its first block).
+
+**Errors say where.** An exception raised by a user function comes back as a
+:class:`TransformError` naming the step, the dataset, the file and the document index, with the
+original exception chained (``__cause__``); a filter's ``fn`` must return a ``bool`` (a
+``TypeError`` names the step and what it returned otherwise: the string ``"False"`` is true).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "Filter",
     "Map",
     "Transform",
+    "TransformError",
     "drop_tokens",
     "from_spec",
     "length_filter",
@@ -100,6 +106,65 @@ def take_documents(block: DocumentBlock, keep: np.ndarray) -> DocumentBlock:
         block.epoch,
         None if block.stop is None else block.stop[idx],
     )
+
+
+class TransformError(RuntimeError):
+    """A user function of a transform step raised: the message names the step, the dataset,
+    the file and the document (index in its file) it was applied to, and the original
+    exception is chained as ``__cause__``.
+
+    Attributes:
+        where: ``(dataset, file number, document)`` for a per-document function, or None
+            (a per-block function: the message names the block's files).
+        step: the step's name.
+    """
+
+    def __init__(
+        self, message: str, where: tuple[str, int, int] | None = None, step: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.where, self.step = where, step
+
+    @classmethod
+    def of(
+        cls, step: str, err: BaseException, where: tuple[str, int, int], file_name: str = ""
+    ) -> TransformError:
+        """The error for ``err`` raised by step ``step`` on document ``where``."""
+        text = f"{type(err).__name__}: {err} (on {_where(*where, file_name)})"
+        return cls(f"transform {step!r} raised {text}", where, step)
+
+
+def _where(dataset: str, file: int, doc: int, file_name: str = "") -> str:
+    named = f"file {file} ({file_name})" if file_name else f"file {file}"
+    return f"dataset {dataset!r}, {named}, document {doc}"
+
+
+def _doc_where(block: DocumentBlock, i: int) -> str:
+    return _where(block.dataset, int(block.file[i]), int(block.doc[i]))
+
+
+def _call(step: Transform, fn: Callable, block: DocumentBlock, i: int, data: Any) -> Any:
+    """``fn(data, meta)`` for document ``i``; an exception re-raised saying where."""
+    try:
+        return fn(data, _meta(block, i, data))
+    except Exception as err:
+        where = (block.dataset, int(block.file[i]), int(block.doc[i]))
+        raise TransformError.of(step.name, err, where) from err
+
+
+def _call_block(step: Transform, fn: Callable, block: DocumentBlock) -> Any:
+    """``fn(block)``; an exception re-raised saying which block."""
+    try:
+        return fn(block)
+    except Exception as err:
+        files = sorted(set(block.file.tolist()))
+        docs = block.doc.tolist()
+        raise TransformError(
+            f"transform {step.name!r} raised {type(err).__name__}: {err} (on a block of "
+            f"dataset {block.dataset!r}: {len(block)} documents of file(s) {files}, documents "
+            f"{docs[:8]}{'...' if len(docs) > 8 else ''})",
+            step=step.name,
+        ) from err
 
 
 def _meta(block: DocumentBlock, i: int, data: np.ndarray | str) -> Document:
@@ -186,7 +251,7 @@ class Map(Transform):
             return block
         ro = _readonly(block)
         if self.block_fn is not None:
-            return self._from_block_fn(block, self.block_fn(ro))
+            return self._from_block_fn(block, _call_block(self, self.block_fn, ro))
         assert self.fn is not None
         n = len(block)
         keep = np.ones(n, bool)
@@ -197,7 +262,7 @@ class Map(Transform):
             else:
                 assert block.texts is not None
                 data = block.texts[i]
-            res = self.fn(data, _meta(block, i, data))
+            res = _call(self, self.fn, block, i, data)
             if res is None:
                 keep[i] = False
                 continue
@@ -320,7 +385,7 @@ class Filter(Transform):
         """The bool keep mask of ``block``'s documents."""
         ro = _readonly(block)
         if self.block_fn is not None:
-            keep = np.asarray(self.block_fn(ro))
+            keep = np.asarray(_call_block(self, self.block_fn, ro))
             if keep.shape != (len(block),) or keep.dtype != bool:
                 raise ValueError(
                     f"{self.name}: block_fn must return a bool array of {len(block)} entries "
@@ -335,13 +400,30 @@ class Filter(Transform):
             else:
                 assert block.texts is not None
                 data = block.texts[i]
-            keep[i] = bool(self.fn(data, _meta(block, i, data)))
+            res = _call(self, self.fn, block, i, data)
+            if not isinstance(res, (bool, np.bool_)):
+                raise TypeError(
+                    f"filter {self.name!r} returned {_shown(res)} for {_doc_where(block, i)}; "
+                    "a filter must return True (keep) or False (drop), e.g. "
+                    "`return bool(...)` of one condition"
+                    + (" (the string 'False' is true)" if isinstance(res, str) else "")
+                )
+            keep[i] = res
         return keep
 
     def apply(self, block: DocumentBlock) -> DocumentBlock:
         if not len(block):
             return block
         return take_documents(block, self.keep(block))
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its type and a short repr."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    shape = f" of shape {value.shape}" if isinstance(value, np.ndarray) else ""
+    return f"{text} (a {type(value).__name__}{shape})"
 
 
 # -- built-ins ---------------------------------------------------------------------------------

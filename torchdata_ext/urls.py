@@ -8,13 +8,22 @@ brace expansion (``shard_{00..99}.jsonl``, ``{a,b}/*.arrow``).
 from __future__ import annotations
 
 import os
+import posixpath
 from typing import Any
 
 import braceexpand
 import fsspec
 from fsspec.core import url_to_fs
 
-__all__ = ["expand_urls", "filesystem", "is_local", "join", "protocol_of", "unstrip"]
+__all__ = [
+    "METADATA_FILES",
+    "expand_urls",
+    "filesystem",
+    "is_local",
+    "join",
+    "protocol_of",
+    "unstrip",
+]
 
 _GLOB_CHARS = ("*", "?", "[")
 
@@ -73,9 +82,11 @@ def expand_urls(
     """Expand braces, globs and directories into a sorted, de-duplicated list of file URLs.
 
     A directory expands to every file below it (recursively) whose name ends with one of
-    ``suffixes`` (all files when ``suffixes`` is None); hidden files and files under a
-    ``meta`` folder are left out. A file named explicitly (no glob) is always kept. The result is sorted, so the same inputs always give the same
-    order on every rank.
+    ``suffixes`` (all files when ``suffixes`` is None); hidden files, files under a ``meta``
+    folder and the metadata files of known tools (:data:`METADATA_FILES`: what Hugging Face
+    ``datasets.save_to_disk`` writes next to its Arrow files) are left out, from a glob's
+    matches too. A file named explicitly (no glob) is always kept. The result is sorted, so
+    the same inputs always give the same order on every rank.
 
     Args:
         urls: one URL or a list of URLs, each possibly with braces and globs.
@@ -114,9 +125,20 @@ def _files_below(fs: Any, path: str, suffixes: tuple[str, ...] | None) -> list[s
         files = [p for p in fs.find(path) if not _hidden_or_meta(p[len(path) :])]
     else:
         files = [path]
+    files = [p for p in files if posixpath.basename(p) not in METADATA_FILES]
     if suffixes is not None:
         files = [p for p in files if p.lower().endswith(suffixes)]
     return files
+
+
+METADATA_FILES = frozenset(
+    {
+        "dataset_info.json",  # datasets.save_to_disk: features, sizes
+        "state.json",  # datasets.save_to_disk: the Arrow file list, fingerprint
+        "dataset_dict.json",  # datasets.DatasetDict.save_to_disk: the split names
+    }
+)
+"""File names never taken as data when a directory or glob is expanded."""
 
 
 def _hidden_or_meta(rel: str) -> bool:

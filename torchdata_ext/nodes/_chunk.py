@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from torchdata_ext._drops import DropWatch
 from torchdata_ext.nodes._packed import PackedSequence, _Layout
 from torchdata_ext.nodes._stream import _Cursor, _Mark, _Part, _Piece
 
@@ -39,13 +40,24 @@ class _Chunk:
         drop_remainder: drop each document's last sequence when it is not full, else pad it.
         flush: at the end of the source, emit a document's last partial sequence padded (if
             not ``drop_remainder``), else drop it.
+        drops: counts the documents whose only sequence ``drop_remainder`` dropped (an endless
+            source of documents shorter than a sequence would otherwise never give one).
     """
 
-    def __init__(self, cursor: _Cursor, layout: _Layout, *, drop_remainder: bool, flush: bool):
+    def __init__(
+        self,
+        cursor: _Cursor,
+        layout: _Layout,
+        *,
+        drop_remainder: bool,
+        flush: bool,
+        drops: DropWatch,
+    ):
         self._cursor = cursor
         self._layout = layout
         self._drop_remainder = drop_remainder
         self._flush = flush
+        self.drops = drops
 
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor (``bins_done`` is a best-fit key: ignored)."""
@@ -64,11 +76,13 @@ class _Chunk:
                     raise StopIteration
                 continue
             if filled == capacity:
+                self.drops.count(0, 1)
                 return self._layout.emit(parts)
             if filled and not self._drop_remainder and (self._flush or not ran_out):
                 return self._layout.emit(parts)  # a document's remainder, padded
             if ran_out:
                 raise StopIteration
+            self.drops.count(1, 0)  # a remainder dropped
 
     def _has_document_tokens(self, parts: list[_Part]) -> bool:
         return any(self._cursor.pieces(s, a, b) for s, a, b in parts)

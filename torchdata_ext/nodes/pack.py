@@ -33,6 +33,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int
+from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes._best_fit import _BestFit
 from torchdata_ext.nodes._chunk import _Chunk
@@ -110,6 +111,10 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         dataset_names: the datasets' provenance ids, in order (``build_pipeline``: the config's
             ``datasets``); a dataset not listed gets the next id when first met. A restore keeps
             these ids whatever order the checkpoint's state lists the names in.
+        max_dropped: with ``drop_remainder`` on an endless source: fail
+            (:class:`~torchdata_ext._drops.NothingKeptError`) after this many documents in a
+            row gave no sequence (all shorter than one), or after a whole pass over the readers'
+            documents, instead of pulling forever (default one million; None: only the pass).
 
     Output, one dict per sequence:
 
@@ -171,6 +176,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         flush: bool = True,
         drop_remainder: bool = False,
         dataset_names: Sequence[str] = (),
+        max_dropped: int | None = DEFAULT_MAX_DROPPED,
     ) -> None:
         super().__init__()
         self._fixed_names = [str(n) for n in dataset_names]
@@ -238,8 +244,18 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                 self._cursor, self._layout, window=self.window, flush=self.flush
             )
         elif mode == "chunk":
+            drops = DropWatch(
+                f"Pack(mode='chunk', drop_remainder=True, seq_len={self.seq_len})",
+                max_dropped,
+                "the documents are shorter than a sequence: lower seq_len or set "
+                "drop_remainder=False (pad them), or raise max_dropped_documents",
+            )
             self._strategy = _Chunk(
-                self._cursor, self._layout, drop_remainder=self.drop_remainder, flush=self.flush
+                self._cursor,
+                self._layout,
+                drop_remainder=self.drop_remainder,
+                flush=self.flush,
+                drops=drops,
             )
         else:
             self._strategy = _ConcatPad(
@@ -274,6 +290,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             names = list(self._fixed_names)
         self._cursor.reset(start, names)
         self._strategy.reset(bins_done)
+        if isinstance(self._strategy, _Chunk):
+            endless, cycle = readers_pass(self.source)
+            self._strategy.drops.reset(endless=endless, cycle=cycle)
 
     def next(self) -> dict[str, np.ndarray]:
         return self._layout.materialize(self._strategy.next_packed())

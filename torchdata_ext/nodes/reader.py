@@ -49,6 +49,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext._checks import check_int
+from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.file_access import CacheSetting, FileAccess
 from torchdata_ext.handlers.base import DocData
@@ -114,6 +115,11 @@ class ShardReader(BaseNode[DocumentBlock]):
             (default: every document is delivered).
         subset: with a ``split``: ``"train"`` (default) skips the held-out documents (their
             walk positions are consumed, as for ``min_length``), ``"eval"`` delivers only them.
+        max_dropped: fail (:class:`~torchdata_ext._drops.NothingKeptError`) after this many
+            documents in a row passed over (``min_length``, ``on_error``, ``split``) with none
+            delivered, instead of reading on forever (default one million; None: only after
+            two whole epochs of this worker's shards gave nothing). See :mod:`torchdata_ext.
+            _drops`, which also warns when almost everything is passed over.
 
     Remote I/O changes neither the output nor the state. :meth:`io_stats` says how much time the
     reader spent waiting on I/O.
@@ -137,6 +143,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         prefetch_shards: int = 2,
         split: EvalSplit | None = None,
         subset: Subset = "train",
+        max_dropped: int | None = DEFAULT_MAX_DROPPED,
     ) -> None:
         super().__init__()
         if not isinstance(dataset, DatasetIndex):
@@ -156,6 +163,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         if not np.issubdtype(np.dtype(dtype), np.integer):
             raise TypeError(f"{dtype=} must be an integer dtype such as np.int32 or np.int64")
         check_int("prefetch_shards", prefetch_shards, 0)
+        if max_dropped is not None:
+            check_int("max_dropped", max_dropped, 1)
         if cache is not None and not isinstance(cache, (ShardCache, str, os.PathLike, bool)):
             raise TypeError(
                 f"cache={cache!r} must be a ShardCache, a cache folder path, False or None"
@@ -199,6 +208,12 @@ class ShardReader(BaseNode[DocumentBlock]):
         self.world: World | None = None
         self._files = FileAccess(dataset, cache, int(prefetch_shards))
         self._reader_seconds = 0.0
+        self._drops = DropWatch(
+            f"dataset {dataset.name!r}: the reader",
+            max_dropped,
+            "lower min_length, check eval_fraction / subset and the files on_error='skip' "
+            "logged, or raise max_dropped_documents if the data is meant to be this sparse",
+        )
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -239,6 +254,10 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._owned_docs = sum(self.shard_size(s) for s in self._cursors)
         self._plan_cache = None
         self._empty_run = 0
+        self._drops.reset(
+            endless=self.epochs is None,
+            warn=self._split is None or self._split.subset == "train",
+        )
 
     def next(self) -> DocumentBlock:
         t0 = time.perf_counter()
@@ -249,10 +268,16 @@ class ShardReader(BaseNode[DocumentBlock]):
                     self._files.close()
                     self._files.stop_prefetching()
                     raise StopIteration
+                c = self._cursors[sid]
+                epoch, pos = c.epoch, c.pos
                 block = self._read_block(sid)
+                passed = c.pos - pos if c.epoch == epoch else 0
                 if block is not None:
                     self._empty_run = 0
+                    self._drops.count(passed, len(block))
                     return block
+                if passed:
+                    self._drops.count(passed, 0, self._why_dropped)
         finally:
             self._reader_seconds += time.perf_counter() - t0
 
@@ -272,10 +297,23 @@ class ShardReader(BaseNode[DocumentBlock]):
             "active": active,
         }
 
+    def _why_dropped(self) -> str:
+        why = [f"min_length={self.min_length}"]
+        if self._split is not None:
+            why.append(f"the {self._split.subset!r} side of {self._split.split}")
+        if self.on_error == "skip":
+            why.append(f"{self.skipped:,} skipped by on_error='skip'")
+        return ", ".join(why)
+
     def _split_state(self) -> dict[str, Any] | None:
         return None if self._split is None else self._split.state()
 
     # -- public helpers ----------------------------------------------------------------------
+    @property
+    def owned_documents(self) -> int:
+        """Documents in the logical shards this worker owns (known once reset)."""
+        return self._owned_docs
+
     @property
     def skipped(self) -> int:
         """Documents skipped by ``on_error="skip"`` in this worker's shards (all epochs,

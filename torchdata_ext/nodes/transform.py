@@ -38,9 +38,13 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext._checks import check_int
+from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
 from torchdata_ext.document import DocumentBlock, handed_back_piece
+from torchdata_ext.graph import graph_nodes
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.transforms import Filter, Map, On, Transform, from_spec
+from torchdata_ext.index import DatasetIndex
+from torchdata_ext.transforms import Filter, Map, On, Transform, TransformError, from_spec
 
 __all__ = ["FilterDocuments", "MapDocuments", "TransformDocuments"]
 
@@ -108,6 +112,12 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             All work on tokens, or all on text (a text chain goes before tokenize).
         check_deterministic: apply each step twice to the first block and raise ``ValueError``
             if the results differ (cheap; turn off only for costly functions known to be pure).
+        max_dropped: on an endless source, fail (:class:`~torchdata_ext._drops.
+            NothingKeptError`, naming each step's drops) after this many documents in a row
+            dropped or emptied by the steps, or after a whole pass over the source's documents
+            (twice what its readers own) with none kept, instead of pulling forever (default one
+            million; None: only the whole pass). Almost everything dropped warns once
+            (:mod:`torchdata_ext._drops`).
 
     Raises:
         TypeError / ValueError: a bad step, or steps on both tokens and text.
@@ -124,6 +134,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         transforms: Sequence[Any],
         *,
         check_deterministic: bool = True,
+        max_dropped: int | None = DEFAULT_MAX_DROPPED,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -155,6 +166,18 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         self._skip: list[int] | None = None  # as of the last block emitted (the state)
         self._live_skip: list[int] | None = None  # as of the last block read from the source
         self._ahead: list[tuple[DocumentBlock | None, Any, list[int] | None]] = []
+        if max_dropped is not None:
+            check_int("max_dropped", max_dropped, 1)
+        self.max_dropped = max_dropped
+        self._dropped_by: dict[str, int] = {}  # per step name: documents dropped, for messages
+        self._emptied = 0  # documents the steps left with no data
+        self._stage_named = False
+        self._drops = DropWatch(
+            f"the transforms {steps}",
+            max_dropped,
+            "check the filters and maps (a filter's True keeps a document), or raise "
+            "max_dropped_documents if they are meant to be this selective",
+        )
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -169,16 +192,40 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             self._skip = None
         self._live_skip = self._skip
         self._source_state = self.source.state_dict()
+        endless, cycle = readers_pass(self.source)
+        self._dropped_by, self._emptied = {}, 0
+        self._drops.reset(endless=endless, cycle=cycle)
 
     def next(self) -> DocumentBlock:
         while True:
             if self._ahead:
                 out, self._source_state, self._skip = self._ahead.pop(0)
             else:
-                out = self._process(next(self.source))
+                block = next(self.source)
+                out = self._process(block)
                 self._source_state, self._skip = self.source.state_dict(), self._live_skip
+                self._count(block, out)
             if out is not None and len(out):
                 return out
+
+    def _count(self, block: DocumentBlock, out: DocumentBlock | None) -> None:
+        """Documents read (first pieces) and kept (with data) for the drop watch."""
+        read = len(block) if block.stop is not None else int((block.start == 0).sum())
+        kept = 0
+        if out is not None and len(out):
+            firsts = out.start == 0
+            kept = int((firsts & (out.offsets[1:] > out.offsets[:-1])).sum())
+            self._emptied += int(firsts.sum()) - kept
+        if not self._stage_named:  # the dataset is known from the first block
+            self._drops.stage = f"dataset {block.dataset!r}: {self._drops.stage}"
+            self._stage_named = True
+        self._drops.count(read, kept, self._why_dropped)
+
+    def _why_dropped(self) -> str:
+        parts = [f"step {name!r} dropped {n:,}" for name, n in self._dropped_by.items() if n]
+        if self._emptied:
+            parts.append(f"{self._emptied:,} came out of the steps with no data")
+        return "; ".join(parts)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self._source_state, self.SKIP_KEY: self._skip}
@@ -227,7 +274,27 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         return fetch(dataset, file, doc)
 
     def _apply(self, block: DocumentBlock) -> DocumentBlock:
-        """The steps applied to a block of whole documents."""
+        """The steps applied to a block of whole documents; a user function's error re-raised
+        with its file's URL added."""
+        try:
+            return self._apply_steps(block)
+        except TransformError as err:
+            name, cause = self._file_name(err.where), err.__cause__
+            if err.where is None or not name or cause is None:
+                raise
+            raise TransformError.of(err.step, cause, err.where, name) from cause
+
+    def _file_name(self, where: tuple[str, int, int] | None) -> str:
+        """The URL of file number ``where[1]`` of dataset ``where[0]`` ("" if unknown)."""
+        if where is None:
+            return ""
+        for node in graph_nodes(self.source):
+            index = getattr(node, "dataset", None)
+            if isinstance(index, DatasetIndex) and index.name == where[0]:
+                return index.files[where[1]] if 0 <= where[1] < len(index.files) else ""
+        return ""
+
+    def _apply_steps(self, block: DocumentBlock) -> DocumentBlock:
         if not self._checked and len(block):
             self._checked = True
             for step in self.steps:
@@ -239,13 +306,20 @@ class TransformDocuments(BaseNode[DocumentBlock]):
                         "transforms must be deterministic (a function of the document alone), "
                         "as restores and rescales rebuild documents by applying them again"
                     )
+                self._dropped(step, len(block), len(first))
                 block = first
             return block
         for step in self.steps:
             if not len(block):
                 break
+            n = len(block)
             block = step.apply(block)
+            self._dropped(step, n, len(block))
         return block
+
+    def _dropped(self, step: Transform, before: int, after: int) -> None:
+        if after < before:
+            self._dropped_by[step.name] = self._dropped_by.get(step.name, 0) + before - after
 
     def _process(self, block: DocumentBlock) -> DocumentBlock | None:
         """One source block transformed (None: nothing of it is left)."""
@@ -377,7 +451,7 @@ class MapDocuments(TransformDocuments):
         block_fn: the vectorised form, ``block_fn(block) -> (tokens, offsets)`` (text:
             ``-> list[str]``); give ``fn`` or ``block_fn``.
         on: ``"tokens"`` or ``"text"``.
-        check_deterministic: as :class:`TransformDocuments`.
+        check_deterministic / max_dropped: as :class:`TransformDocuments`.
     """
 
     def __init__(
@@ -388,9 +462,12 @@ class MapDocuments(TransformDocuments):
         block_fn: Any = None,
         on: On = "tokens",
         check_deterministic: bool = True,
+        max_dropped: int | None = DEFAULT_MAX_DROPPED,
     ) -> None:
         step = Map(fn, block_fn=block_fn, on=on)
-        super().__init__(source, [step], check_deterministic=check_deterministic)
+        super().__init__(
+            source, [step], check_deterministic=check_deterministic, max_dropped=max_dropped
+        )
 
 
 class FilterDocuments(TransformDocuments):
@@ -403,7 +480,7 @@ class FilterDocuments(TransformDocuments):
         block_fn: the vectorised form, ``block_fn(block) -> bool array`` (one per document);
             give ``fn`` or ``block_fn``.
         on: ``"tokens"`` or ``"text"``.
-        check_deterministic: as :class:`TransformDocuments`.
+        check_deterministic / max_dropped: as :class:`TransformDocuments`.
     """
 
     def __init__(
@@ -414,6 +491,9 @@ class FilterDocuments(TransformDocuments):
         block_fn: Any = None,
         on: On = "tokens",
         check_deterministic: bool = True,
+        max_dropped: int | None = DEFAULT_MAX_DROPPED,
     ) -> None:
         step = Filter(fn, block_fn=block_fn, on=on)
-        super().__init__(source, [step], check_deterministic=check_deterministic)
+        super().__init__(
+            source, [step], check_deterministic=check_deterministic, max_dropped=max_dropped
+        )
