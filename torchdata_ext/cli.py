@@ -51,7 +51,28 @@ _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name, and words for what the
 # command line sets outside its flags
 _ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
-_WORDS = {"storage_options": "the storage credentials (fsspec configuration)"}
+_WORDS: dict[str, str] = {}
+_STORAGE_HELP = (
+    "fsspec options of the URLs as a JSON object, e.g. '{\"client_kwargs\": {\"endpoint_url\": "
+    "\"http://host:9000\"}, \"key\": \"...\", \"secret\": \"...\"}' (default: the "
+    "environment, AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID...)"
+)
+
+
+def _json_object(text: str) -> dict[str, object]:
+    """``--storage-options``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({exc}): give a JSON object in single quotes, "
+            """e.g. '{"anon": true}'"""
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object: give one in braces, e.g. '{{\"anon\": true}}'"
+        )
+    return value
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -69,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
     pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
+    pp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP + "; for the inputs and --out")  # fmt: skip
     pp.add_argument(
         "--tokenizer", default="byte", help="'byte', a tokenizer.json path or a cached HF model"
     )
@@ -103,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     ip = sub.add_parser("inspect", help="summarize a dataset or print one document")
     ip.add_argument("path", help="dataset folder, file, glob or data_sources.txt (URL)")
     ip.add_argument("--file-type", default=None, help="format name (default: by suffix)")
+    ip.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP)  # fmt: skip
     ip.add_argument("--col-name", default=None, help="token column or text field")
     ip.add_argument(
         "--eos-token", type=int, default=None, help="flat .npy EOS (default: as prepared, or 0)"
@@ -133,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint")
     ap.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP + "; for the checkpoint, --list and --plot (the data's: "
+                    "the config's storage_options)")  # fmt: skip
     ap.add_argument("--list", default=None, metavar="OUT.parquet",
                     help="write one row per document consumed to this Parquet file")  # fmt: skip
     ap.add_argument("--plot", default=None, metavar="AUDIT.png",
@@ -240,6 +268,7 @@ def _run(args: argparse.Namespace) -> None:
             args.inputs,
             args.out,
             format=args.format,
+            storage_options=args.storage_options,
             tokenizer=args.tokenizer,
             byte_offset=args.byte_offset,
             text_field=args.text_field,
@@ -271,6 +300,7 @@ def _run(args: argparse.Namespace) -> None:
             byte_offset=args.byte_offset,
             compression=compression,
             full=args.full,
+            storage_options=args.storage_options,
             out=sys.stdout,
         )
 
@@ -280,6 +310,7 @@ def _audit(args: argparse.Namespace) -> None:
     report = audit_checkpoint(
         args.checkpoint,
         args.config,
+        args.storage_options,
         replay=args.replay,
         tokens=args.tokens,
         verify=args.verify,
@@ -287,10 +318,10 @@ def _audit(args: argparse.Namespace) -> None:
     )
     print(report.to_json() if args.json else report.format_table())
     if args.list:
-        n = report.write_documents(args.list)
+        n = report.write_documents(args.list, args.storage_options)
         print(f"wrote {n:,} documents to {args.list}", file=sys.stderr)
     if args.plot:
-        report.plot(args.plot)
+        report.plot(args.plot, args.storage_options)
         print(f"wrote {args.plot}", file=sys.stderr)
 
 
