@@ -77,6 +77,7 @@ from torchdata_ext.world import World
 __all__ = [
     "CHECKPOINT_FORMAT",
     "DCPLoaderState",
+    "dataset_differs",
     "load_checkpoint",
     "read_manifest",
     "read_worker_states",
@@ -455,12 +456,10 @@ def _check_datasets(
                     )
             for key in ("fingerprint", "seed", "n_logical_shards", "split"):
                 if mine[name].get(key) != theirs[name].get(key):
-                    what = {"fingerprint": "files or document counts", "split": "held-out split"}
+                    index = _datasets_of(root).get(name) if key == "fingerprint" else None
                     problems.append(
-                        f"dataset {name!r}: {what.get(key, key)} differ (checkpoint {key}="
-                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r}"
-                        + (_listed_changes(root, manifest, name) if key == "fingerprint" else "")
-                        + ")"
+                        dataset_differs(name, key, theirs[name].get(key), mine[name].get(key),
+                                        manifest, index)  # fmt: skip
                     )
     if problems:
         raise ValueError(
@@ -480,12 +479,26 @@ def _check_datasets(
     return added, reweighted
 
 
-def _listed_changes(root: BaseNode, manifest: dict[str, Any], name: str) -> str:
-    """Dataset ``name``'s files missing, added or resized since the save, or ``""``."""
+def dataset_differs(
+    name: str,
+    key: str,
+    saved: Any,
+    now: Any,
+    manifest: dict[str, Any],
+    index: DatasetIndex | None = None,
+) -> str:
+    """The one description of dataset ``name`` differing from a checkpoint in ``key``
+    (``"fingerprint"``, ``"seed"``, ``"n_logical_shards"``, ``"split"``), used by
+    :func:`load_checkpoint` and :func:`~torchdata_ext.audit.audit_checkpoint`: for the
+    fingerprint, the files missing, added or resized since the save are named (from the listing
+    of ``index``, the dataset now, against the manifest's recorded file fingerprints)."""
+    what = {"fingerprint": "files or document counts", "split": "held-out split"}.get(key, key)
+    listed = ""
     recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
-    index = _datasets_of(root).get(name)
-    changes = [] if recorded is None or index is None else listed_changes(recorded, index)
-    return f"; changed files: {describe({name: changes})}" if changes else ""
+    if key == "fingerprint" and recorded is not None and index is not None:
+        changes = listed_changes(recorded, index)
+        listed = f"; changed files: {describe({name: changes})}" if changes else ""
+    return f"dataset {name!r}: {what} differ (checkpoint {key}={saved!r}, now {now!r}{listed})"
 
 
 def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:

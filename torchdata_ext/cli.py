@@ -172,9 +172,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip token counts (no file metadata read)")  # fmt: skip
     ap.add_argument("--verify", action="store_true",
                     help="re-check every data file against the fingerprint the checkpoint "
-                    "recorded (reads 128 KiB per file); a changed file is an error naming it")  # fmt: skip
+                    "recorded: size, version and the first and last 64 KiB of each (128 KiB read per "
+                    "file); a changed file is an error naming it")  # fmt: skip
     ap.add_argument("--allow-changed-files", action="store_true",
-                    help="with --verify: list changed files in the report instead of failing")  # fmt: skip
+                    help="list data files changed in place (same size and document counts) "
+                    "in the report instead of failing; implies --verify. Files added, removed "
+                    "or resized are always refused")  # fmt: skip
     return p
 
 
@@ -313,7 +316,7 @@ def _audit(args: argparse.Namespace) -> None:
         args.storage_options,
         replay=args.replay,
         tokens=args.tokens,
-        verify=args.verify,
+        verify=args.verify or args.allow_changed_files,
         allow_changed_files=args.allow_changed_files,
     )
     print(report.to_json() if args.json else report.format_table())
