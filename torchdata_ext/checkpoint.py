@@ -78,6 +78,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "DCPLoaderState",
     "dataset_differs",
+    "is_checkpoint_folder",
     "load_checkpoint",
     "read_manifest",
     "read_worker_states",
@@ -273,6 +274,11 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
     try:
         manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
     except FileNotFoundError:
+        fs, path = filesystem(url, storage_options)
+        if not fs.exists(path):
+            raise FileNotFoundError(
+                f"checkpoint folder {url} does not exist: check the path{_beside(fs, path)}"
+            ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
             "(a kill during save); restore from an earlier checkpoint"
@@ -283,6 +289,31 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
             f"(this version reads format {CHECKPOINT_FORMAT})"
         )
     return manifest
+
+
+def is_checkpoint_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is a folder holding a loader checkpoint (its ``manifest.json`` and
+    ``rank_00000.json``), e.g. to refuse reading one as a dataset."""
+    fs, path = filesystem(url, storage_options)
+    return bool(
+        fs.isfile(posixpath.join(path, _MANIFEST))
+        and fs.isfile(posixpath.join(path, "rank_00000.json"))
+    )
+
+
+def _beside(fs: Any, path: str, limit: int = 8) -> str:
+    """``"; <parent> holds: a, b, ..."`` (the folders beside a missing ``path``), or ``""``."""
+    parent = posixpath.dirname(path.rstrip("/"))
+    try:
+        names = sorted(
+            posixpath.basename(p.rstrip("/")) for p in fs.ls(parent or ".", detail=False)
+        )
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return f" ({parent or '.'} holds: {', '.join(names[:limit])}{more})"
 
 
 def read_worker_states(
@@ -458,8 +489,9 @@ def _check_datasets(
                 if mine[name].get(key) != theirs[name].get(key):
                     index = _datasets_of(root).get(name) if key == "fingerprint" else None
                     problems.append(
-                        dataset_differs(name, key, theirs[name].get(key), mine[name].get(key),
-                                        manifest, index)  # fmt: skip
+                        dataset_differs(
+                            name, key, theirs[name].get(key), mine[name].get(key), manifest, index
+                        )  # fmt: skip
                     )
     if problems:
         raise ValueError(

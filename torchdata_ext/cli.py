@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -38,9 +39,10 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TextIO, cast
 
 from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.inspect_data import inspect_dataset
+from torchdata_ext.inspect_data import MORE_HINT, inspect_dataset
 from torchdata_ext.prepare_data import PrepareResult, prepare
 from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
 from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
@@ -53,8 +55,8 @@ _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 _ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
 _WORDS: dict[str, str] = {}
 _STORAGE_HELP = (
-    "fsspec options of the URLs as a JSON object, e.g. '{\"client_kwargs\": {\"endpoint_url\": "
-    "\"http://host:9000\"}, \"key\": \"...\", \"secret\": \"...\"}' (default: the "
+    'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '
+    '"http://host:9000"}, "key": "...", "secret": "..."}\' (default: the '
     "environment, AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID...)"
 )
 
@@ -304,8 +306,23 @@ def _run(args: argparse.Namespace) -> None:
             compression=compression,
             full=args.full,
             storage_options=args.storage_options,
-            out=sys.stdout,
+            out=cast(TextIO, _Flagged(sys.stdout)),
         )
+
+
+class _Flagged(io.TextIOBase):
+    """``inspect``'s report with its hint in the command line's terms (``--all``, not the
+    Python ``full=True``); each line is written through as it comes."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def write(self, s: str) -> int:
+        self._out.write(s.replace(MORE_HINT, "(--all shows all)"))
+        return len(s)
+
+    def flush(self) -> None:
+        self._out.flush()
 
 
 def _audit(args: argparse.Namespace) -> None:

@@ -258,6 +258,7 @@ class PipelineConfig:
     def _check_eval_split(self) -> None:
         fr = self.eval_fraction
         values = fr.values() if isinstance(fr, Mapping) else [fr]
+        check_int("eval_seed", self.eval_seed, None)  # (EvalSplit would call it seed)
         for v in values:
             EvalSplit(v, self.eval_seed)  # its checks name the value
         if isinstance(fr, Mapping):

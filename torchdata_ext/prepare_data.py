@@ -140,6 +140,25 @@ def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[s
     return list(files[shard_id * n // num_shards : (shard_id + 1) * n // num_shards])
 
 
+def _refuse_token_files(files: Sequence[str]) -> None:
+    """Refuse an input in a format other than the text ``prepare`` reads (an Arrow or ``.npy``
+    token shard, a CBOR file...), saying what it is, rather than failing to parse it as JSON."""
+    for url in files:
+        if url.lower().endswith(INPUT_SUFFIXES):
+            continue
+        kind = next(
+            (k for k, sfx in registered_formats().items() if url.lower().endswith(tuple(sfx))),
+            None,
+        )
+        if kind is not None:
+            raise ValueError(
+                f"{url} is a {kind!r} file, not text: prepare reads JSONL, Parquet or .txt "
+                "text and writes token shards. A token file is already prepared: read it "
+                f"directly (DatasetIndex.build / PipelineConfig with file_type={kind!r}), or "
+                "pass the text it was made from"
+            )
+
+
 def prepare(
     inputs: str | Sequence[str],
     out: str,
@@ -214,7 +233,15 @@ def prepare(
         )
     raw = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
+    _refuse_token_files(files)
     mine = split_inputs(files, shard_id, num_shards)
+    if not mine:
+        warnings.warn(
+            f"part {shard_id} of {num_shards} got no input file: the {len(files)} input "
+            f"file(s) are split among the parts by file, so parts beyond them have nothing to "
+            f"do; use num_shards={len(files)} or fewer, or split the inputs into more files",
+            stacklevel=2,
+        )
     # a bad tokenizer or an eos_token it can emit fails here, before anything is written
     tok = _tokenizer(tokenizer, byte_offset)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
