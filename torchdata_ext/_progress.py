@@ -92,7 +92,9 @@ class Progress:
             return
         if self._last_log is None or now - self._last_log >= self._interval:
             self._last_log = now
-            self.logger.info("%s: %s after %.0f s", self.what, self._count(), now - self._t0)
+            self.logger.info(
+                "%s: %s after %.0f s%s", self.what, self._count(), now - self._t0, self._eta(now)
+            )
 
     def close(self, ok: bool = True) -> None:
         """The wait is over: a closing line if it lasted ``delay`` seconds and ``ok`` (it did
@@ -104,6 +106,13 @@ class Progress:
         if ok and elapsed >= self._delay and not self._closed:
             self.logger.info("%s: done, %s in %.1f s", self.what, self._count(), elapsed)
         self._closed = True
+
+    def _eta(self, now: float) -> str:
+        """``", about N s left"`` at the rate so far, when the total is known."""
+        if not self.total or not self.done or self.done >= self.total:
+            return ""
+        left = (now - self._t0) * (self.total - self.done) / self.done
+        return f", about {left:.0f} s left"
 
     def _count(self) -> str:
         if self.total is None:

@@ -116,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
-    pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="report on stderr from the start (a bar with the time left on a "
+                    "terminal, else a line every 10 s); default: once a part has run 2 s; "
+                    "--no-progress: nothing, not even the closing summary")  # fmt: skip
     pp.add_argument("--slow-for-tests", type=float, default=0.0, help=argparse.SUPPRESS)
     pp.add_argument(
         "--data-fraction", type=float, default=1.0, help="keep a seeded sample of this share"
