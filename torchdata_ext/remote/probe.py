@@ -19,10 +19,17 @@ of this package but :mod:`.retry` (``urls`` calls it; ``.files`` imports ``urls`
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
-from torchdata_ext.remote.retry import RemoteError, _unreachable, explain_error
+from torchdata_ext.remote.retry import (
+    RemoteError,
+    _chain,
+    _client_error_info,
+    _unreachable,
+    explain_error,
+)
 
 __all__ = ["PROBE_CONNECT_TIMEOUT_S", "probe_store"]
 
@@ -34,7 +41,19 @@ _PROBED = ("s3", "s3a")
 _PERMANENT_CODES = frozenset(
     {"NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidBucketName"}
 )
+# what an S3 client reads from the environment when the options do not say
+_ENVIRONMENT = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+)
 _ANSWERED: set[str] = set()  # stores (protocol, bucket, options) that answered the probe
+_CLIENTS: dict[str, Any] = {}  # the probe's filesystems, by protocol and options
 _LOCK = threading.Lock()
 
 
@@ -54,22 +73,12 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
     with _LOCK:
         if key in _ANSWERED:
             return
-    import fsspec
-
-    opts = dict(storage_options)
-    config = dict(opts.get("config_kwargs") or {})
-    config.setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT_S)
-    config.setdefault("read_timeout", PROBE_CONNECT_TIMEOUT_S)
-    config["retries"] = {"total_max_attempts": 1, "mode": "standard"}
-    opts["config_kwargs"] = config
-    opts["skip_instance_cache"] = True
     try:
-        fs = fsspec.filesystem(protocol, **opts)
-        fs.retries = 1  # s3fs's own retry loop
+        fs = _client(protocol, storage_options)
         fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
     except Exception as exc:
         if _permanent(exc):
-            clear = explain_error(url, exc, "access")
+            clear = explain_error(url, exc, "list")
             if isinstance(clear, RemoteError):
                 raise clear from None  # the message says it all: no client traceback
         # undecided (a transient error...): the real operation decides, with its retries
@@ -77,26 +86,55 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
         _ANSWERED.add(key)
 
 
+def _client(protocol: str, storage_options: dict[str, Any]) -> Any:
+    """The probe's S3 filesystem for these options (short timeouts, no retry), one per
+    process (making a client costs ~0.1-0.5 s of CPU)."""
+    key = f"{protocol}|{_options_key(storage_options)}"
+    with _LOCK:
+        fs = _CLIENTS.get(key)
+    if fs is None:
+        import fsspec
+
+        opts = dict(storage_options)
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", PROBE_CONNECT_TIMEOUT_S)
+        config.setdefault("read_timeout", PROBE_CONNECT_TIMEOUT_S)
+        config["retries"] = {"total_max_attempts": 1, "mode": "standard"}
+        opts["config_kwargs"] = config
+        opts["skip_instance_cache"] = True
+        fs = fsspec.filesystem(protocol, **opts)
+        fs.retries = 1  # s3fs's own retry loop
+        with _LOCK:
+            fs = _CLIENTS.setdefault(key, fs)
+    return fs
+
+
 def _options_key(storage_options: dict[str, Any]) -> str:
     """The options that decide whether a store works (not the client's retries or caching)."""
     opts = {k: v for k, v in storage_options.items() if k != "skip_instance_cache"}
     config = {k: v for k, v in (opts.pop("config_kwargs", None) or {}).items() if k != "retries"}
-    return repr(sorted({**opts, "config_kwargs": config}.items()))
+    env = [(k, os.environ.get(k)) for k in _ENVIRONMENT]  # what the client reads besides
+    return repr((sorted({**opts, "config_kwargs": config}.items()), env))
 
 
 def _permanent(exc: BaseException) -> bool:
     """Whether the probe's failure is about the endpoint, bucket or credentials as a whole."""
     if _unreachable(exc) is not None:
         return True
-    cur: BaseException | None = exc
-    for _ in range(12):
-        if cur is None:
-            break
-        if type(cur).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+    for e in _chain(exc):
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             return True
-        response = getattr(cur, "response", None)
-        if isinstance(response, dict):
-            if str(response.get("Error", {}).get("Code", "")) in _PERMANENT_CODES:
-                return True
-        cur = cur.__cause__ or cur.__context__
+        info = _client_error_info(e)
+        if info is not None and info[0] in _PERMANENT_CODES:
+            return True
     return False
+
+
+def _reset_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()
+    _CLIENTS.clear()  # event loops and connections do not survive a fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
