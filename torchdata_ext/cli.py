@@ -20,6 +20,10 @@ dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), 
 writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
 extra).
 
+Every command takes ``--storage-options JSON`` (the fsspec options of its URLs; see
+``docs/command-line.md``); a store that cannot work fails within a second or two, naming the
+endpoint and what to check (:mod:`torchdata_ext.remote.probe`).
+
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
 :func:`cli_message` rewrites as this command's flags (``--text-field ...``). Output into a pipe
