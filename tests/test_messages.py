@@ -41,7 +41,7 @@ def test_a_checkpoint_folder_that_does_not_exist_says_so(tokens, tmp_path: Path)
     save_checkpoint(loader, str(tmp_path / "ckpt" / "step_0"))
     missing = str(tmp_path / "ckpt" / "step_1000")
     said = (
-        f"checkpoint folder {missing} does not exist: check the path "
+        f"checkpoint folder {missing} does not exist (so no manifest.json): check the path "
         f"({tmp_path / 'ckpt'} holds: step_0)"
     )
     with pytest.raises(FileNotFoundError) as err:

@@ -277,7 +277,8 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
         fs, path = filesystem(url, storage_options)
         if not fs.exists(path):
             raise FileNotFoundError(
-                f"checkpoint folder {url} does not exist: check the path{_beside(fs, path)}"
+                f"checkpoint folder {url} does not exist (so no {_MANIFEST}): check the "
+                f"path{_beside(fs, path)}"
             ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
