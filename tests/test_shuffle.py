@@ -305,7 +305,7 @@ def test_restore_of_a_large_buffer_logs_its_rebuild(index, monkeypatch, caplog) 
     caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
     make(idx, 40).reset(state)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s"
+    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s, about 38 s left"
     assert lines[-1] == "rebuilding the shuffle buffer: done, 40 of 40 items in 41.0 s"
 
 
