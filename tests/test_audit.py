@@ -578,3 +578,106 @@ def test_verify_names_a_data_file_changed_in_place(tmp_path, capsys) -> None:
     assert "p1.arrow" in capsys.readouterr().err
     assert main(["audit", ckpt, "--config", str(config), "--verify", "--allow-changed-files"]) == 0
     assert "web/p1.arrow" in capsys.readouterr().out
+
+
+@pytest.fixture()
+def saved_run(tmp_path):
+    """A one-dataset run (two Arrow files) checkpointed after 4 batches: (cfg, ckpt, docs)."""
+    rng = np.random.default_rng(8)
+    docs = [
+        rng.integers(5, 30_000, 1 + int(rng.exponential(30)), dtype=np.uint32) for _ in range(60)
+    ]
+    root = tmp_path / "data"
+    for f in range(2):
+        write_arrow_batches(str(root / "web" / f"p{f}.arrow"), docs[f::2])
+    cfg = PipelineConfig(
+        data_path=str(root), datasets="web", seq_length=32, eos_token=0, logical_shards=6,
+        batch_size=2, seed=5, shuffle_buffer=4, block_docs=5,
+    )  # fmt: skip
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    for step, _ in enumerate(loader, 1):
+        if step == 4:
+            break
+    ckpt = str(tmp_path / "c")
+    save_checkpoint(loader, ckpt)
+    return cfg, ckpt, docs
+
+
+def test_audit_names_added_and_resized_files_as_load_checkpoint_does(saved_run, tmp_path) -> None:
+    cfg, ckpt, docs = saved_run
+    root = tmp_path / "data" / "web"
+    write_arrow_batches(str(root / "p2.arrow"), docs[:3])  # added
+    write_arrow_batches(str(root / "p1.arrow"), docs[1::2][:-1])  # resized
+    named = "changed files: dataset 'web': 2 file(s): p1.arrow (size "
+    with pytest.raises(ValueError) as audited:
+        audit_checkpoint(ckpt, cfg)
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    with pytest.raises(ValueError) as loaded:
+        load_checkpoint(loader, ckpt)
+    for err in (audited, loaded):
+        assert named in str(err.value), err.value
+        assert "p2.arrow (not in the recorded files)" in str(err.value), err.value
+    # one description of the dataset's difference, in both messages
+    described = str(loaded.value).split("cannot restore this loader checkpoint: ")[1]
+    described = described.split(". Restore with")[0]
+    assert described in str(audited.value)
+    assert str(audited.value).startswith(f"checkpoint {ckpt} does not match the data now: ")
+
+
+def test_allow_changed_files_without_verify_is_not_ignored(saved_run, tmp_path, capsys) -> None:
+    cfg, ckpt, docs = saved_run
+    changed = [d.copy() for d in docs[1::2]]
+    changed[0][0] ^= 1  # same size, same document lengths, another token
+    write_arrow_batches(str(tmp_path / "data" / "web" / "p1.arrow"), changed)
+    with pytest.raises(ValueError, match="allow_changed_files=True needs verify=True: "):
+        audit_checkpoint(ckpt, cfg, allow_changed_files=True)
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    # the command line: --allow-changed-files implies --verify
+    assert main(["audit", ckpt, "--config", str(config), "--allow-changed-files"]) == 0
+    out = capsys.readouterr().out
+    assert "CHANGED data files since the checkpoint (1): web/p1.arrow: sha256" in out
+
+
+def test_verify_says_what_it_compared(saved_run) -> None:
+    cfg, ckpt, _ = saved_run
+    report = audit_checkpoint(ckpt, cfg, verify=True)
+    table = report.format_table().splitlines()
+    assert table[-2:] == [
+        "data files verified: no difference from the checkpoint's fingerprints",
+        "compared: 2 data file(s), each by its size, its version (modification time or ETag, as "
+        "the filesystem lists it) and the sha256 of its first and last 64 KiB (the bytes "
+        "between are not read)",
+    ]
+    assert audit_checkpoint(ckpt, cfg).verified is None
+
+
+def test_the_plot_shows_counts_and_its_legends_match_its_axes(cfg, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from torchdata_ext._audit_render import figure
+
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    for step, _ in enumerate(loader, 1):
+        if step == 10:
+            break
+    save_checkpoint(loader, str(tmp_path / "c"))
+    report = audit_checkpoint(str(tmp_path / "c"), cfg)
+    left, right = figure(report, Figure).axes
+    web, code = report.datasets
+    held = min(web.in_flight_documents, web.current.documents)
+    texts = [t.get_text() for t in left.texts]
+    assert texts[0] == f"{web.current.documents - held:,} + {held:,} of 160"
+    assert len(texts) == 2 and texts[1].endswith(" of 80")
+    assert [t.get_text() for t in left.get_legend().get_texts()] == ["delivered", "in flight"]
+    assert "(delivered + in flight)" in left.get_xlabel()
+    legend = [t.get_text() for t in right.get_legend().get_texts()]
+    assert legend == ["share of the tokens delivered", "target share (weight)"]
+    assert right.get_xlabel() == "% of the tokens delivered so far (all datasets)"
+    texts = [t.get_text() for t in right.texts]
+    assert texts[:2] == [
+        f"{100 * web.token_share:.2f}% ({web.tokens_delivered:,} tokens)",
+        f"{100 * web.target_share:.2f}%",
+    ]
+    assert texts[3] == f"{100 * code.target_share:.2f}%" == "33.33%"

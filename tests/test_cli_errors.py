@@ -187,7 +187,7 @@ def test_inspect_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
         ("different settings (byte_offset, eos_token)", "different settings (--byte-offset, --eos-token)"),
         ("/data/text_field/x.jsonl: bad", "/data/text_field/x.jsonl: bad"),  # a path stays
         ("the format of the file", "the format of the file"),  # prose stays
-        ("check storage_options", "check the storage credentials (fsspec configuration)"),
+        ("check storage_options", "check --storage-options"),
     ],
 )  # fmt: skip
 def test_cli_message_speaks_in_flags(message: str, expected: str) -> None:

@@ -129,11 +129,11 @@ def test_flat_npy_listed_in_data_sources(tmp_path: Path) -> None:
 
 
 def test_bad_document_or_file(arrow: Path) -> None:
-    with pytest.raises(ValueError, match="--doc 5 is out of range: the dataset has 5"):
+    with pytest.raises(ValueError, match="^doc=5 is out of range: the dataset has 5$"):
         _inspect(arrow, doc=5)
-    with pytest.raises(ValueError, match=r"--doc 2 is out of range: .*a.arrow has 2 docs"):
+    with pytest.raises(ValueError, match=r"^doc=2 is out of range: .*a.arrow has 2 docs"):
         _inspect(arrow, file="a.arrow", doc=2)
-    with pytest.raises(ValueError, match=r"--file '.arrow' matches 0 of the dataset's files"):
+    with pytest.raises(ValueError, match=r"^file='.arrow' matches 0 of the dataset's files"):
         _inspect(arrow, file=".arrow", doc=0)
 
 

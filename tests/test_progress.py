@@ -43,3 +43,33 @@ def test_no_bar_when_not_allowed_and_nothing_after_a_failure(monkeypatch, caplog
         pass
     assert capsys.readouterr().err == ""
     assert [r.getMessage() for r in caplog.records] == ["fetching: 2 files after 2 s"]
+
+
+def test_prepare_reports_to_a_pipe_in_bytes_with_the_time_left(tmp_path, monkeypatch, capsys):
+    """``prepare`` with stderr not a terminal (a log file, ``| tee``): log lines on stderr,
+    counted in input bytes out of their known total, with the time left; none with
+    ``progress=False``; a run shorter than 2 s shows only its summary line."""
+    import torchdata_ext
+    from torchdata_ext.testing import write_jsonl
+
+    for k in range(4):
+        write_jsonl(str(tmp_path / "in" / f"p{k}.jsonl"), [f"text {k} {j}" for j in range(50)])
+    sizes = [(tmp_path / "in" / f"p{k}.jsonl").stat().st_size for k in range(4)]
+    total = sum(sizes)
+    monkeypatch.setattr(_progress, "_terminal", lambda: False)
+    monkeypatch.setattr(_progress, "_clock", _Ticks(6.0))  # each report 6 s after the last
+
+    torchdata_ext.prepare(str(tmp_path / "in"), str(tmp_path / "o1"), progress=None)
+    lines = capsys.readouterr().err.splitlines()
+    # t = 6 at the start; files end at 12, 18, 24, 30: a line at 12 (>= 2 s), then >= 10 s later
+    assert lines[:3] == [
+        f"prepare: part 0/1: reading inputs: {sizes[0]:,} of {total:,} B after 6 s, about "
+        f"{6 * (total - sizes[0]) / sizes[0]:.0f} s left",
+        f"prepare: part 0/1: reading inputs: {sum(sizes[:3]):,} of {total:,} B after 18 s, "
+        f"about {18 * sizes[3] / sum(sizes[:3]):.0f} s left",
+        f"prepare: part 0/1: reading inputs: done, {total:,} of {total:,} B in 30.0 s",
+    ]
+    assert lines[3].startswith("part 0/1: 200 documents, ")
+
+    torchdata_ext.prepare(str(tmp_path / "in"), str(tmp_path / "o2"), progress=False)
+    assert capsys.readouterr().err == ""

@@ -736,7 +736,7 @@ def test_slow_listing_counting_and_downloads_log_progress(s3, tmp_path, monkeypa
     assert lines == [
         f"listing {where}: 2 of 2 patterns (3 files) after 2 s",  # not a TTY: log lines
         f"listing {where}: done, 2 of 2 patterns (3 files) in 3.0 s",
-        "counting the documents of 'slow': 2 of 3 files after 2 s",
+        "counting the documents of 'slow': 2 of 3 files after 2 s, about 1 s left",
         "counting the documents of 'slow': done, 3 of 3 files in 4.0 s",
     ]
     caplog.clear()

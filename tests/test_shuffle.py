@@ -274,10 +274,13 @@ def test_a_slow_fill_logs_its_progress_and_size(index, monkeypatch, caplog) -> N
     next(node)
     lines = [r.getMessage() for r in caplog.records]
     # rate-limited: the first line after 2 s, then one per 10 s, and a closing line
-    assert lines[0] == "filling the shuffle buffer: 2 of 40 items after 2 s"
-    assert lines[1] == "filling the shuffle buffer: 12 of 40 items after 12 s"
-    assert lines[-1] == "filling the shuffle buffer: done, 40 of 40 items in 41.0 s"
+    # what it waits for and the time left, as a warning: heard without a logging configuration
+    what = "filling the shuffle buffer (the first batch comes once it is full)"
+    assert lines[0] == f"{what}: 2 of 40 items after 2 s, about 38 s left"
+    assert lines[1] == f"{what}: 12 of 40 items after 12 s, about 28 s left"
+    assert lines[-1] == f"{what}: done, 40 of 40 items in 41.0 s"
     assert len(lines) == 5  # 2, 12, 22, 32 s and done
+    assert [r.levelname for r in caplog.records] == ["WARNING"] * 4 + ["INFO"]
     caplog.clear()
     for _ in range(30):  # drawing from the full buffer is no wait
         next(node)
@@ -302,7 +305,7 @@ def test_restore_of_a_large_buffer_logs_its_rebuild(index, monkeypatch, caplog) 
     caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
     make(idx, 40).reset(state)
     lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s"
+    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s, about 38 s left"
     assert lines[-1] == "rebuilding the shuffle buffer: done, 40 of 40 items in 41.0 s"
 
 
@@ -428,3 +431,24 @@ def test_a_buffer_whose_states_are_never_taken_keeps_bounded_memory(index, monke
     fresh = make(idx, 10, epochs=None)
     fresh.reset(pickle.loads(pickle.dumps(state)))
     assert [item_key(x) for x in run(fresh, 30)] == [item_key(x) for x in run(node, 30)]
+
+
+def test_the_share_warning_fires_for_text_data_too(tmp_path, caplog) -> None:
+    """Text datasets count no tokens: the share is estimated from the files' sizes (one token
+    per byte with the byte tokenizer)."""
+    from torchdata_ext import PipelineConfig, build_pipeline
+    from torchdata_ext.testing import write_jsonl
+
+    write_jsonl(str(tmp_path / "web" / "a.jsonl"), ["x" * 40] * 64)
+    size = (tmp_path / "web" / "a.jsonl").stat().st_size
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), datasets="web", file_type="jsonl", col_name="text",
+        tokenizer="byte", seq_length=16, logical_shards=8, shuffle_buffer=100, batch_size=2,
+    )  # fmt: skip
+    caplog.set_level("WARNING", logger="torchdata_ext.nodes.shuffle")
+    node = build_pipeline(cfg, World(rank=1, world_size=2, worker_id=0, num_workers=2))
+    node.reset()
+    next(node)
+    share = size // (4 * 16)  # ~56 sequences of 16 for each of 4 workers
+    assert share < 100
+    assert f"holds 100 items but this worker's share of the data is only ~{share}:" in caplog.text

@@ -91,7 +91,9 @@ def format_table(report: AuditReport) -> str:
             + "; ".join(report.changed_files)
         )
     elif report.changed_files is not None:
-        lines.append("data files verified: every file matches the checkpoint's fingerprints")
+        lines.append("data files verified: no difference from the checkpoint's fingerprints")
+    if report.verified is not None:
+        lines.append(f"compared: {report.verified}")
     return "\n".join(lines)
 
 
@@ -114,31 +116,7 @@ def plot(report: AuditReport, url: str, storage_options: dict[str, Any] | None =
             "plotting the audit needs matplotlib: pip install 'torchdata-ext[plot]' "
             "(or pip install matplotlib)"
         ) from None
-    names = [d.name for d in report.datasets]
-    y = np.arange(len(names))
-    seen = np.array([d.current.percent_documents for d in report.datasets])
-    flight = np.array([100 * d.in_flight_documents / max(d.documents, 1) for d in report.datasets])
-    fig = Figure(figsize=(8, 1.6 + 0.5 * len(names)), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
-    ax1.barh(y, seen - np.minimum(flight, seen), color="#3b75af", label="delivered")
-    ax1.barh(y, np.minimum(flight, seen), left=seen - np.minimum(flight, seen),
-             color="#f0a030", label="in flight")  # fmt: skip
-    ax1.set_xlim(0, 100)
-    ax1.set_yticks(y, [f"{d.name} (epoch {d.epoch_min})" for d in report.datasets])
-    ax1.invert_yaxis()
-    ax1.set_xlabel("% of the current epoch's documents consumed")
-    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.3), "ncol": 2}
-    ax1.legend(fontsize="small", frameon=False, **below)
-    share = [100 * (d.token_share or 0.0) for d in report.datasets]
-    target = [100 * (d.target_share or 0.0) for d in report.datasets]
-    ax2.barh(y - 0.2, share, height=0.4, color="#3b75af", label="delivered")
-    ax2.barh(y + 0.2, target, height=0.4, color="#9a9a9a", label="target")
-    ax2.set_yticks(y, names)
-    ax2.invert_yaxis()
-    ax2.set_xlabel("% of the tokens delivered")
-    ax2.legend(fontsize="small", frameon=False, **below)
-    where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
-    fig.suptitle(f"audit of {where}", fontsize="medium")
+    fig = figure(report, Figure)
     buf = io.BytesIO()
     suffix = os.path.splitext(str(url))[1].lstrip(".").lower() or "png"
     try:
@@ -146,6 +124,49 @@ def plot(report: AuditReport, url: str, storage_options: dict[str, Any] | None =
     except ValueError as exc:  # an unknown format
         raise ValueError(f"cannot save the audit plot as {url}: {exc}") from None
     write_bytes_atomic(str(url), buf.getvalue(), storage_options)
+
+
+def figure(report: AuditReport, figure_class: Any) -> Any:
+    """The audit picture (a matplotlib ``figure_class`` instance): per dataset, left, the share of
+    the current epoch's documents consumed (delivered, then in flight) with the counts written
+    at each bar; right, its share of the tokens delivered so far next to its target share, with
+    the percentages (and the token count) written at each bar."""
+    names = [d.name for d in report.datasets]
+    y = np.arange(len(names))
+    seen = np.array([d.current.percent_documents for d in report.datasets])
+    flight = np.array([100 * d.in_flight_documents / max(d.documents, 1) for d in report.datasets])
+    flight = np.minimum(flight, seen)
+    fig = figure_class(figsize=(10, 1.8 + 0.6 * len(names)), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.barh(y, seen - flight, color="#3b75af", label="delivered")
+    ax1.barh(y, flight, left=seen - flight, color="#f0a030", label="in flight")
+    for k, d in enumerate(report.datasets):
+        held = min(d.in_flight_documents, d.current.documents)
+        ax1.text(seen[k] + 1, k, f"{d.current.documents - held:,} + {held:,} of {d.documents:,}",
+                 va="center", fontsize="small")  # fmt: skip
+    ax1.set_xlim(0, 100)
+    ax1.set_yticks(y, [f"{d.name} (epoch {d.current.epoch})" for d in report.datasets])
+    ax1.invert_yaxis()
+    ax1.set_xlabel("% of the current epoch's documents consumed (delivered + in flight)")
+    below = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.3), "ncol": 2}
+    ax1.legend(fontsize="small", frameon=False, **below)
+    share = [100 * (d.token_share or 0.0) for d in report.datasets]
+    target = [100 * (d.target_share or 0.0) for d in report.datasets]
+    ax2.barh(y - 0.2, share, height=0.4, color="#3b75af", label="share of the tokens delivered")
+    ax2.barh(y + 0.2, target, height=0.4, color="#9a9a9a", label="target share (weight)")
+    for k, d in enumerate(report.datasets):
+        tokens = "" if d.tokens_delivered is None else f" ({d.tokens_delivered:,} tokens)"
+        ax2.text(share[k] + 1, k - 0.2, f"{_pct(d.token_share)}{tokens}", va="center",
+                 fontsize="small")  # fmt: skip
+        ax2.text(target[k] + 1, k + 0.2, _pct(d.target_share), va="center", fontsize="small")
+    ax2.set_xlim(0, 100)
+    ax2.set_yticks(y, names)
+    ax2.invert_yaxis()
+    ax2.set_xlabel("% of the tokens delivered so far (all datasets)")
+    ax2.legend(fontsize="small", frameon=False, **below)
+    where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
+    fig.suptitle(f"audit of {where}", fontsize="medium")
+    return fig
 
 
 def _pct(x: float | None) -> str:

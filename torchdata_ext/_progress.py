@@ -37,6 +37,8 @@ class Progress:
             only (use it in background threads and dataloader workers, whose bars would mix).
         delay: seconds of silence before the first report.
         interval: seconds between two log lines.
+        level: the level of the progress lines (the closing line is INFO): WARNING for a
+            wait the user must hear of even without a logging configuration.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Progress:
         bar: bool = True,
         delay: float = DELAY_S,
         interval: float = INTERVAL_S,
+        level: int = logging.INFO,
     ) -> None:
         self.what = what
         self.logger = logger
@@ -58,6 +61,7 @@ class Progress:
         self._bar_allowed = bar
         self._delay = delay
         self._interval = interval
+        self._level = level
         self._t0 = _clock()
         self._last_log: float | None = None  # when the last line was logged; None: none yet
         self._bar: Any = None
@@ -92,7 +96,14 @@ class Progress:
             return
         if self._last_log is None or now - self._last_log >= self._interval:
             self._last_log = now
-            self.logger.info("%s: %s after %.0f s", self.what, self._count(), now - self._t0)
+            self.logger.log(
+                self._level,
+                "%s: %s after %.0f s%s",
+                self.what,
+                self._count(),
+                now - self._t0,
+                self._eta(now),
+            )
 
     def close(self, ok: bool = True) -> None:
         """The wait is over: a closing line if it lasted ``delay`` seconds and ``ok`` (it did
@@ -104,6 +115,13 @@ class Progress:
         if ok and elapsed >= self._delay and not self._closed:
             self.logger.info("%s: done, %s in %.1f s", self.what, self._count(), elapsed)
         self._closed = True
+
+    def _eta(self, now: float) -> str:
+        """``", about N s left"`` at the rate so far, when the total is known."""
+        if not self.total or not self.done or self.done >= self.total:
+            return ""
+        left = (now - self._t0) * (self.total - self.done) / self.done
+        return f", about {left:.0f} s left"
 
     def _count(self) -> str:
         if self.total is None:

@@ -80,8 +80,8 @@ import pyarrow as pa
 
 from torchdata_ext import _audit_render
 from torchdata_ext._audit_render import HOLDERS
-from torchdata_ext.checkpoint import read_manifest, read_worker_states
-from torchdata_ext.fingerprint import check_data_files
+from torchdata_ext.checkpoint import dataset_differs, read_manifest, read_worker_states
+from torchdata_ext.fingerprint import check_data_files, compared
 from torchdata_ext.graph import (
     graph_nodes,
     is_reader_state,
@@ -248,6 +248,8 @@ class AuditReport:
         changed_files: data files that changed since the checkpoint was taken, each
             ``dataset/file: what differs``; an empty list: verified, nothing changed; None: not
             checked (``verify=False``).
+        verified: with ``verify``, what was compared (how many files, which parts of each);
+            None without.
     """
 
     checkpoint: str
@@ -258,6 +260,7 @@ class AuditReport:
     replayed: bool
     lagging_batches: int
     changed_files: list[str] | None = None
+    verified: str | None = None
     _cursors: dict[str, _Cursors] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -366,7 +369,9 @@ def audit_checkpoint(
             :mod:`torchdata_ext.fingerprint`); the report's ``changed_files`` lists what
             differs (an empty list: nothing changed).
         allow_changed_files: with ``verify``, report changed files instead of refusing (the
-            counts then describe the files as they are now).
+            counts then describe the files as they are now). Only files changed in place (same
+            size and document counts) can be allowed: files added, removed or resized are
+            always refused (as :func:`~torchdata_ext.checkpoint.load_checkpoint` refuses them).
 
     Returns:
         The :class:`AuditReport`.
@@ -375,15 +380,22 @@ def audit_checkpoint(
         FileNotFoundError: ``url`` holds no complete checkpoint.
         ValueError: the checkpoint does not belong to this config and data (another dataset,
             seed or logical shard count, files or counts changed), or a file of it is corrupt;
-            with ``verify``: it records no fingerprints (saved by an earlier version).
+            with ``verify``: it records no fingerprints (saved by an earlier version);
+            ``allow_changed_files`` without ``verify``.
         ChangedFilesError: with ``verify`` and not ``allow_changed_files``: data files changed
             since the checkpoint was saved (each named, with what differs).
     """
+    if allow_changed_files and not verify:
+        raise ValueError(
+            "allow_changed_files=True needs verify=True: without verify no data file is "
+            "re-checked, so there is nothing to allow; pass verify=True as well"
+        )
     cfg = _as_config(cfg)
     manifest = read_manifest(url, storage_options)
     datasets = build_datasets(cfg)
     _check_matches(url, manifest, cfg, datasets)
     changed: list[str] | None = None
+    verified: str | None = None
     if verify:
         recorded = manifest.get("file_fingerprints")
         if recorded is None:
@@ -395,6 +407,7 @@ def audit_checkpoint(
             recorded, datasets, allow_changed_files=allow_changed_files, where=f"checkpoint {url}"
         )
         changed = [f"{n}/{c.file}: {', '.join(c.what)}" for n, cs in changes.items() for c in cs]
+        verified = compared(recorded, datasets)
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
@@ -463,6 +476,7 @@ def audit_checkpoint(
         replayed=replay,
         lagging_batches=lagging,
         changed_files=changed,
+        verified=verified,
         _cursors=cursors,
     )
 
@@ -499,17 +513,19 @@ def _check_matches(
         )
     for name, index in datasets.items():
         s = saved[name]
-        for key, mine in (
-            ("fingerprint", index.fingerprint()),
-            ("seed", cfg.seed),
-            ("n_logical_shards", cfg.logical_shards),
+        if s["fingerprint"] != index.fingerprint():  # the files named, as load_checkpoint does
+            differs = dataset_differs(
+                name, "fingerprint", s["fingerprint"], index.fingerprint(), manifest, index
+            )
+            raise ValueError(
+                f"checkpoint {url} does not match the data now: {differs}; audit with the "
+                "config and data the run used"
+            )
+        for key, mine, what in (
+            ("seed", cfg.seed, "the config's seed differs"),
+            ("n_logical_shards", cfg.logical_shards, "the config's logical_shards differs"),
         ):
             if s[key] != mine:
-                what = {
-                    "fingerprint": "its files or document counts differ from the data now",
-                    "seed": "the config's seed differs",
-                    "n_logical_shards": "the config's logical_shards differs",
-                }[key]
                 raise ValueError(
                     f"checkpoint {url} does not match dataset {name!r}: {what} (checkpoint "
                     f"{key}={s[key]!r}, config/data {key}={mine!r}); audit with the config and "

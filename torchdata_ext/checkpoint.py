@@ -83,6 +83,8 @@ from torchdata_ext.world import World
 __all__ = [
     "CHECKPOINT_FORMAT",
     "DCPLoaderState",
+    "dataset_differs",
+    "is_checkpoint_folder",
     "load_checkpoint",
     "read_manifest",
     "read_worker_states",
@@ -278,6 +280,12 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
     try:
         manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
     except FileNotFoundError:
+        fs, path = filesystem(url, storage_options)
+        if not fs.exists(path):
+            raise FileNotFoundError(
+                f"checkpoint folder {url} does not exist (so no {_MANIFEST}): check the "
+                f"path{_beside(fs, path)}"
+            ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
             "(a kill during save); restore from an earlier checkpoint"
@@ -288,6 +296,31 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
             f"(this version reads format {CHECKPOINT_FORMAT})"
         )
     return manifest
+
+
+def is_checkpoint_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is a folder holding a loader checkpoint (its ``manifest.json`` and
+    ``rank_00000.json``), e.g. to refuse reading one as a dataset."""
+    fs, path = filesystem(url, storage_options)
+    return bool(
+        fs.isfile(posixpath.join(path, _MANIFEST))
+        and fs.isfile(posixpath.join(path, "rank_00000.json"))
+    )
+
+
+def _beside(fs: Any, path: str, limit: int = 8) -> str:
+    """``"; <parent> holds: a, b, ..."`` (the folders beside a missing ``path``), or ``""``."""
+    parent = posixpath.dirname(path.rstrip("/"))
+    try:
+        names = sorted(
+            posixpath.basename(p.rstrip("/")) for p in fs.ls(parent or ".", detail=False)
+        )
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return f" ({parent or '.'} holds: {', '.join(names[:limit])}{more})"
 
 
 def read_worker_states(
@@ -494,12 +527,11 @@ def _check_datasets(
                     )
             for key in ("fingerprint", "seed", "n_logical_shards", "split"):
                 if mine[name].get(key) != theirs[name].get(key):
-                    what = {"fingerprint": "files or document counts", "split": "held-out split"}
+                    index = _datasets_of(root).get(name) if key == "fingerprint" else None
                     problems.append(
-                        f"dataset {name!r}: {what.get(key, key)} differ (checkpoint {key}="
-                        f"{theirs[name].get(key)!r}, now {mine[name].get(key)!r}"
-                        + (_listed_changes(root, manifest, name) if key == "fingerprint" else "")
-                        + ")"
+                        dataset_differs(
+                            name, key, theirs[name].get(key), mine[name].get(key), manifest, index
+                        )  # fmt: skip
                     )
     if problems:
         raise ValueError(
@@ -543,12 +575,26 @@ def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
         )
 
 
-def _listed_changes(root: BaseNode, manifest: dict[str, Any], name: str) -> str:
-    """Dataset ``name``'s files missing, added or resized since the save, or ``""``."""
+def dataset_differs(
+    name: str,
+    key: str,
+    saved: Any,
+    now: Any,
+    manifest: dict[str, Any],
+    index: DatasetIndex | None = None,
+) -> str:
+    """The one description of dataset ``name`` differing from a checkpoint in ``key``
+    (``"fingerprint"``, ``"seed"``, ``"n_logical_shards"``, ``"split"``), used by
+    :func:`load_checkpoint` and :func:`~torchdata_ext.audit.audit_checkpoint`: for the
+    fingerprint, the files missing, added or resized since the save are named (from the listing
+    of ``index``, the dataset now, against the manifest's recorded file fingerprints)."""
+    what = {"fingerprint": "files or document counts", "split": "held-out split"}.get(key, key)
+    listed = ""
     recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
-    index = _datasets_of(root).get(name)
-    changes = [] if recorded is None or index is None else listed_changes(recorded, index)
-    return f"; changed files: {describe({name: changes})}" if changes else ""
+    if key == "fingerprint" and recorded is not None and index is not None:
+        changes = listed_changes(recorded, index)
+        listed = f"; changed files: {describe({name: changes})}" if changes else ""
+    return f"dataset {name!r}: {what} differ (checkpoint {key}={saved!r}, now {now!r}{listed})"
 
 
 def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:

@@ -20,6 +20,10 @@ dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), 
 writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
 extra).
 
+Every command takes ``--storage-options JSON`` (the fsspec options of its URLs; see
+``docs/command-line.md``); a store that cannot work fails within a second or two, naming the
+endpoint and what to check (:mod:`torchdata_ext.remote.probe`).
+
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
 :func:`cli_message` rewrites as this command's flags (``--text-field ...``). Output into a pipe
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -38,9 +43,10 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TextIO, cast
 
 from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.inspect_data import inspect_dataset
+from torchdata_ext.inspect_data import MORE_HINT, inspect_dataset
 from torchdata_ext.prepare_data import PrepareResult, prepare
 from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
 from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
@@ -51,7 +57,28 @@ _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name, and words for what the
 # command line sets outside its flags
 _ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
-_WORDS = {"storage_options": "the storage credentials (fsspec configuration)"}
+_WORDS: dict[str, str] = {}
+_STORAGE_HELP = (
+    'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '
+    '"http://host:9000"}, "key": "...", "secret": "..."}\' (default: the '
+    "environment, AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID...)"
+)
+
+
+def _json_object(text: str) -> dict[str, object]:
+    """``--storage-options``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({exc}): give a JSON object in single quotes, "
+            """e.g. '{"anon": true}'"""
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object: give one in braces, e.g. '{{\"anon\": true}}'"
+        )
+    return value
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -69,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
     pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
+    pp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP + "; for the inputs and --out")  # fmt: skip
     pp.add_argument(
         "--tokenizer", default="byte", help="'byte', a tokenizer.json path or a cached HF model"
     )
@@ -91,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
-    pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="report on stderr from the start (a bar with the time left on a "
+                    "terminal, else a line every 10 s); default: once a part has run 2 s; "
+                    "--no-progress: nothing, not even the closing summary")  # fmt: skip
     pp.add_argument("--slow-for-tests", type=float, default=0.0, help=argparse.SUPPRESS)
     pp.add_argument(
         "--data-fraction", type=float, default=1.0, help="keep a seeded sample of this share"
@@ -103,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     ip = sub.add_parser("inspect", help="summarize a dataset or print one document")
     ip.add_argument("path", help="dataset folder, file, glob or data_sources.txt (URL)")
     ip.add_argument("--file-type", default=None, help="format name (default: by suffix)")
+    ip.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP)  # fmt: skip
     ip.add_argument("--col-name", default=None, help="token column or text field")
     ip.add_argument(
         "--eos-token", type=int, default=None, help="flat .npy EOS (default: as prepared, or 0)"
@@ -133,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint")
     ap.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP + "; for the checkpoint, --list and --plot (the data's: "
+                    "the config's storage_options)")  # fmt: skip
     ap.add_argument("--list", default=None, metavar="OUT.parquet",
                     help="write one row per document consumed to this Parquet file")  # fmt: skip
     ap.add_argument("--plot", default=None, metavar="AUDIT.png",
@@ -144,9 +181,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip token counts (no file metadata read)")  # fmt: skip
     ap.add_argument("--verify", action="store_true",
                     help="re-check every data file against the fingerprint the checkpoint "
-                    "recorded (reads 128 KiB per file); a changed file is an error naming it")  # fmt: skip
+                    "recorded: size, version and the first and last 64 KiB of each (128 KiB read per "
+                    "file); a changed file is an error naming it")  # fmt: skip
     ap.add_argument("--allow-changed-files", action="store_true",
-                    help="with --verify: list changed files in the report instead of failing")  # fmt: skip
+                    help="list data files changed in place (same size and document counts) "
+                    "in the report instead of failing; implies --verify. Files added, removed "
+                    "or resized are always refused")  # fmt: skip
     return p
 
 
@@ -240,6 +280,7 @@ def _run(args: argparse.Namespace) -> None:
             args.inputs,
             args.out,
             format=args.format,
+            storage_options=args.storage_options,
             tokenizer=args.tokenizer,
             byte_offset=args.byte_offset,
             text_field=args.text_field,
@@ -271,8 +312,24 @@ def _run(args: argparse.Namespace) -> None:
             byte_offset=args.byte_offset,
             compression=compression,
             full=args.full,
-            out=sys.stdout,
+            storage_options=args.storage_options,
+            out=cast(TextIO, _Flagged(sys.stdout)),
         )
+
+
+class _Flagged(io.TextIOBase):
+    """``inspect``'s report with its hint in the command line's terms (``--all``, not the
+    Python ``full=True``); each line is written through as it comes."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def write(self, s: str) -> int:
+        self._out.write(s.replace(MORE_HINT, "(--all shows all)"))
+        return len(s)
+
+    def flush(self) -> None:
+        self._out.flush()
 
 
 def _audit(args: argparse.Namespace) -> None:
@@ -280,17 +337,18 @@ def _audit(args: argparse.Namespace) -> None:
     report = audit_checkpoint(
         args.checkpoint,
         args.config,
+        args.storage_options,
         replay=args.replay,
         tokens=args.tokens,
-        verify=args.verify,
+        verify=args.verify or args.allow_changed_files,
         allow_changed_files=args.allow_changed_files,
     )
     print(report.to_json() if args.json else report.format_table())
     if args.list:
-        n = report.write_documents(args.list)
+        n = report.write_documents(args.list, args.storage_options)
         print(f"wrote {n:,} documents to {args.list}", file=sys.stderr)
     if args.plot:
-        report.plot(args.plot)
+        report.plot(args.plot, args.storage_options)
         print(f"wrote {args.plot}", file=sys.stderr)
 
 

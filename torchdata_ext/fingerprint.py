@@ -32,7 +32,7 @@ import hashlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +51,7 @@ __all__ = [
     "check_data_files",
     "check_share",
     "compare",
+    "compared",
     "dataset_fingerprints",
     "describe",
     "file_fingerprint",
@@ -197,6 +198,24 @@ def _sampled_sha256(url: str, size: int, storage_options: dict[str, Any] | None)
 
 # -- comparing -----------------------------------------------------------------------------------
 _SAMPLED = f"first/last {SAMPLE_BYTES // 1024} KiB"
+
+
+def compared(recorded: Mapping[str, Any], names: Iterable[str]) -> str:
+    """What :func:`check_data_files` compares for datasets ``names`` of ``recorded`` (a
+    manifest's ``"file_fingerprints"``), in words for a report: how many files, and which parts
+    of each (the bytes between the sampled ends are not read)."""
+    theirs = recorded["datasets"]
+    n = sum(len(theirs[name]) for name in names if name in theirs)
+    what = (
+        f"the sha256 of its first and last {SAMPLE_BYTES // 1024} KiB (the bytes between are "
+        "not read)"
+        if recorded.get("sample_bytes") == SAMPLE_BYTES
+        else "none of its bytes (the checkpoint sampled another byte range)"
+    )
+    return (
+        f"{n:,} data file(s), each by its size, its version (modification time or ETag, as "
+        f"the filesystem lists it) and {what}"
+    )
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ CEPED/flat, jsonl) and never writes into it (no counts file). The summary counts
 documents, tokens (characters for text) and a histogram of document lengths; one document is
 shown by global index, or by index within one file, decoded (tokens) or encoded (text) with a
 tokenizer on request; its report shows the first 1,000 tokens and 10,000 characters unless
-``full`` (the CLI's ``--all``), and the returned document is always whole. Data that ``prepare``
+``full``, and the returned document is always whole. Data that ``prepare``
 wrote carries how it was tokenized (:mod:`torchdata_ext.prepared_meta`): the summary shows it,
 and documents are decoded with that tokenizer (found by the absolute path or URL recorded; and
 flat ``.npy`` split on that EOS); a tokenizer other than the recorded one (another
@@ -40,7 +40,7 @@ _HIST_EDGES = (16, 128, 1024, 8192, 65536)
 _BAR_WIDTH = 40  # characters of the longest histogram bar
 _SHOWN_TOKENS = 1_000  # of a document, unless full
 _SHOWN_CHARS = 10_000
-_MORE = "(--all shows all)"
+MORE_HINT = "(full=True shows all)"  # the command line shows its own flag (cli.py)
 
 
 def inspect_dataset(
@@ -88,6 +88,14 @@ def inspect_dataset(
     Raises:
         ValueError: ``doc`` is out of range, or ``file`` matches no file or several.
     """
+    from torchdata_ext.checkpoint import is_checkpoint_folder  # (torch; only here)
+
+    if is_checkpoint_folder(path, storage_options):
+        raise ValueError(
+            f"{path} is a loader checkpoint folder (written by save_checkpoint), not a dataset: "
+            "inspect the data it was taken of, or audit the checkpoint to see what the run "
+            "consumed (torchdata_ext.audit_checkpoint, or the audit command)"
+        )
     found = read_meta(_folder_of(path, storage_options), storage_options)
     meta = None if found is None else found[0]
     recorded = meta is not None and tokenizer is None  # decode with what prepare recorded
@@ -285,14 +293,14 @@ def _cut_list(tokens: list[int], limit: int | None) -> str:
     """``str(tokens)``, cut after ``limit`` items with a count of the rest."""
     if limit is None or len(tokens) <= limit:
         return str(tokens)
-    return f"{str(tokens[:limit])[:-1]}, ... {len(tokens) - limit:,} more {_MORE}]"
+    return f"{str(tokens[:limit])[:-1]}, ... {len(tokens) - limit:,} more {MORE_HINT}]"
 
 
 def _cut_text(text: str, limit: int | None) -> str:
     """``text``, cut after ``limit`` characters with a count of the rest."""
     if limit is None or len(text) <= limit:
         return text
-    return f"{text[:limit]}\n[... {len(text) - limit:,} more characters {_MORE}]"
+    return f"{text[:limit]}\n[... {len(text) - limit:,} more characters {MORE_HINT}]"
 
 
 def _locate(index: DatasetIndex, doc: int, file: str | None) -> tuple[int, int]:
@@ -301,10 +309,10 @@ def _locate(index: DatasetIndex, doc: int, file: str | None) -> tuple[int, int]:
     if file is not None:
         f = _find_file(index, file)
         if not 0 <= doc < counts[f]:
-            raise ValueError(f"--doc {doc} is out of range: {index.files[f]} has {counts[f]} docs")
+            raise ValueError(f"doc={doc} is out of range: {index.files[f]} has {counts[f]} docs")
         return f, doc
     if not 0 <= doc < index.total_docs:
-        raise ValueError(f"--doc {doc} is out of range: the dataset has {index.total_docs}")
+        raise ValueError(f"doc={doc} is out of range: the dataset has {index.total_docs}")
     starts = np.cumsum([0, *counts])
     f = int(np.searchsorted(starts, doc, side="right") - 1)
     return f, doc - int(starts[f])
@@ -317,7 +325,7 @@ def _find_file(index: DatasetIndex, file: str) -> int:
     hits = [i for i, f in enumerate(index.files) if f == file or f.endswith("/" + file)]
     if len(hits) != 1:
         raise ValueError(
-            f"--file {file!r} matches {len(hits)} of the dataset's files; give its position "
+            f"file={file!r} matches {len(hits)} of the dataset's files; give its position "
             f"(0..{len(index.files) - 1}) or a unique name, e.g. {index.files[0]!r}"
         )
     return hits[0]

@@ -268,6 +268,7 @@ class PipelineConfig:
     def _check_eval_split(self) -> None:
         fr = self.eval_fraction
         values = fr.values() if isinstance(fr, Mapping) else [fr]
+        check_int("eval_seed", self.eval_seed, None)  # (EvalSplit would call it seed)
         for v in values:
             EvalSplit(v, self.eval_seed)  # its checks name the value
         if isinstance(fr, Mapping):
@@ -582,13 +583,43 @@ def _worker_share(
     cfg: PipelineConfig, datasets: list[DatasetIndex], readers: list[Any]
 ) -> int | None:
     """Packed sequences in one worker's share of one pass over all datasets (their tokens over
-    the global workers, per sequence); None while unknown (text datasets count no tokens, or
-    the readers have not found their world yet)."""
-    tokens = [index.total_tokens for index in datasets]
+    the global workers, per sequence); None while unknown (the readers have not found their
+    world yet, or a text dataset's file sizes are not known). Text datasets count no tokens:
+    theirs are estimated from their files' sizes (:func:`_text_tokens`)."""
+    tokens = [
+        index.total_tokens if index.total_tokens >= 0 else _text_tokens(index, cfg.tokenizer)
+        for index in datasets
+    ]
     world = readers[0].world if readers else None
-    if world is None or any(t < 0 for t in tokens):
+    if world is None or any(t is None for t in tokens):
         return None
-    return sum(tokens) // (world.total_workers * cfg.seq_length)
+    return sum(t for t in tokens if t is not None) // (world.total_workers * cfg.seq_length)
+
+
+# bytes of a text file per token, roughly: the byte tokenizer makes one per byte (JSON
+# syntax included: an overestimate), subword tokenizers about one per 4 bytes of English;
+# compressed files hold about 4 times their size in text
+_BYTES_PER_TOKEN = {"byte": 1.0}
+_SUBWORD_BYTES_PER_TOKEN = 4.0
+_COMPRESSED = ((".gz", ".zst", ".zstd", ".bz2", ".xz"), 4.0)
+
+
+def _text_tokens(index: DatasetIndex, tokenizer: Any) -> int | None:
+    """An estimate of the tokens in a text dataset, from its files' sizes as listed; None
+    when the sizes are not known."""
+    if not index.file_stats:
+        return None
+    per_token = (
+        _BYTES_PER_TOKEN.get(tokenizer, _SUBWORD_BYTES_PER_TOKEN)
+        if isinstance(tokenizer, str)
+        else _SUBWORD_BYTES_PER_TOKEN
+    )
+    suffixes, ratio = _COMPRESSED
+    text_bytes = sum(
+        size * (ratio if url.lower().endswith(suffixes) else 1.0)
+        for url, (size, _) in zip(index.files, index.file_stats)
+    )
+    return int(text_bytes / per_token)
 
 
 def _check_tokens(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> None:

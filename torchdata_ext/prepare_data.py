@@ -61,6 +61,7 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import sys
@@ -72,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from torchdata_ext._progress import DELAY_S, Progress
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.prepare_filter import (
@@ -148,6 +150,25 @@ def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[s
     return list(files[shard_id * n // num_shards : (shard_id + 1) * n // num_shards])
 
 
+def _refuse_token_files(files: Sequence[str]) -> None:
+    """Refuse an input in a format other than the text ``prepare`` reads (an Arrow or ``.npy``
+    token shard, a CBOR file...), saying what it is, rather than failing to parse it as JSON."""
+    for url in files:
+        if url.lower().endswith(INPUT_SUFFIXES):
+            continue
+        kind = next(
+            (k for k, sfx in registered_formats().items() if url.lower().endswith(tuple(sfx))),
+            None,
+        )
+        if kind is not None:
+            raise ValueError(
+                f"{url} is a {kind!r} file, not text: prepare reads JSONL, Parquet or .txt "
+                "text and writes token shards. A token file is already prepared: read it "
+                f"directly (DatasetIndex.build / PipelineConfig with file_type={kind!r}), or "
+                "pass the text it was made from"
+            )
+
+
 def prepare(
     inputs: str | Sequence[str],
     out: str,
@@ -192,8 +213,10 @@ def prepare(
         compression: of JSONL inputs: ``"infer"`` (from the content and the name), None,
             ``"gzip"`` or ``"zstd"``.
         storage_options: fsspec options for inputs and outputs.
-        progress: show a tqdm bar and a closing summary on stderr (None: the bar only on a
-            terminal; False: neither).
+        progress: how the work is reported on stderr, in input bytes with the time left: a
+            tqdm bar when stderr is a terminal, else a line every 10 s (logger
+            ``torchdata_ext.prepare_data.progress``), then a closing summary line. None: once
+            the part has run 2 s; True: from the start; False: nothing, not even the summary.
         slow_for_tests: seconds to sleep per input file (tests of kills).
         data_fraction: keep a seeded sample of about this share of the documents, in
             ``(0, 1]``: the same documents for the same ``seed`` whatever ``num_proc`` and
@@ -226,7 +249,15 @@ def prepare(
         )
     raw = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
+    _refuse_token_files(files)
     mine = split_inputs(files, shard_id, num_shards)
+    if not mine:
+        warnings.warn(
+            f"part {shard_id} of {num_shards} got no input file: the {len(files)} input "
+            f"file(s) are split among the parts by file, so parts beyond them have nothing to "
+            f"do; use num_shards={len(files)} or fewer, or split the inputs into more files",
+            stacklevel=2,
+        )
     # a bad tokenizer or an eos_token it can emit fails here, before anything is written
     tok = _tokenizer(tokenizer, byte_offset)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
@@ -280,21 +311,13 @@ def prepare(
         _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
         return result
 
-    from tqdm import tqdm
-
     encoder = {"npy": _npy_bytes, "arrow": _arrow_bytes, "mds": _mds_bytes}[format]
     encode = functools.partial(encoder, dtype=np.dtype(meta.dtype))
     eos = None if eos_token is None else np.array([eos_token], np.uint32)
     buf: list[np.ndarray] = []
     buf_tokens = 0
-    bar = tqdm(
-        total=None,
-        unit="tok",
-        unit_scale=True,
-        desc=f"prepare part {shard_id}/{num_shards}",
-        disable=None if progress is None else not progress,
-        file=sys.stderr,
-    )
+    sizes = _input_sizes(fs, mine)
+    bar = _progress_of(progress, shard_id, num_shards, sum(sizes[int(state["input"]) :]))
 
     def flush(next_pos: tuple[int, int]) -> None:
         nonlocal buf, buf_tokens
@@ -337,15 +360,16 @@ def prepare(
             buf_tokens += doc.size
             result.documents += 1
             result.tokens += doc.size
-            bar.update(doc.size)
-        bar.set_postfix(files=f"{i + 1}/{len(mine)}")
+        if bar is not None:
+            bar.update(sizes[i])
         if slow_for_tests:
             time.sleep(slow_for_tests)
     if seen and not buf and int(state["next_output"]) == 0:
         warn_nothing_kept(doc_filter, seen, len(mine), result.sampled_out, result.too_short,
                           result.too_long)  # fmt: skip
     elif mine and not buf and int(state["next_output"]) == 0:
-        bar.close()
+        if bar is not None:
+            bar.close(ok=False)
         many = len(mine) > 1
         raise ValueError(
             f"no documents: the {len(mine)} input file{'s' if many else ''} ({mine[0]}"
@@ -356,7 +380,8 @@ def prepare(
         flush((len(mine), 0))
     state.update(done=True, input=len(mine), doc=0)
     put(unstrip(fs, ppath), json.dumps(state, indent=1, sort_keys=True).encode())
-    bar.close()
+    if bar is not None:
+        bar.close()
     elapsed = time.perf_counter() - t0
     if progress is not False:
         print(
@@ -380,6 +405,52 @@ def prepare(
     write_meta(out, meta, storage_options)
     _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
     return result
+
+
+def _input_sizes(fs: Any, urls: Sequence[str]) -> list[int]:
+    """Each input's size in bytes (0 when the filesystem does not say)."""
+    try:
+        return [int(x or 0) for x in fs.sizes([fs._strip_protocol(u) for u in urls])]
+    except (OSError, NotImplementedError, TypeError):
+        return [0] * len(urls)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is now (a test's capture, a redirect)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _progress_of(
+    progress: bool | None, shard_id: int, num_shards: int, total_bytes: int
+) -> Progress | None:
+    """The report of this part's work, in input bytes (so with a total and an estimate of the
+    time left): a tqdm bar on a terminal, else a line on stderr every ``INTERVAL_S``; from the
+    start with ``progress=True``, after ``DELAY_S`` seconds with None; nothing with False.
+    The lines go through the logger ``torchdata_ext.prepare_data.progress`` (to stderr unless
+    the application configured that logger)."""
+    if progress is False:
+        return None
+    log = logging.getLogger(f"{__name__}.progress")
+    if not log.handlers:
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("prepare: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return Progress(
+        f"part {shard_id}/{num_shards}: reading inputs",
+        log,
+        total=total_bytes or None,
+        unit="B",
+        delay=0.0 if progress else DELAY_S,
+    )
 
 
 def _check_arguments(

@@ -35,16 +35,29 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
         url: an fsspec URL or local path.
         storage_options: keyword arguments for the filesystem (credentials, endpoint, ...).
 
+    The first time a process resolves a URL of an object store (``s3://``), one quick request
+    checks that the endpoint, the bucket and the credentials work
+    (:func:`torchdata_ext.remote.probe.probe_store`), so a wrong one fails within a second or
+    two with a clear message rather than after the client's own retries.
+
     Raises:
         ValueError: the URL's protocol is unknown or its filesystem package is not installed.
+        RemoteError: the store cannot be used: nothing answers at its endpoint, the bucket does
+            not exist, the credentials are missing or invalid (the message says what to check).
     """
     try:
-        return url_to_fs(url, **(storage_options or {}))
+        fs, path = url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ValueError(
             f"cannot open {url=}: {exc}. For s3:// URLs install the s3 extra "
             "(pip install 'torchdata-ext[s3]')"
         ) from exc
+    if not is_local(fs):
+        from torchdata_ext.remote.probe import probe_store  # (remote imports this module)
+
+        bucket = str(path).split("/", 1)[0]
+        probe_store(url, protocol_of(fs), bucket, dict(storage_options or {}))
+    return fs, path
 
 
 def protocol_of(fs: Any) -> str:

@@ -530,7 +530,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                     f"dataset {self.dataset.name!r}: logical shards {self.owned_shards[:8]}... "
                     f"hold no document of the {self._split.subset!r} side of "
                     f"{self._split.split}, so this endless reader would never deliver one; "
-                    "use epochs=1 for evaluation, or raise eval_fraction / lower min_length"
+                    f"{_split_advice(self._split)}"
                 )
             raise ValueError(
                 f"dataset {self.dataset.name!r}: a whole epoch of logical shards "
@@ -841,3 +841,13 @@ def _strip(data: np.ndarray, strip: np.ndarray) -> np.ndarray:
     while hi > lo and data[hi - 1] in strip:
         hi -= 1
     return data[lo:hi]
+
+
+def _split_advice(split: SplitFilter) -> str:
+    """What to change when shards hold no document of ``split``'s side (train or eval)."""
+    fraction = split.split.eval_fraction
+    if split.subset == "train":
+        none = f"eval_fraction={fraction} holds out every document; " if fraction >= 1.0 else ""
+        return f"{none}lower eval_fraction (training keeps the rest) or lower min_length"
+    more = "" if fraction >= 1.0 else "raise eval_fraction or "
+    return f"use epochs=1 for evaluation, or {more}lower min_length"

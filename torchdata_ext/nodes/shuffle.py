@@ -238,8 +238,9 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         buf = self._buf
         unit = "sequences" if self._packed else "items"
         with Progress(
-            "filling the shuffle buffer", logger, total=self.buffer_size, unit=unit, bar=False
-        ) as progress:
+            "filling the shuffle buffer (the first batch comes once it is full)", logger,
+            total=self.buffer_size, unit=unit, bar=False, level=logging.WARNING,
+        ) as progress:  # fmt: skip
             progress.done = len(buf)
             while not self._exhausted and len(buf) < self.buffer_size:
                 try:

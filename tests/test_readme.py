@@ -1,0 +1,119 @@
+"""Every Python block of README.md and docs/*.md runs as written.
+
+A block runs in a fresh temporary folder (the current directory), in its own namespace. The
+line before its fence may hold a marker the test reads:
+
+* ``<!-- test: setup=NAME -->``: run :data:`SETUPS` ``[NAME]`` first; it writes the files the
+  block reads (in the temporary folder) and returns the names the block uses without defining
+  them (e.g. the ``cfg`` of the text around it);
+* ``<!-- test: skip: REASON -->``: not run (the test is reported skipped with the reason): the
+  block needs what a test cannot have (an S3 bucket, the user's model) or is a fragment.
+
+A block without a marker runs with nothing prepared.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_FENCE = re.compile(r"^( *)```python\n(.*?)^\1```$", re.M | re.S)
+_MARKER = re.compile(r"<!-- test: (skip: (?P<reason>.+?)|setup=(?P<setup>\w+)) -->")
+
+
+def blocks() -> list[tuple[str, str, str | None, str | None]]:
+    """``(where, code, setup, skip reason)`` of every ``python`` block, ``where`` as
+    ``file:line``."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        for m in _FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            marker = _MARKER.search(before)
+            indent = len(m.group(1))
+            code = "\n".join(row[indent:] for row in m.group(2).splitlines())
+            setup = marker.group("setup") if marker else None
+            reason = marker.group("reason") if marker else None
+            out.append((f"{path.name}:{line}", code, setup, reason))
+    return out
+
+
+# -- setups: the files a block reads, and the names it takes from the text around it -------------
+def _text_corpus(tmp: Path) -> dict[str, Any]:
+    from torchdata_ext.testing import write_jsonl
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    for name in ("web", "code"):
+        texts = [" ".join(rng.choice(words, 10 + 7 * k)) for k in range(40)]
+        write_jsonl(str(tmp / "data" / name / "part0.jsonl"), texts)
+    return {}
+
+
+def _checkpoint(tmp: Path) -> dict[str, Any]:
+    from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
+    from torchdata_ext.checkpoint import save_checkpoint
+    from torchdata_ext.testing import write_arrow_batches
+
+    docs = [np.arange(5, 5 + 20 + k, dtype=np.uint32) for k in range(40)]
+    write_arrow_batches(str(tmp / "data" / "web" / "a.arrow"), docs)
+    cfg = PipelineConfig(
+        data_path="data", datasets="web", seq_length=16, logical_shards=8, batch_size=2,
+        shuffle_buffer=4, eos_token=0,
+    )  # fmt: skip
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    for step, _ in enumerate(loader, 1):
+        if step == 3:
+            break
+    save_checkpoint(loader, "ckpt/step_90/loader")
+    return {"cfg": cfg}
+
+
+def _hf_tokenized(tmp: Path) -> dict[str, Any]:
+    datasets = pytest.importorskip("datasets")
+    rows = [list(range(1, 30 + k)) for k in range(100)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp / "tokenized"))
+    return {}
+
+
+def _raw_jsonl(tmp: Path) -> dict[str, Any]:
+    from torchdata_ext.testing import write_jsonl
+
+    write_jsonl(str(tmp / "raw" / "a.jsonl.gz"), [f"document number {k}" for k in range(20)])
+    return {}
+
+
+SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "text_corpus": _text_corpus,
+    "checkpoint": _checkpoint,
+    "hf_tokenized": _hf_tokenized,
+    "raw_jsonl": _raw_jsonl,
+}
+
+
+def test_markers_name_known_setups() -> None:
+    found = blocks()
+    assert len(found) >= 11  # README.md's blocks at least: none lost to the parser
+    for where, _, setup, _ in found:
+        assert setup is None or setup in SETUPS, f"{where}: unknown setup {setup!r}"
+
+
+@pytest.mark.parametrize(("where", "code", "setup", "skip"), blocks(), ids=lambda v: v)
+def test_block_runs_as_written(
+    where: str, code: str, setup: str | None, skip: str | None, tmp_path, monkeypatch
+) -> None:
+    if skip is not None:
+        pytest.skip(skip)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "__readme__"}
+    if setup is not None:
+        namespace.update(SETUPS[setup](tmp_path))
+    exec(compile(code, where, "exec"), namespace)
