@@ -50,17 +50,51 @@ topology = st.tuples(st.integers(1, 3), st.integers(1, 3))
     steps=st.integers(0, 9),
     seed=st.integers(0, 3),
     selection=st.sampled_from(["all", "min_length", "eval", "transform"]),
+    reordered=st.booleans(),
 )
 def test_rows_after_rescales_are_rows_of_an_uninterrupted_run(
-    base, mode, buffer, chunk, specials, topologies, steps, seed, selection
+    base, mode, buffer, chunk, specials, topologies, steps, seed, selection, reordered
 ) -> None:
+    """Random pack mode, buffer, chunk size, specials, filters / split / transforms, one or
+    two rescales between random topologies, and the restoring config listing the datasets in
+    the other order (same weight per name)."""
     bos, eos = specials
     cfg = dataclasses.replace(
         base, pack_mode=mode, shuffle_buffer=buffer, max_chunksize=chunk, bos_token=bos,
         eos_token=eos, seed=seed, **SELECTIONS[selection],
     )  # fmt: skip
-    streams = simulate(cfg, topologies, lambda phase, g: steps + (g * 3 + phase) % 5)
+    again = dataclasses.replace(cfg, datasets=["code", "web"], weights=[1.0, 2.0])
+    streams = simulate(
+        cfg,
+        topologies,
+        lambda phase, g: steps + (g * 3 + phase) % 5,
+        restore_cfg=again if reordered else None,
+    )
     check_rows(streams, _delivered_uninterrupted(cfg), cfg)
+
+
+def test_a_pack_state_saved_before_bos_done_restores(base) -> None:
+    """Pack states written before the ``bos_done`` key restore (as none pending)."""
+    from rows import _pack_of
+
+    from torchdata_ext import World
+    from torchdata_ext.pipeline import build_pipeline
+
+    node = build_pipeline(base, World(), collate=False)
+    node.reset(None)
+    for _ in range(3):
+        next(node)
+    state = node.state_dict()
+    expected = [next(node)["input_ids"].tolist() for _ in range(3)]
+    from torchdata_ext.graph import pack_states
+
+    for pack in pack_states({"g": state}).values():
+        assert pack["bos_done"] == []
+        del pack["bos_done"]
+    fresh = build_pipeline(base, World(), collate=False)
+    fresh.reset(state)
+    assert [next(fresh)["input_ids"].tolist() for _ in range(3)] == expected
+    assert _pack_of(fresh).state_dict()["bos_done"] == []
 
 
 SELECTIONS: dict[str, dict] = {
