@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pickle
 from typing import Any
 
@@ -346,16 +347,17 @@ def test_a_fast_fill_logs_nothing(index, caplog) -> None:
     assert caplog.records == []
 
 
-def _count_fetches(monkeypatch) -> list[tuple[int, int]]:
-    """Every document the readers read again (``fetch_document``), as ``(file, doc)``."""
-    fetched: list[tuple[int, int]] = []
-    fetch = ShardReader.fetch_document
+def _count_fetches(monkeypatch, node: type = ShardReader) -> list[Any]:
+    """Every document ``node`` s read (or tokenize) again (``fetch_document``), as
+    ``(file, doc)``, or ``(dataset, file, doc)`` for a node other than the reader."""
+    fetched: list[Any] = []
+    fetch = node.fetch_document
 
     def counting(self, dataset, file, doc):
-        fetched.append((file, doc))
+        fetched.append((file, doc) if node is ShardReader else (dataset, file, doc))
         return fetch(self, dataset, file, doc)
 
-    monkeypatch.setattr(ShardReader, "fetch_document", counting)
+    monkeypatch.setattr(node, "fetch_document", counting)
     return fetched
 
 
@@ -394,6 +396,43 @@ def test_a_restore_rebuilds_only_the_items_drawn(index, monkeypatch, caplog, pac
     assert got == want
     everything = {(f, d) for t in restored_tables for ds, f, d, _, n in t if ds >= 0 and n > 0}
     assert 0 < len(set(fetched)) < len(everything)  # some restored items drawn, not all
+
+
+def test_a_restored_text_buffer_tokenizes_only_the_rows_drawn(tmp_path, monkeypatch) -> None:
+    """Text: the restore tokenizes none of the buffered rows' documents; each drawn restored
+    row tokenizes its own documents again, and the stream is the uninterrupted one."""
+    from harness import text_config, write_random_text_datasets
+
+    from torchdata_ext.nodes.tokenize import Tokenize
+    from torchdata_ext.pipeline import build_pipeline
+
+    write_random_text_datasets(str(tmp_path), [("web", 90, 12), ("code", 50, 12)], ["ab"], 2)
+    cfg = dataclasses.replace(text_config(str(tmp_path)), shuffle_buffer=20)
+
+    def build() -> Any:
+        return build_pipeline(cfg, World(), collate=False)
+
+    node = build()
+    node.reset()
+    for _ in range(25):
+        next(node)
+    state = pickle.loads(pickle.dumps(node.state_dict()))
+    names = ["web", "code"]
+    restored = [t.tolist() for t in np.split(*reversed(_flat(state)))]
+    fetched = _count_fetches(monkeypatch, Tokenize)
+    fresh = build()
+    fresh.reset(state)
+    assert fetched == []
+    want = [item_key(x) for x in run(node, 8)]
+    got, drawn_docs = [], []
+    for _ in range(8):
+        item = next(fresh)
+        got.append(item_key(item))
+        prov = np.asarray(item["provenance"]).tolist()
+        if prov in restored:  # each of its documents once (a document in two rows: twice)
+            drawn_docs += sorted({(names[ds], f, d) for ds, f, d, _, n in prov if ds >= 0 and n})
+    assert got == want
+    assert drawn_docs and sorted(fetched) == sorted(drawn_docs)
 
 
 def _flat(state: dict) -> tuple[np.ndarray, np.ndarray]:
