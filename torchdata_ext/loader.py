@@ -37,6 +37,7 @@ from torchdata_ext._background import Background as _Background
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.graph import graph_nodes
 from torchdata_ext.state_delta import apply, diff
+from torchdata_ext.tokenizers import limit_tokenizer_threads
 from torchdata_ext.world import World
 
 __all__ = ["STATE_FORMAT", "PipelineDataset", "TokenLoader"]
@@ -89,6 +90,10 @@ class _PipelineIterator(Iterator[_Message]):
     def _start(self) -> None:
         if not self._started:
             self.root.reset(self._initial)
+            # the receiver starts from the same state (TokenLoader._produce), so the first
+            # delta after a restore is what changed since it: a few blocks of a restored
+            # shuffle buffer, not the whole buffer
+            self._sent = self._initial
             self._initial = None
             self._started = True
 
@@ -184,6 +189,8 @@ class PipelineDataset(IterableDataset):
     def __iter__(self) -> _PipelineIterator:
         info = get_worker_info()
         physical, n = (0, 1) if info is None else (info.id, info.num_workers)
+        if info is not None:  # this worker's share of the cores for its tokenizers
+            limit_tokenizer_threads(n)
         world = self.world_for(physical, n)
         return _PipelineIterator(
             self.build,

@@ -192,10 +192,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             self._exhausted = bool(initial_state["exhausted"])
             if "items" in initial_state:
                 self._buf = list(initial_state["items"])
+                for slot, item in enumerate(self._buf):
+                    self._note(slot, item)
             else:
                 self._buf = self._restored_items(initial_state)
-            for slot, item in enumerate(self._buf):
-                self._note(slot, item)
+                self._restore_journal(initial_state)
         else:
             self.source.reset(None)
             self._draws = 0
@@ -289,6 +290,24 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return state
 
     # -- helpers -------------------------------------------------------------------------------
+    def _restore_journal(self, state: dict[str, Any]) -> None:
+        """Start the journal from the restored state's own blocks and groups (format 3 or 2),
+        so the states that follow share the blocks not drawn from since (a dataloader worker's
+        first delta after a restore is then a few blocks, not the whole buffer)."""
+        if not self._buf:
+            return
+        self._prov_of = self._provenance_getter(self._buf[0])
+        if "prov_groups" in state:
+            groups = list(state["prov_groups"])  # its groups, the same objects
+        elif "prov_blocks" in state:
+            blocks = list(state["prov_blocks"])
+            groups = [blocks[i : i + _GROUP] for i in range(0, len(blocks), _GROUP)]
+        else:  # format 1: journal every slot
+            self._journal.slots.extend(range(len(self._buf)))
+            self._journal.tables.extend(x.provenance for x in self._buf)
+            return
+        self._journal = _Journal(_Snapshot(groups, len(self._buf)))
+
     def _rebase(self) -> None:
         """Build the journal into a new base of the buffer as it is now, so it lets go of the
         tables of items handed out (states taken before keep the journal they were given)."""
@@ -403,7 +422,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 "rebuild items: pass rebuild=... or use a source with a rebuild() method"
             )
         counts, rows = buffered_provenance(state)
-        return self.items_from_provenance(np.split(rows, np.cumsum(counts)[:-1]))
+        ends = np.cumsum(counts).tolist()
+        return [ProvenanceItem(rows[a:b]) for a, b in zip([0, *ends], ends)]
 
 
 _UNDECIDED = object()  # ShuffleBuffer._prov_of before the first item
@@ -512,7 +532,7 @@ def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
     sizes: list[int] = []
     for b in blocks:
         lo, hi = b * _BLOCK, min(b * _BLOCK + _BLOCK, n)
-        kept = groups[b // _GROUP][b % _GROUP].tables() if lo < n0 else ()
+        kept = _block_tables(groups[b // _GROUP][b % _GROUP]) if lo < n0 else ()
         tables.extend(changes[s] if s in changes else kept[s - lo] for s in range(lo, hi))
         sizes.append(hi - lo)
     stale = _StaleGroup(tables, sizes)
@@ -608,6 +628,17 @@ class _ProvBlock(Sequence[np.ndarray]):
     def tables(self) -> list[Any]:
         """The provenance tables of the block's slots (what later blocks are made from)."""
         return self._group.tables(self._i)
+
+
+def _block_tables(block: Any) -> list[Any]:
+    """The provenance tables of a block's slots: a :class:`_ProvBlock`'s own, or split from a
+    restored state's ``(counts, rows)`` pair."""
+    if type(block) is _ProvBlock:
+        return block.tables()
+    counts, rows = block
+    ends = np.cumsum(np.asarray(counts, np.int64)).tolist()
+    rows = np.asarray(rows).reshape(-1, PROV_COLUMNS)
+    return [rows[a:b] for a, b in zip([0, *ends], ends)]
 
 
 def _state_blocks(state: dict[str, Any]) -> list[Any]:
