@@ -47,6 +47,7 @@ from torchdata_ext.tokenizers import (
     check_special_tokens,
     load_tokenizer,
     token_ids,
+    worker_threads,
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 from torchdata_ext.urls import filesystem, join
@@ -520,7 +521,13 @@ def _build(
             node = TransformDocuments(node, text_steps)
         if tokenizer is not None:
             # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
-            node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
+            node = Tokenize(
+                node,
+                tokenizer,
+                cut_handed_back=not token_steps,
+                # 2 encoding threads (each a batch encode), 1 when a worker has one core
+                num_threads=min(2, worker_threads(world.num_workers if world else 1)),
+            )
         if token_steps:
             node = TransformDocuments(node, token_steps)
         sources[name] = (
