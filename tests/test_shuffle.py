@@ -585,3 +585,25 @@ def test_a_buffer_whose_states_are_never_taken_keeps_bounded_memory(index, monke
     fresh = make(idx, 10, epochs=None)
     fresh.reset(pickle.loads(pickle.dumps(state)))
     assert [item_key(x) for x in run(fresh, 30)] == [item_key(x) for x in run(node, 30)]
+
+
+def test_a_state_of_other_block_sizes_restores(index) -> None:
+    """Blocks of another size than the buffer's own (a state written by other code): the
+    restore journals every slot instead of taking the blocks as its base; the stream and the
+    states after it are the same."""
+    idx, _ = index
+    node = make(idx, 10)
+    for _ in range(12):
+        next(node)
+    state = pickle.loads(pickle.dumps(node.state_dict()))
+    counts, rows = buffered_provenance(state)
+    odd = {k: v for k, v in state.items() if k != "prov_groups"}
+    odd["prov_blocks"] = [(counts[:3], rows[:3]), (counts[3:], rows[3:])]
+    a, b = make(idx, 10), make(idx, 10)
+    a.reset(state)
+    b.reset(odd)
+    for _ in range(5):
+        assert item_key(next(a)) == item_key(next(b))
+        assert [x.tolist() for x in buffered_provenance(b.state_dict())] == [
+            x.tolist() for x in buffered_provenance(a.state_dict())
+        ]

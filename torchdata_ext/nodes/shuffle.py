@@ -297,16 +297,17 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         if not self._buf:
             return
         self._prov_of = self._provenance_getter(self._buf[0])
+        groups: list[Any] = []
         if "prov_groups" in state:
             groups = list(state["prov_groups"])  # its groups, the same objects
         elif "prov_blocks" in state:
             blocks = list(state["prov_blocks"])
             groups = [blocks[i : i + _GROUP] for i in range(0, len(blocks), _GROUP)]
-        else:  # format 1: journal every slot
+        if groups and _standard_layout(groups, len(self._buf)):
+            self._journal = _Journal(_Snapshot(groups, len(self._buf)))
+        else:  # format 1, or blocks of another size: journal every slot
             self._journal.slots.extend(range(len(self._buf)))
             self._journal.tables.extend(x.provenance for x in self._buf)
-            return
-        self._journal = _Journal(_Snapshot(groups, len(self._buf)))
 
     def _rebase(self) -> None:
         """Build the journal into a new base of the buffer as it is now, so it lets go of the
@@ -628,6 +629,18 @@ class _ProvBlock(Sequence[np.ndarray]):
     def tables(self) -> list[Any]:
         """The provenance tables of the block's slots (what later blocks are made from)."""
         return self._group.tables(self._i)
+
+
+def _standard_layout(groups: list[Any], n: int) -> bool:
+    """Whether ``groups`` cut ``n`` slots as this module does: blocks of ``_BLOCK`` slots in
+    groups of ``_GROUP`` blocks, the last of each possibly partial."""
+    n_blocks, n_groups = _counts(n)
+    if len(groups) != n_groups or sum(len(g) for g in groups) != n_blocks:
+        return False
+    if any(len(g) != _GROUP for g in groups[:-1]):
+        return False
+    sizes = [len(block[0]) for g in groups for block in g]
+    return all(k == _BLOCK for k in sizes[:-1]) and sizes[-1] == n - _BLOCK * (n_blocks - 1)
 
 
 def _block_tables(block: Any) -> list[Any]:
