@@ -79,22 +79,29 @@ def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int
 def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     """The same pipeline through ``TokenLoader`` as a training loop takes it, with
     ``state_dict()`` called at every step: in a background thread of this process and in 1 or 2
-    StatefulDataLoader worker processes (after the first batches, so the buffer fill is left
-    out). Each path's reference is the bare pipeline over the same number of batches after its
-    fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
+    StatefulDataLoader worker processes (after the first batches and, with a streaming buffer,
+    the first ``shuffle_buffer`` draws per worker, so the buffer fill is left out). Each path's
+    reference is the bare pipeline over the same number of batches after its fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
     import functools
 
     from torchdata_ext.loader import TokenLoader
 
     datasets = build_datasets(cfg)
     paths = (("in-process thread", 0), ("1 worker process", 1), ("2 worker processes", 2))
+
+    def fill(workers: int) -> int:  # batches until a streaming buffer is full in every worker
+        if cfg.shuffle_fill != "stream":
+            return 0
+        return -(-cfg.shuffle_buffer * max(1, workers) // cfg.batch_size)
+
     bares: list[float] = []
     stated: list[float] = []  # the bare pipeline with its graph state taken after every batch
     rates: dict[str, list[float]] = {label: [] for label, _ in paths}
     for _ in range(max(1, repeat)):
         for with_state, out in ((False, bares), (True, stated)):
             node = build_pipeline(cfg, World(), datasets)
-            next(node)
+            for _ in range(1 + fill(0)):
+                next(node)
             t0 = time.perf_counter()
             tokens = 0
             for _ in range(n_batches):
@@ -106,7 +113,7 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
         for label, workers in paths:
             loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
             it = iter(loader)
-            for _ in range(5 * max(1, workers)):
+            for _ in range(fill(workers) + 5 * max(1, workers)):
                 next(it)
             t0 = time.perf_counter()
             tokens = 0
