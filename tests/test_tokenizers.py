@@ -85,6 +85,7 @@ def test_worker_threads_share_the_cores() -> None:
     assert worker_threads(4, cores=16) == 4
 
 
+@pytest.mark.multiprocess
 def test_tokenizer_threads_are_limited_in_workers_unless_the_user_set_them(monkeypatch) -> None:
 
     from torchdata_ext.loader import TokenLoader
