@@ -89,6 +89,7 @@ class _PipelineIterator(Iterator[_Message]):
 
     def _start(self) -> None:
         if not self._started:
+            self._io_nodes()  # found before a restore fills the buffers (see io_stats)
             self.root.reset(self._initial)
             # the receiver starts from the same state (TokenLoader._produce), so the first
             # delta after a restore is what changed since it: a few blocks of a restored
@@ -121,14 +122,20 @@ class _PipelineIterator(Iterator[_Message]):
             self.world.worker_id, grouped, states, self._delta, self.io_stats(), self._ended
         )
 
-    def io_stats(self) -> dict[str, float]:
-        """The I/O counters of every reader in this worker's graph, summed."""
-        if self._counted is None:  # found once: walking the graph visits every buffered item
+    def _io_nodes(self) -> list[Any]:
+        """The graph's nodes with I/O counters, found once: walking the graph visits every
+        item a buffer holds (10,000 rows restored into a shuffle buffer), so it is done
+        before the graph is reset."""
+        if self._counted is None:
             self._counted = [
                 n for n in graph_nodes(self.root) if callable(getattr(n, "io_stats", None))
             ]
+        return self._counted
+
+    def io_stats(self) -> dict[str, float]:
+        """The I/O counters of every reader in this worker's graph, summed."""
         out: dict[str, float] = {}
-        for node in self._counted:
+        for node in self._io_nodes():
             for k, v in node.io_stats().items():
                 if isinstance(v, (int, float)):
                     out[k] = out.get(k, 0) + v

@@ -676,11 +676,10 @@ def buffered_provenance(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         blocks = _state_blocks(state)
         if not blocks:
             return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
-        counts = np.concatenate([np.asarray(c, np.int64) for c, _ in blocks])
-        rows = np.concatenate(
-            [np.asarray(r, np.int64).reshape(-1, PROV_COLUMNS) for _, r in blocks]
-        )
-        return counts, rows
+        # one concatenation, then one cast (blocks are narrowed each to its own dtype)
+        counts = np.concatenate([c for c, _ in blocks]).astype(np.int64)
+        rows = np.concatenate([np.reshape(r, (-1, PROV_COLUMNS)) for _, r in blocks])
+        return counts, rows.astype(np.int64)
     if "prov_counts" in state:  # format 1: all items' columns concatenated
         counts = np.asarray(state["prov_counts"], np.int64)
         cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
