@@ -37,6 +37,7 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
+from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
@@ -97,6 +98,7 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     bares: list[float] = []
     stated: list[float] = []  # the bare pipeline with its graph state taken after every batch
     rates: dict[str, list[float]] = {label: [] for label, _ in paths}
+    cpu: dict[str, list[float]] = {label: [] for label, _ in paths}  # CPU s per M tokens
     for _ in range(max(1, repeat)):
         for with_state, out in ((False, bares), (True, stated)):
             node = build_pipeline(cfg, World(), datasets)
@@ -115,12 +117,13 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
             it = iter(loader)
             for _ in range(fill(workers) + 5 * max(1, workers)):
                 next(it)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), tree_cpu()
             tokens = 0
             for _ in range(n_batches):
                 tokens += next(it)["input_ids"].numel()
                 loader.state_dict()
             rates[label].append(tokens / (time.perf_counter() - t0))
+            cpu[label].append((tree_cpu() - c0) / tokens * 1e6)
             del it, loader
     bare = max(bares)
     print(
@@ -136,7 +139,9 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
         print(
             f"TokenLoader, {label}, state every step: {_summary(got)} (ratio of the bests to "
             f"the bare pipeline {max(got) / bare:.2f}; of the medians "
-            f"{statistics.median(got) / statistics.median(bares):.2f})"
+            f"{statistics.median(got) / statistics.median(bares):.2f}); CPU seconds per "
+            f"million tokens, this process and its workers: {min(cpu[label]):.3f} (least of "
+            f"{len(cpu[label])})"
         )
 
 

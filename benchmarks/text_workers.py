@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _cpu import tree_cpu  # noqa: E402
+
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 from torchdata_ext.testing import write_jsonl  # noqa: E402
@@ -104,28 +106,6 @@ def tokenizer_limit(tok_path: str, paths: list[str], max_tokens: int) -> tuple[f
         total += sum(len(e.ids) for e in out)
         i += 64
     return total / (time.perf_counter() - t0), (tree_cpu() - c0) / total * 1e6
-
-
-def tree_cpu() -> float:
-    """CPU seconds so far of this process and its live descendants (dataloader workers; Linux
-    ``/proc``): on a shared machine a better measure than wall time, which more processes win
-    by taking a larger share of contended cores."""
-    procs: dict[int, tuple[int, int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            procs[int(d)] = (int(rest[1]), int(rest[11]) + int(rest[12]))  # ppid, utime+stime
-    tree, todo = {os.getpid()}, [os.getpid()]
-    while todo:
-        parent = todo.pop()
-        kids = [c for c, (pp, _) in procs.items() if pp == parent and c not in tree]
-        tree.update(kids)
-        todo.extend(kids)
-    return sum(procs[p][1] for p in tree if p in procs) / os.sysconf("SC_CLK_TCK")
 
 
 def _build(cfg: PipelineConfig, datasets: Any, world: World) -> Any:
