@@ -37,6 +37,7 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
+from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
@@ -79,22 +80,30 @@ def pipeline_pass(cfg: PipelineConfig, max_tokens: int) -> tuple[int, float, int
 def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     """The same pipeline through ``TokenLoader`` as a training loop takes it, with
     ``state_dict()`` called at every step: in a background thread of this process and in 1 or 2
-    StatefulDataLoader worker processes (after the first batches, so the buffer fill is left
-    out). Each path's reference is the bare pipeline over the same number of batches after its
-    fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
+    StatefulDataLoader worker processes (after the first batches and, with a streaming buffer,
+    the first ``shuffle_buffer`` draws per worker, so the buffer fill is left out). Each path's
+    reference is the bare pipeline over the same number of batches after its fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
     import functools
 
     from torchdata_ext.loader import TokenLoader
 
     datasets = build_datasets(cfg)
     paths = (("in-process thread", 0), ("1 worker process", 1), ("2 worker processes", 2))
+
+    def fill(workers: int) -> int:  # batches until a streaming buffer is full in every worker
+        if cfg.shuffle_fill != "stream":
+            return 0
+        return -(-cfg.shuffle_buffer * max(1, workers) // cfg.batch_size)
+
     bares: list[float] = []
     stated: list[float] = []  # the bare pipeline with its graph state taken after every batch
     rates: dict[str, list[float]] = {label: [] for label, _ in paths}
+    cpu: dict[str, list[float]] = {label: [] for label, _ in paths}  # CPU s per M tokens
     for _ in range(max(1, repeat)):
         for with_state, out in ((False, bares), (True, stated)):
             node = build_pipeline(cfg, World(), datasets)
-            next(node)
+            for _ in range(1 + fill(0)):
+                next(node)
             t0 = time.perf_counter()
             tokens = 0
             for _ in range(n_batches):
@@ -106,14 +115,15 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
         for label, workers in paths:
             loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
             it = iter(loader)
-            for _ in range(5 * max(1, workers)):
+            for _ in range(fill(workers) + 5 * max(1, workers)):
                 next(it)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), tree_cpu()
             tokens = 0
             for _ in range(n_batches):
                 tokens += next(it)["input_ids"].numel()
                 loader.state_dict()
             rates[label].append(tokens / (time.perf_counter() - t0))
+            cpu[label].append((tree_cpu() - c0) / tokens * 1e6)
             del it, loader
     bare = max(bares)
     print(
@@ -129,7 +139,9 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
         print(
             f"TokenLoader, {label}, state every step: {_summary(got)} (ratio of the bests to "
             f"the bare pipeline {max(got) / bare:.2f}; of the medians "
-            f"{statistics.median(got) / statistics.median(bares):.2f})"
+            f"{statistics.median(got) / statistics.median(bares):.2f}); CPU seconds per "
+            f"million tokens, this process and its workers: {min(cpu[label]):.3f} (least of "
+            f"{len(cpu[label])})"
         )
 
 

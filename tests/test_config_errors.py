@@ -60,3 +60,16 @@ def test_tokens_without_a_tokenizer_are_fine(tmp_path: Path) -> None:
     node = build_pipeline(cfg, World())
     node.reset()
     assert next(node)["input_ids"].shape == (1, 8)
+
+
+def test_shuffle_fill_is_checked_and_reaches_the_buffer(tmp_path: Path) -> None:
+    docs = [np.arange(1, 50, dtype=np.uint32)] * 8
+    write_arrow_batches(str(tmp_path / "web" / "a.arrow"), docs)
+    kw = dict(data_path=str(tmp_path), datasets="web", seq_length=8, eos_token=0,
+              logical_shards=4, shuffle_buffer=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"shuffle_fill='half' must be 'stream' or 'full'"):
+        PipelineConfig(**kw, shuffle_fill="half")  # type: ignore[arg-type]
+    for fill in ("stream", "full"):
+        node = build_pipeline(PipelineConfig(**kw, shuffle_fill=fill), World())  # type: ignore[arg-type]
+        assert node.source.fill == fill
+    assert PipelineConfig(**kw).shuffle_fill == "stream"  # type: ignore[arg-type]

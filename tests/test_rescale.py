@@ -258,3 +258,21 @@ def test_token_counters_are_split_exactly(cfg, old, new) -> None:
             for k, v in counters.items():
                 got[k] = got.get(k, 0) + int(v)
     assert got == saved and sum(saved.values()) > 0
+
+
+@pytest.mark.parametrize(("old", "new"), [((2, 0), (1, 0)), ((1, 0), (3, 0))], ids=str)
+def test_rescale_while_the_shuffle_buffer_fills(cfg, tmp_path, old, new) -> None:
+    """A checkpoint taken while the streaming buffer is still filling (it holds the 2 sequences
+    drawn so far, of 40) rescales exactly: every token once."""
+    import dataclasses
+
+    from torchdata_ext.nodes.shuffle import buffered_provenance
+
+    filling = dataclasses.replace(cfg, shuffle_buffer=40)
+    loader = TokenLoader(functools.partial(build, filling))
+    it = iter(loader)
+    next(it), next(it)
+    (worker,) = loader.state_dict()["workers"].values()
+    assert "draws" in worker["graph"] and len(buffered_provenance(worker["graph"])[0]) == 2
+    coverage, _ = _checkpoint_then_finish(filling, tmp_path, old, new, steps=2)
+    check_exactly_once(coverage, document_lengths(filling))

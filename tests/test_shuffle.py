@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pickle
 from typing import Any
 
@@ -13,7 +14,14 @@ from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.nodes.pack import Pack, PackedSequence
-from torchdata_ext.nodes.shuffle import ShuffleBuffer, _narrow, _state_blocks
+from torchdata_ext.nodes.shuffle import (
+    ProvenanceItem,
+    ShuffleBuffer,
+    _narrow,
+    _state_blocks,
+    buffered_provenance,
+    provenance_groups,
+)
 from torchdata_ext.provenance import resolve
 from torchdata_ext.testing import write_arrow_batches
 
@@ -77,9 +85,11 @@ def index(tmp_path_factory):
     return DatasetIndex.build(str(root)), docs
 
 
-def make(index, size: int, epochs: int | None = 1, seed: int = 3) -> ShuffleBuffer:
+def make(
+    index, size: int, epochs: int | None = 1, seed: int = 3, fill: str = "stream"
+) -> ShuffleBuffer:
     reader = ShardReader(index, 8, world=World(), epochs=epochs, block_docs=7, seed=1)
-    return ShuffleBuffer(OnePerDocument(reader), size, seed=seed)
+    return ShuffleBuffer(OnePerDocument(reader), size, seed=seed, fill=fill)
 
 
 def test_drains_every_item_exactly_once_in_shuffled_order(index) -> None:
@@ -93,15 +103,59 @@ def test_drains_every_item_exactly_once_in_shuffled_order(index) -> None:
     assert np.mean([abs(pos[v] - i) for i, v in enumerate(out)]) > 10
 
 
-def test_restore_at_every_step_rebuilds_from_provenance(index) -> None:
+@pytest.mark.parametrize("fill", ["stream", "full"])
+def test_restore_at_every_step_rebuilds_from_provenance(index, fill) -> None:
+    # stream: steps 0 .. 25 are during the fill (the state holds 0 .. 25 items)
     idx, _ = index
-    items = check_restore_at_every_step(lambda: make(idx, 25, epochs=2))
+    items = check_restore_at_every_step(lambda: make(idx, 25, epochs=2, fill=fill))
     assert len(items) == 240
+
+
+class _Counted(IterableWrapper):
+    """An endless ``range`` that counts its pulls."""
+
+    def __init__(self) -> None:
+        super().__init__(range(10**9))
+        self.pulls = 0
+
+    def next(self):
+        self.pulls += 1
+        return super().next()
+
+
+def test_a_streaming_fill_delivers_from_the_second_pull() -> None:
+    src = _Counted()
+    node = ShuffleBuffer(src, 1000, seed=4)
+    node.reset()
+    assert next(node) == 0 and src.pulls == 2  # one item added, the one drawn replaced
+    for k in range(2, 1001):
+        next(node)
+        assert len(node._buf) == k and src.pulls == 2 * k
+    next(node)  # full: one pull per draw from now on
+    assert len(node._buf) == 1000 and src.pulls == 2001
+    full = _Counted()
+    node = ShuffleBuffer(full, 1000, seed=4, fill="full")
+    node.reset()
+    next(node)
+    assert full.pulls == 1001  # the whole buffer first
+    # once full, both modes draw alike: the same slots, from buffers of the same items
+    a, b = ShuffleBuffer(_Counted(), 50, seed=4), ShuffleBuffer(_Counted(), 50, seed=4, fill="full")
+    a.reset(), b.reset()
+    for _ in range(50):
+        next(a)
+    next(b)
+    assert sorted(a._buf) != sorted(b._buf)  # different items (the streamed ones left early)
+    with pytest.raises(ValueError, match=r"fill='half' must be one of \('stream', 'full'\)"):
+        ShuffleBuffer(IterableWrapper([]), 2, fill="half")
 
 
 def test_state_holds_provenance_not_tokens(index) -> None:
     idx, _ = index
     node = make(idx, 50, epochs=None)
+    for _ in range(30):
+        next(node)
+    held = [b for group in node.state_dict()["prov_groups"] for b in group]
+    assert sum(int(c.sum()) for c, _ in held) == 30  # filling: one more item per draw
     for _ in range(30):
         next(node)
     state = node.state_dict()
@@ -270,7 +324,7 @@ def test_a_slow_fill_logs_its_progress_and_size(index, monkeypatch, caplog) -> N
     idx, _ = index
     monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))  # 1 s per pull
     caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
-    node = make(idx, 40)
+    node = make(idx, 40, fill="full")
     next(node)
     lines = [r.getMessage() for r in caplog.records]
     # rate-limited: the first line after 2 s, then one per 10 s, and a closing line
@@ -296,17 +350,120 @@ def test_a_fast_fill_logs_nothing(index, caplog) -> None:
     assert caplog.records == []
 
 
-def test_restore_of_a_large_buffer_logs_its_rebuild(index, monkeypatch, caplog) -> None:
+def _count_fetches(monkeypatch, node: type = ShardReader) -> list[Any]:
+    """Every document ``node`` s read (or tokenize) again (``fetch_document``), as
+    ``(file, doc)``, or ``(dataset, file, doc)`` for a node other than the reader."""
+    fetched: list[Any] = []
+    fetch = node.fetch_document
+
+    def counting(self, dataset, file, doc):
+        fetched.append((file, doc) if node is ShardReader else (dataset, file, doc))
+        return fetch(self, dataset, file, doc)
+
+    monkeypatch.setattr(node, "fetch_document", counting)
+    return fetched
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_restore_rebuilds_only_the_items_drawn(index, monkeypatch, caplog, packed) -> None:
+    """A restored buffer holds provenance only: the restore reads no document, and each draw
+    reads again only the documents of the restored item it hands out (items pulled since come
+    from the reader's walk, not from fetches)."""
     idx, _ = index
-    node = make(idx, 40)
-    next(node)
+
+    def build() -> ShuffleBuffer:
+        return _packed(idx, 40) if packed else make(idx, 40)
+
+    node = build()
+    for _ in range(45):
+        next(node)
+    state = pickle.loads(pickle.dumps(node.state_dict()))
+    restored_tables = [t.tolist() for t in np.split(*reversed(_flat(state)))]
+    fetched = _count_fetches(monkeypatch)
+    caplog.set_level("DEBUG", logger="torchdata_ext")
+    fresh = build()
+    fresh.reset(state)
+    assert fetched == [] and caplog.records == []
+    want = [item_key(x) for x in run(node, 10)]
+    got = []
+    for _ in range(10):
+        before = len(fetched)
+        item = next(fresh)
+        got.append(item_key(item))
+        prov = np.asarray(item["provenance"]).tolist()
+        docs = {(f, d) for ds, f, d, _, n in prov if ds >= 0 and n > 0}
+        if prov in restored_tables:  # a restored item: its documents read again, only them
+            assert set(fetched[before:]) == docs and len(fetched) - before == len(docs)
+        else:
+            assert len(fetched) == before
+    assert got == want
+    everything = {(f, d) for t in restored_tables for ds, f, d, _, n in t if ds >= 0 and n > 0}
+    assert 0 < len(set(fetched)) < len(everything)  # some restored items drawn, not all
+
+
+def test_a_restored_text_buffer_tokenizes_only_the_rows_drawn(tmp_path, monkeypatch) -> None:
+    """Text: the restore tokenizes none of the buffered rows' documents; each drawn restored
+    row tokenizes its own documents again, and the stream is the uninterrupted one."""
+    from harness import text_config, write_random_text_datasets
+
+    from torchdata_ext.nodes.tokenize import Tokenize
+    from torchdata_ext.pipeline import build_pipeline
+
+    write_random_text_datasets(str(tmp_path), [("web", 90, 12), ("code", 50, 12)], ["ab"], 2)
+    cfg = dataclasses.replace(text_config(str(tmp_path)), shuffle_buffer=20)
+
+    def build() -> Any:
+        return build_pipeline(cfg, World(), collate=False)
+
+    node = build()
+    node.reset()
+    for _ in range(25):
+        next(node)
+    state = pickle.loads(pickle.dumps(node.state_dict()))
+    names = ["web", "code"]
+    restored = [t.tolist() for t in np.split(*reversed(_flat(state)))]
+    fetched = _count_fetches(monkeypatch, Tokenize)
+    fresh = build()
+    fresh.reset(state)
+    assert fetched == []
+    want = [item_key(x) for x in run(node, 8)]
+    got, drawn_docs = [], []
+    for _ in range(8):
+        item = next(fresh)
+        got.append(item_key(item))
+        prov = np.asarray(item["provenance"]).tolist()
+        if prov in restored:  # each of its documents once (a document in two rows: twice)
+            drawn_docs += sorted({(names[ds], f, d) for ds, f, d, _, n in prov if ds >= 0 and n})
+    assert got == want
+    assert drawn_docs and sorted(fetched) == sorted(drawn_docs)
+
+
+def _flat(state: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(split points, rows)`` of a state's buffered provenance, for ``np.split``."""
+    counts, rows = buffered_provenance(state)
+    return np.cumsum(counts)[:-1], rows
+
+
+def test_a_buffer_given_provenance_tables_rebuilds_them_when_drawn(index) -> None:
+    """provenance_groups writes rows known by their provenance into a state (what a rescale
+    hands on); the buffer restored from it delivers exactly those rows, rebuilt when drawn."""
+    idx, _ = index
+    source = _packed(idx, 1, epochs=None).source
+    source.reset()
+    rows = [source.next_packed() for _ in range(9)]
+    tables = [r.provenance for r in rows]
+    node = _packed(idx, 12, epochs=None)
+    node.reset()
     state = node.state_dict()
-    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))
-    caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
-    make(idx, 40).reset(state)
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == "rebuilding the shuffle buffer: 2 of 40 items after 2 s, about 38 s left"
-    assert lines[-1] == "rebuilding the shuffle buffer: done, 40 of 40 items in 41.0 s"
+    state["prov_groups"] = provenance_groups(tables)
+    assert buffered_provenance(state)[0].tolist() == [len(t) for t in tables]
+    node.reset(pickle.loads(pickle.dumps(state)))
+    assert all(isinstance(x, ProvenanceItem) for x in node._buf)
+    held = {item_key(source.materialize(r)): r for r in rows}
+    drawn = [item_key(next(node)) for _ in range(60)]
+    assert set(held) <= set(drawn)  # every handed-on row delivered, once
+    assert all(drawn.count(k) == 1 for k in held)
+    assert [len(c) for g in state["prov_groups"] for c, _ in g] == [4, 4, 1]
 
 
 def test_a_buffer_larger_than_the_workers_share_warns_once(index, caplog) -> None:
@@ -431,6 +588,28 @@ def test_a_buffer_whose_states_are_never_taken_keeps_bounded_memory(index, monke
     fresh = make(idx, 10, epochs=None)
     fresh.reset(pickle.loads(pickle.dumps(state)))
     assert [item_key(x) for x in run(fresh, 30)] == [item_key(x) for x in run(node, 30)]
+
+
+def test_a_state_of_other_block_sizes_restores(index) -> None:
+    """Blocks of another size than the buffer's own (a state written by other code): the
+    restore journals every slot instead of taking the blocks as its base; the stream and the
+    states after it are the same."""
+    idx, _ = index
+    node = make(idx, 10)
+    for _ in range(12):
+        next(node)
+    state = pickle.loads(pickle.dumps(node.state_dict()))
+    counts, rows = buffered_provenance(state)
+    odd = {k: v for k, v in state.items() if k != "prov_groups"}
+    odd["prov_blocks"] = [(counts[:3], rows[:3]), (counts[3:], rows[3:])]
+    a, b = make(idx, 10), make(idx, 10)
+    a.reset(state)
+    b.reset(odd)
+    for _ in range(5):
+        assert item_key(next(a)) == item_key(next(b))
+        assert [x.tolist() for x in buffered_provenance(b.state_dict())] == [
+            x.tolist() for x in buffered_provenance(a.state_dict())
+        ]
 
 
 def test_the_share_warning_fires_for_text_data_too(tmp_path, caplog) -> None:

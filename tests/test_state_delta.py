@@ -196,3 +196,36 @@ def test_a_few_changed_array_elements_are_sent_as_a_patch(n, dtype, where, neste
         assert [op[1] for op in ops] == [PATCH]
         assert len(pickle.dumps(ops)) < 100 + 20 * changed
     assert not changed or got is not prev_arr
+
+
+def test_after_a_restore_deltas_are_taken_against_the_restored_state(data_path) -> None:
+    """A worker restored from a state sends its first delta against that state (the receiver
+    starts from it too): for a restored shuffle buffer only the groups of the slots drawn
+    since, and applying the deltas to the restored state gives the graph's state at every
+    step."""
+    from torchdata_ext.state_delta import _plain
+
+    kw = dict(
+        data_path=data_path, datasets="web,code,books", weights="3,1,1", seq_length=16,
+        eos_token=0, logical_shards=4, batch_size=1, seed=4, shuffle_buffer=600, block_docs=5,
+    )  # fmt: skip
+    node = build_pipeline(PipelineConfig(**kw), World())
+    node.reset()
+    for _ in range(700):
+        next(node)
+    restored = plain(node.state_dict())
+    node = build_pipeline(PipelineConfig(**kw), World())
+    node.reset(plain(restored))
+    sent, rebuilt = restored, restored
+    for step in range(20):
+        next(node)
+        state = node.state_dict()
+        ops = diff(sent, state)
+        if step == 0:  # one draw: one block of the buffer's 3 groups of 64 blocks
+            (path, kind, value), *rest = [op for op in ops if "prov_groups" in op[0]]
+            # inside the list of groups: one group (or one block of it) set, not the list
+            assert not rest and path[-1] != "prov_groups" and kind == SET, ops
+            assert len(_plain(value)) in (2, 64), value
+        rebuilt = apply(rebuilt, pickle.loads(pickle.dumps(ops)))
+        assert same(rebuilt, plain(state)), step
+        sent = state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,3 +76,37 @@ def test_missing_file_and_missing_package(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"pip install 'torchdata-ext\[text\]'"):
         load_tokenizer(str(tmp_path / "nope.json"), byte_offset=0)
+
+
+def test_worker_threads_share_the_cores() -> None:
+    from torchdata_ext.tokenizers import worker_threads
+
+    assert [worker_threads(w, cores=2) for w in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert worker_threads(4, cores=16) == 4
+
+
+@pytest.mark.multiprocess
+def test_tokenizer_threads_are_limited_in_workers_unless_the_user_set_them(monkeypatch) -> None:
+
+    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.tokenizers import limit_tokenizer_threads, worker_threads
+
+    for var in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.delenv(var, raising=False)
+    assert limit_tokenizer_threads(2, cores=2) == 1
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("RAYON_NUM_THREADS", "7")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    assert limit_tokenizer_threads(2, cores=2) is None and os.environ["RAYON_NUM_THREADS"] == "7"
+    monkeypatch.delenv("RAYON_NUM_THREADS")
+    # each dataloader worker builds its graph with its share of the cores set
+    got = list(TokenLoader(_env_seen, num_workers=2))
+    assert got == [str(worker_threads(2))] * 2
+    assert "RAYON_NUM_THREADS" not in os.environ  # this process is left alone
+
+
+def _env_seen(world) -> Any:
+    from torchdata.nodes import IterableWrapper
+
+    return IterableWrapper([os.environ.get("RAYON_NUM_THREADS")])

@@ -37,6 +37,7 @@ from torchdata_ext._background import Background as _Background
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.graph import graph_nodes
 from torchdata_ext.state_delta import apply, diff
+from torchdata_ext.tokenizers import limit_tokenizer_threads
 from torchdata_ext.world import World
 
 __all__ = ["STATE_FORMAT", "PipelineDataset", "TokenLoader"]
@@ -88,7 +89,12 @@ class _PipelineIterator(Iterator[_Message]):
 
     def _start(self) -> None:
         if not self._started:
+            self._io_nodes()  # found before a restore fills the buffers (see io_stats)
             self.root.reset(self._initial)
+            # the receiver starts from the same state (TokenLoader._produce), so the first
+            # delta after a restore is what changed since it: a few blocks of a restored
+            # shuffle buffer, not the whole buffer
+            self._sent = self._initial
             self._initial = None
             self._started = True
 
@@ -116,14 +122,20 @@ class _PipelineIterator(Iterator[_Message]):
             self.world.worker_id, grouped, states, self._delta, self.io_stats(), self._ended
         )
 
-    def io_stats(self) -> dict[str, float]:
-        """The I/O counters of every reader in this worker's graph, summed."""
-        if self._counted is None:  # found once: walking the graph visits every buffered item
+    def _io_nodes(self) -> list[Any]:
+        """The graph's nodes with I/O counters, found once: walking the graph visits every
+        item a buffer holds (10,000 rows restored into a shuffle buffer), so it is done
+        before the graph is reset."""
+        if self._counted is None:
             self._counted = [
                 n for n in graph_nodes(self.root) if callable(getattr(n, "io_stats", None))
             ]
+        return self._counted
+
+    def io_stats(self) -> dict[str, float]:
+        """The I/O counters of every reader in this worker's graph, summed."""
         out: dict[str, float] = {}
-        for node in self._counted:
+        for node in self._io_nodes():
             for k, v in node.io_stats().items():
                 if isinstance(v, (int, float)):
                     out[k] = out.get(k, 0) + v
@@ -184,6 +196,8 @@ class PipelineDataset(IterableDataset):
     def __iter__(self) -> _PipelineIterator:
         info = get_worker_info()
         physical, n = (0, 1) if info is None else (info.id, info.num_workers)
+        if info is not None:  # this worker's share of the cores for its tokenizers
+            limit_tokenizer_threads(n)
         world = self.world_for(physical, n)
         return _PipelineIterator(
             self.build,

@@ -48,6 +48,7 @@ from torchdata_ext.tokenizers import (
     check_special_tokens,
     load_tokenizer,
     token_ids,
+    worker_threads,
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 from torchdata_ext.urls import filesystem, join
@@ -93,6 +94,10 @@ class PipelineConfig:
             padding it.
         best_fit_window: documents considered at once in ``best_fit`` mode.
         shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
+        shuffle_fill: ``"stream"`` (default): the buffer delivers from the first batch and
+            grows by one sequence per draw until full (as fms-fsdp's); ``"full"``: it fills
+            before the first batch (which waits for ``shuffle_buffer`` sequences). See
+            ``docs/time-to-data.md``.
         interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
             ``"samples"`` (random by weight).
         mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
@@ -169,6 +174,7 @@ class PipelineConfig:
     pack_mode: Literal["concat", "pad", "best_fit", "chunk"] = "concat"
     best_fit_window: int = 1000
     shuffle_buffer: int = 10_000
+    shuffle_fill: Literal["stream", "full"] = "stream"
     interleave_mode: Literal["tokens", "samples"] = "tokens"
     mix_quantum_tokens: int = 65_536
     epochs: int | None = None
@@ -216,6 +222,8 @@ class PipelineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
         if self.dtype not in ("int64", "int32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+        if self.shuffle_fill not in ("stream", "full"):
+            raise ValueError(f"shuffle_fill={self.shuffle_fill!r} must be 'stream' or 'full'")
         self._check_eval_split()
         check_int("byte_offset", self.byte_offset, 0)
         if self.max_dropped_documents is not None:
@@ -525,7 +533,13 @@ def _build(
             node = TransformDocuments(node, text_steps, max_dropped=cfg.max_dropped_documents)
         if tokenizer is not None:
             # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
-            node = Tokenize(node, tokenizer, cut_handed_back=not token_steps)
+            node = Tokenize(
+                node,
+                tokenizer,
+                cut_handed_back=not token_steps,
+                # 2 encoding threads (each a batch encode), 1 when a worker has one core
+                num_threads=min(2, worker_threads(world.num_workers if world else 1)),
+            )
         if token_steps:
             node = TransformDocuments(node, token_steps, max_dropped=cfg.max_dropped_documents)
         sources[name] = (
@@ -572,7 +586,9 @@ def _build(
     )
     if cfg.shuffle_buffer > 1 and not evaluating:
         share = functools.partial(_worker_share, cfg, list(datasets.values()), readers)
-        node = ShuffleBuffer(node, cfg.shuffle_buffer, seed=cfg.seed, worker_share=share)
+        node = ShuffleBuffer(
+            node, cfg.shuffle_buffer, seed=cfg.seed, worker_share=share, fill=cfg.shuffle_fill
+        )
     if collate:
         dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
         node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)

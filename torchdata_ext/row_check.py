@@ -19,7 +19,9 @@ an uninterrupted run guarantees, and so every rescaled one must:
   delivered exactly once;
 * with ``ordered`` (no shuffle buffer, one stream per worker), a document's pieces come in
   order within each stream;
-* with ``budget``: what is delivered of each document is a prefix of it (a budget cuts a
+* with ``budget``: what is delivered of each document is a prefix of it, and a piece that
+  does not end its document may be followed by other documents in its row (a budget's cut
+  ends a phase mid-document; after a rescale the rest may come from another worker) (a budget cuts a
   document's end, never its start).
 """
 
@@ -140,7 +142,7 @@ def row_problems(
                     if last_at.get(key, -1) > start:
                         out.append(f"{where}: {key} piece {start} comes after a later piece")
                     last_at[key] = start + n
-            out.extend(_row_problems(where, content, ends, lengths, rules, sep_bos))
+            out.extend(_row_problems(where, content, ends, lengths, rules, sep_bos, budget))
             if len(out) >= limit:
                 return out[:limit]
     out.extend(_count_problems(cover, lengths, n_bos, n_eos, rules, sep_bos, budget))
@@ -154,6 +156,7 @@ def _row_problems(
     lengths: dict[Key, int],
     rules: RowRules,
     sep_bos: int | None,
+    budget: bool,
 ) -> list[str]:
     """The invariants one row's content (``("B"|"E", key)`` and ``("D", key, a, b)``)
     breaks."""
@@ -177,7 +180,8 @@ def _row_problems(
         if a == 0 and sep_bos is not None and prev is not None and not own_bos and prev[0] != "E":
             out.append(f"{where}: {key} starts after {prev}, not after its BOS")
         goes_on = nxt is not None and nxt[0] == "D" and nxt[1] == key and nxt[2] == b
-        if b < ends[key] and nxt is not None and mode in ("concat", "pad") and not goes_on:
+        ends_here = b == ends[key] or budget
+        if not ends_here and nxt is not None and mode in ("concat", "pad") and not goes_on:
             out.append(f"{where}: {key}[{a}..{b}] of {ends[key]} does not end its row")
         own_eos = nxt is not None and nxt[0] == "E" and nxt[1] == key
         if b == lengths[key] and eos is not None and nxt is not None and not own_eos:

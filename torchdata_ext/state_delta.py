@@ -70,7 +70,10 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
         return
     tc = type(cur)
     if tc is not type(prev):
-        ops.append((path, SET, cur))
+        if hasattr(tc, "__state_value__") or hasattr(type(prev), "__state_value__"):
+            _diff(_plain(prev), _plain(cur), path, ops)  # e.g. a restored state's plain list
+        else:
+            ops.append((path, SET, cur))
     elif tc is dict:
         if len(cur) > 16 and len(cur) == len(prev):
             keys = list(cur)
@@ -119,6 +122,12 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
         _diff(prev.__state_value__(), cur.__state_value__(), path, ops)
     elif not _equal(prev, cur):  # tuples and anything else: compared whole
         ops.append((path, SET, cur))
+
+
+def _plain(x: Any) -> Any:
+    """``x``, or the plain value it stands for if it is built when read."""
+    value = getattr(type(x), "__state_value__", None)
+    return x if value is None else value(x)
 
 
 def _equal(a: Any, b: Any) -> bool:

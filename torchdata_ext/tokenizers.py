@@ -35,16 +35,51 @@ __all__ = [
     "TokenIds",
     "as_encoder",
     "check_special_tokens",
+    "limit_tokenizer_threads",
     "load_tokenizer",
     "token_ids",
     "tokenizer_hash",
     "tokenizer_location",
+    "worker_threads",
 ]
 
 _NUM_BYTES = 256
 DEFAULT_BYTE_OFFSET = 1
 """The byte tokenizer's id offset unless one is given: byte ``b`` is id ``b + 1``, so id 0
 (the default EOS and pad token) is never a byte."""
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def worker_threads(num_workers: int, cores: int | None = None) -> int:
+    """Encoding threads for each of ``num_workers`` processes (0: loading in the training
+    process, as 1) sharing ``cores`` (default: the cores available): ``cores // num_workers``,
+    at least 1, so the workers' tokenizers together use the cores without oversubscribing them.
+    """
+    if cores is None:
+        cores = _cores()
+    return max(1, cores // max(1, num_workers))
+
+
+def limit_tokenizer_threads(num_workers: int, cores: int | None = None) -> int | None:
+    """In a dataloader worker process, before a tokenizer runs: give Hugging Face
+    ``tokenizers`` (its Rayon thread pool) :func:`worker_threads` threads by setting
+    ``RAYON_NUM_THREADS`` (and ``TOKENIZERS_PARALLELISM=false`` for one thread), unless the user
+    set either variable. Returns the threads set, or None when the user's setting stands.
+
+    Without it every worker's tokenizer starts a thread per core, and 2 workers on 2 cores
+    tokenize slower than one process (``docs/time-to-data.md``)."""
+    if "RAYON_NUM_THREADS" in os.environ or "TOKENIZERS_PARALLELISM" in os.environ:
+        return None
+    threads = worker_threads(num_workers, cores)
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    if threads == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return threads
 
 
 @runtime_checkable

@@ -9,10 +9,10 @@ packed (Pack's ``source`` / ``consumed`` state keys)::
     pad      |bol B a a a E P P eol| |bol B b b b E P P eol| ...   whole units while they fit
 
 In ``pad`` a unit longer than an empty sequence starts a new sequence and is split across
-sequences. With no EOS configured (only a BOS between documents), a piece that a rescale
-handed back from inside its document starts a new sequence, the one before it padded: in an
-uninterrupted run such a continuation always starts a sequence, and placed after another
-document nothing would separate the two.
+sequences. A piece that a rescale handed back from inside its document starts a new
+sequence, the one before it padded: in an uninterrupted run such a continuation always starts
+a sequence, and placed after another document it could follow a piece with no separator (a
+budget's cut, or any document when no EOS is configured).
 """
 
 from __future__ import annotations

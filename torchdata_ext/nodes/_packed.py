@@ -288,6 +288,16 @@ class _Layout:
             "provenance": rows,
         }
 
+    def packed(self, x: np.ndarray, rows: np.ndarray) -> PackedSequence:
+        """The :class:`PackedSequence` of packed tokens ``x`` and their provenance ``rows``
+        (what :meth:`emit` gave for them: :meth:`materialize` of it is :meth:`assemble`)."""
+        pos, doc_ids, real = self.layout(rows)
+        cuts = np.flatnonzero(pos == 0)  # every run's positions count from 0 at its start
+        pad = np.flatnonzero(~real)
+        size = len(x)
+        span = (int(pad[0]), int(pad[-1]) + 1) if len(pad) else (size, size)
+        return PackedSequence(x, rows, cuts.tolist(), doc_ids[cuts].tolist(), span)
+
     def layout(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Position ids, document ids and the not-padding mask, from provenance rows only.
 

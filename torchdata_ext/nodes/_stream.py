@@ -58,8 +58,8 @@ class _Stream:
     unit_eos: np.ndarray | None = None
     no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
     bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
-    # stream offsets of units a rescale handed back from inside their document, when no EOS
-    # separates documents: each starts a row (see _ConcatPad), or it would be glued
+    # stream offsets of units a rescale handed back from inside their document: each starts
+    # a row, as a continuation does in an uninterrupted run (see _ConcatPad)
     pin_at: list[int] | None = None
 
     def doc_ends(self) -> np.ndarray:
@@ -411,9 +411,15 @@ class _Cursor:
         row_off[0] = 0
         np.cumsum(rows[:, 4], out=row_off[1:])
         pin_at = None
-        if block.stop is not None and self.eos_token is None and self.bos_token is not None:
-            inside = np.flatnonzero((np.asarray(block.start) > 0) & nonempty)
-            pin_at = unit_off[inside].tolist() or None
+        if block.stop is not None:  # handed back by a rescale: a continuation starts a row
+            start = np.asarray(block.start)
+            inside = (start > 0) & nonempty
+            inside[1:] &= ~(  # not right after its own previous piece
+                (block.doc[1:] == block.doc[:-1])
+                & (block.file[1:] == block.file[:-1])
+                & (start[1:] == start[:-1] + lengths[:-1])
+            )
+            pin_at = unit_off[np.flatnonzero(inside)].tolist() or None
         return _Stream(
             pre_state,
             carry_in,

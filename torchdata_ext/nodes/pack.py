@@ -373,6 +373,11 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
 
     def rebuild(self, provenance: np.ndarray) -> dict[str, np.ndarray]:
         """The output dict a provenance table describes, its documents read again upstream."""
+        return self._layout.materialize(self.rebuild_packed(provenance))
+
+    def rebuild_packed(self, provenance: np.ndarray) -> PackedSequence:
+        """The :class:`PackedSequence` a provenance table describes (what :meth:`next_packed`
+        gave), its documents read again upstream: :meth:`rebuild` before materializing."""
         prov = np.array(provenance, dtype=np.int64).reshape(-1, PROV_COLUMNS)
         tokens = resolve(prov, self.dataset_names, self, self.dtype)
         if len(tokens) != self._layout.packed_len:
@@ -381,7 +386,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                 f"{self._layout.packed_len} (seq_len={self.seq_len}, shift={self.shift}); "
                 "rebuild with the Pack that emitted it"
             )
-        return self._layout.assemble(tokens, prov)
+        return self._layout.packed(tokens, prov)
 
     # -- state checks --------------------------------------------------------------------------
     def _check_state(self, state: dict[str, Any]) -> None:

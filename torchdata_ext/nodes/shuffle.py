@@ -8,13 +8,23 @@ compact integer array, and rebuilt on restore by ``rebuild`` (by default the sou
 about a megabyte instead of 160 MB. Items without provenance are kept in the state as they are
 (fine for small buffers and small items).
 
-Long waits say what they are doing: a fill that lasts more than a couple of seconds logs its
-progress (items so far of ``buffer_size``), as does rebuilding the items on restore, and a
-buffer larger than this worker's share of the data (``worker_share``) warns once: filling it
-reads the whole share (and more epochs), so the first batch waits for all of it.
+The buffer delivers while it fills (``fill="stream"``, the default, as fms-fsdp's buffer): a
+draw while the buffer is not yet full first adds one item from upstream, then picks one of the
+items held so far and puts the next upstream item in its place, so the buffer grows by one item
+per draw and the first item comes after two pulls, whatever ``buffer_size``. ``fill="full"``
+fills the whole buffer before the first draw (a fill that lasts more than a couple of seconds
+logs its progress). What streaming costs the shuffle (neighbours are closer in the source order
+during the first ``buffer_size`` draws) is measured in ``docs/time-to-data.md``. A buffer larger
+than this worker's share of the data (``worker_share``) warns once.
+
+A restore is lazy: the restored buffer holds each item as its provenance table only
+(:class:`ProvenanceItem`, see :meth:`ShuffleBuffer.items_from_provenance`) and rebuilds the item
+(``rebuild``: reads, and for text re-tokenizes, its documents) when it is drawn, so the first
+batch after a restore reads the documents of its own rows, not of the whole buffer.
 
 Draws are counter-based: draw ``i`` picks slot ``mix_seed(seed, i) % len(buffer)``, so the state
-holds the draw counter, not an RNG.
+holds the draw counter, not an RNG. The number of items held is in the state (its provenance),
+so a state taken during a streaming fill restores exactly too.
 
 A source with ``next_packed()`` and ``materialize()`` (:class:`~torchdata_ext.nodes.pack.Pack`)
 is read through ``next_packed()``: the buffer holds each sequence in that small form (its
@@ -33,6 +43,9 @@ and a training loop that takes a state at every step and saves few pays for the 
 A journal longer than twice the buffer is built into a new base (its memory is bounded: ~20,000
 small tables for a 10,000-sequence buffer).
 
+Longer than a few hundred lines: the node and the journal that makes its states cheap belong
+together (the journal is written on every draw).
+
 State keys: ``source`` (upstream state after the last pull), ``draws``, ``exhausted``, and
 either ``prov_groups`` (format 3: a list of groups, each a list of blocks of slots, each a
 pair ``(counts, rows)``: rows per item and the items' provenance rows ``[sum(counts), 5]``, in
@@ -47,7 +60,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
@@ -57,7 +70,13 @@ from torchdata_ext._progress import Progress
 from torchdata_ext.provenance import PROV_COLUMNS, remap_ids
 from torchdata_ext.walk import mix_seed
 
-__all__ = ["ShuffleBuffer", "buffered_provenance"]
+__all__ = [
+    "FILL_MODES",
+    "ProvenanceItem",
+    "ShuffleBuffer",
+    "buffered_provenance",
+    "provenance_groups",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +87,23 @@ _GROUP = 64  # blocks per group (the unit a state delta looks inside)
 # a journal longer than 2 x the buffer + this many changes is built into a new base (a state
 # read later then replays at most that many)
 _JOURNAL_SLACK = 1024
+FILL_MODES = ("stream", "full")
+"""``ShuffleBuffer(fill=...)``: deliver while filling (``"stream"``) or fill first (``"full"``)."""
+
+
+class ProvenanceItem:
+    """A buffered item known only by its provenance table (``(k, 5)``, see
+    :mod:`torchdata_ext.provenance`): what a restored buffer holds until the item is drawn,
+    then ``rebuild(provenance)`` makes it. Build them with
+    :meth:`ShuffleBuffer.items_from_provenance`."""
+
+    __slots__ = ("provenance",)
+
+    def __init__(self, provenance: np.ndarray) -> None:
+        self.provenance = provenance
+
+    def __repr__(self) -> str:
+        return f"ProvenanceItem({self.provenance.tolist()!r})"
 
 
 class ShuffleBuffer(BaseNode[T], Generic[T]):
@@ -86,9 +122,15 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             its tokens / sequence length), or a function returning it (None: unknown), called
             at the first fill, when the world is known; a larger ``buffer_size`` warns once.
             None: no check.
+        fill: ``"stream"`` (default): deliver from the first draw, the buffer growing by one
+            item per draw until it holds ``buffer_size``; ``"full"``: fill the buffer before
+            the first draw. Restore with the mode the state was taken with (the stream after a
+            restore during the fill depends on it).
 
     When the source ends (finite runs), the buffer drains: every buffered item is still
-    delivered, in random order, then ``StopIteration``.
+    delivered, in random order, then ``StopIteration``. A buffer restored holding more than
+    ``buffer_size`` items (from a state of a larger buffer) drains to ``buffer_size`` the same
+    way before it refills.
     """
 
     SOURCE_KEY = "source"
@@ -102,8 +144,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         rebuild: Callable[[np.ndarray], T] | None = None,
         provenance_key: str = "provenance",
         worker_share: int | Callable[[], int | None] | None = None,
+        fill: str = "stream",
     ) -> None:
         super().__init__()
+        if fill not in FILL_MODES:
+            raise ValueError(f"{fill=} must be one of {FILL_MODES}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)):
             raise TypeError(f"{buffer_size=} must be an integer")
         if buffer_size < 1:
@@ -116,12 +161,16 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._rebuild = rebuild if rebuild is not None else getattr(source, "rebuild", None)
         self.provenance_key = provenance_key
         self.worker_share = worker_share
+        self.fill = fill
         self._share_checked = False
         next_packed = getattr(source, "next_packed", None)
         materialize = getattr(source, "materialize", None)
         self._packed = callable(next_packed) and callable(materialize)
         self._pull: Callable[[], Any] = next_packed if self._packed else self._next_source  # type: ignore[assignment]
         self._out: Callable[[Any], T] = materialize if self._packed else _same  # type: ignore[assignment]
+        # a drawn ProvenanceItem is made in the form the buffer holds (Pack: PackedSequence)
+        held = getattr(source, "rebuild_packed", None)
+        self._make = held if rebuild is None and self._packed and callable(held) else self._rebuild
         self._buf: list[Any] = []
         self._draws = 0
         self._exhausted = False
@@ -143,10 +192,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             self._exhausted = bool(initial_state["exhausted"])
             if "items" in initial_state:
                 self._buf = list(initial_state["items"])
+                for slot, item in enumerate(self._buf):
+                    self._note(slot, item)
             else:
-                self._buf = self._rebuild_items(initial_state)
-            for slot, item in enumerate(self._buf):
-                self._note(slot, item)
+                self._buf = self._restored_items(initial_state)
+                self._restore_journal(initial_state)
         else:
             self.source.reset(None)
             self._draws = 0
@@ -160,7 +210,10 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             self._rebase()  # bounds its memory, states taken or not (a plain Loader takes none)
         buf = self._buf
         if not self._exhausted and len(buf) < self.buffer_size:
-            self._fill()
+            if self.fill == "full":
+                self._fill()
+            else:
+                self._grow()
         if not buf:
             raise StopIteration
         j = mix_seed(self.seed, _DRAW_TAG, self._draws) % len(buf)
@@ -170,14 +223,29 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             try:
                 buf[j] = self._pull()
                 self._note(j, buf[j])
-                return item
+                return item if type(item) is not ProvenanceItem else self._made(item)
             except StopIteration:
                 self._exhausted = True
         buf[j] = buf[-1]
         buf.pop()
         if j < len(buf):
             self._note(j, buf[j])
-        return item
+        return item if type(item) is not ProvenanceItem else self._made(item)
+
+    def _made(self, item: ProvenanceItem) -> Any:
+        """The item a :class:`ProvenanceItem` stands for, rebuilt from its provenance."""
+        return self._make(item.provenance)  # type: ignore[misc]
+
+    @staticmethod
+    def items_from_provenance(tables: Iterable[np.ndarray]) -> list[ProvenanceItem]:
+        """Buffer items known only by their provenance tables (``(k, 5)`` integer arrays, see
+        :mod:`torchdata_ext.provenance`), each rebuilt (its documents read, and for text
+        re-tokenized, again) only when it is drawn.
+
+        What a restored buffer holds: its state's provenance (:func:`buffered_provenance`)
+        made into these. To give a buffer rows it did not hold before (e.g. rows handed on by a
+        rescale), write them into its state with :func:`provenance_groups`."""
+        return [ProvenanceItem(np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS)) for t in tables]
 
     # -- the packed-item protocol of Pack, passed through ------------------------------------------
     def next_packed(self) -> Any:
@@ -222,6 +290,25 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return state
 
     # -- helpers -------------------------------------------------------------------------------
+    def _restore_journal(self, state: dict[str, Any]) -> None:
+        """Start the journal from the restored state's own blocks and groups (format 3 or 2),
+        so the states that follow share the blocks not drawn from since (a dataloader worker's
+        first delta after a restore is then a few blocks, not the whole buffer)."""
+        if not self._buf:
+            return
+        self._prov_of = self._provenance_getter(self._buf[0])
+        groups: list[Any] = []
+        if "prov_groups" in state:
+            groups = list(state["prov_groups"])  # its groups, the same objects
+        elif "prov_blocks" in state:
+            blocks = list(state["prov_blocks"])
+            groups = [blocks[i : i + _GROUP] for i in range(0, len(blocks), _GROUP)]
+        if groups and _standard_layout(groups, len(self._buf)):
+            self._journal = _Journal(_Snapshot(groups, len(self._buf)))
+        else:  # format 1, or blocks of another size: journal every slot
+            self._journal.slots.extend(range(len(self._buf)))
+            self._journal.tables.extend(x.provenance for x in self._buf)
+
     def _rebase(self) -> None:
         """Build the journal into a new base of the buffer as it is now, so it lets go of the
         tables of items handed out (states taken before keep the journal they were given)."""
@@ -229,6 +316,19 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         now = _LazyGroups(journal, len(journal), len(self._buf))
         now.groups()
         self._journal = journal.after(now)
+
+    def _grow(self) -> None:
+        """Add one item from upstream (``fill="stream"``: one per draw until full)."""
+        if not self._share_checked:
+            self._share_checked = True
+            self._check_share()
+        try:
+            item = self._pull()
+        except StopIteration:
+            self._exhausted = True
+        else:
+            self._buf.append(item)
+            self._note(len(self._buf) - 1, item)
 
     def _fill(self) -> None:
         """Pull until the buffer is full or the source ends, reporting a long fill."""
@@ -258,11 +358,13 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             return
         logger.warning(
             "the shuffle buffer holds %d items but this worker's share of the data is only ~%d: "
-            "the first batch waits until the buffer has read all of it (and more epochs), "
-            "and items of several epochs mix; use a buffer_size (shuffle_buffer) below that, "
+            "%sitems of several epochs mix; use a buffer_size (shuffle_buffer) below that, "
             "or fewer workers",
             self.buffer_size,
             share,
+            "the first batch waits until the buffer has read all of it (and more epochs), and "
+            if self.fill == "full"
+            else "",
         )
 
     def _next_source(self) -> T:
@@ -282,6 +384,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         to rebuild them: the state then keeps the items as they are)."""
         if self._rebuild is None:
             return None
+        if type(item) is ProvenanceItem:
+            return operator.attrgetter("provenance") if self._packed else self._provenance
         if isinstance(item, dict):
             return self._provenance if self.provenance_key in item else None
         if self._packed and hasattr(item, "provenance"):
@@ -333,9 +437,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         if not tables:
             out["items"] = []
             return out
-        counts = np.fromiter((len(t) for t in tables), np.int64, len(tables))
-        rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
-        out["prov_blocks"] = [(_narrow(counts), _narrow(rows))]
+        out["prov_groups"] = provenance_groups(tables)
         return out
 
     def _provenance(self, item: Any) -> np.ndarray:
@@ -344,7 +446,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         table = item.provenance
         return table if type(table) is np.ndarray else np.asarray(table)
 
-    def _rebuild_items(self, state: dict[str, Any]) -> list[T]:
+    def _restored_items(self, state: dict[str, Any]) -> list[ProvenanceItem]:
+        """A state's buffered items as :class:`ProvenanceItem` s (rebuilt when drawn)."""
         if self._rebuild is None:
             raise ValueError(
                 "this shuffle buffer state holds provenance tables but the node has no way to "
@@ -356,15 +459,8 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         names = getattr(self.source, "dataset_names", None)
         if saved is not None and names is not None:  # ids by name: the Pack may order them anew
             rows = remap_ids(rows, saved, names)
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-        out = []
-        with Progress(
-            "rebuilding the shuffle buffer", logger, total=len(counts), bar=False
-        ) as progress:
-            for i in range(len(counts)):
-                out.append(self._rebuild(rows[bounds[i] : bounds[i + 1]]))
-                progress.update()
-        return out
+        ends = np.cumsum(counts).tolist()
+        return [ProvenanceItem(rows[a:b]) for a, b in zip([0, *ends], ends)]
 
 
 _UNDECIDED = object()  # ShuffleBuffer._prov_of before the first item
@@ -473,7 +569,7 @@ def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
     sizes: list[int] = []
     for b in blocks:
         lo, hi = b * _BLOCK, min(b * _BLOCK + _BLOCK, n)
-        kept = groups[b // _GROUP][b % _GROUP].tables() if lo < n0 else ()
+        kept = _block_tables(groups[b // _GROUP][b % _GROUP]) if lo < n0 else ()
         tables.extend(changes[s] if s in changes else kept[s - lo] for s in range(lo, hi))
         sizes.append(hi - lo)
     stale = _StaleGroup(tables, sizes)
@@ -571,6 +667,29 @@ class _ProvBlock(Sequence[np.ndarray]):
         return self._group.tables(self._i)
 
 
+def _standard_layout(groups: list[Any], n: int) -> bool:
+    """Whether ``groups`` cut ``n`` slots as this module does: blocks of ``_BLOCK`` slots in
+    groups of ``_GROUP`` blocks, the last of each possibly partial."""
+    n_blocks, n_groups = _counts(n)
+    if len(groups) != n_groups or sum(len(g) for g in groups) != n_blocks:
+        return False
+    if any(len(g) != _GROUP for g in groups[:-1]):
+        return False
+    sizes = [len(block[0]) for g in groups for block in g]
+    return all(k == _BLOCK for k in sizes[:-1]) and sizes[-1] == n - _BLOCK * (n_blocks - 1)
+
+
+def _block_tables(block: Any) -> list[Any]:
+    """The provenance tables of a block's slots: a :class:`_ProvBlock`'s own, or split from a
+    restored state's ``(counts, rows)`` pair."""
+    if type(block) is _ProvBlock:
+        return block.tables()
+    counts, rows = block
+    ends = np.cumsum(np.asarray(counts, np.int64)).tolist()
+    rows = np.asarray(rows).reshape(-1, PROV_COLUMNS)
+    return [rows[a:b] for a, b in zip([0, *ends], ends)]
+
+
 def _state_blocks(state: dict[str, Any]) -> list[Any]:
     """The ``(counts, rows)`` blocks of a format 3 (``prov_groups``) or 2 (``prov_blocks``)
     state, in slot order."""
@@ -593,11 +712,10 @@ def buffered_provenance(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         blocks = _state_blocks(state)
         if not blocks:
             return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
-        counts = np.concatenate([np.asarray(c, np.int64) for c, _ in blocks])
-        rows = np.concatenate(
-            [np.asarray(r, np.int64).reshape(-1, PROV_COLUMNS) for _, r in blocks]
-        )
-        return counts, rows
+        # one concatenation, then one cast (blocks are narrowed each to its own dtype)
+        counts = np.concatenate([c for c, _ in blocks]).astype(np.int64)
+        rows = np.concatenate([np.reshape(r, (-1, PROV_COLUMNS)) for _, r in blocks])
+        return counts, rows.astype(np.int64)
     if "prov_counts" in state:  # format 1: all items' columns concatenated
         counts = np.asarray(state["prov_counts"], np.int64)
         cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
@@ -610,6 +728,18 @@ def buffered_provenance(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         "this shuffle buffer state keeps its items as they are, without provenance tables; "
         "put the shuffle buffer on a Pack to account for what it holds"
     )
+
+
+def provenance_groups(tables: Sequence[np.ndarray]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """The ``prov_groups`` of a :class:`ShuffleBuffer` state (format 3) whose buffer holds, in
+    slot order, items with these provenance tables (``(k, 5)`` integer arrays, see
+    :mod:`torchdata_ext.provenance`): plain lists of ``(counts, rows)`` pairs, as a state
+    pickles. A buffer restored from such a state rebuilds each item only when it is drawn."""
+    journal = _Journal(None)
+    journal.slots = list(range(len(tables)))
+    journal.tables = [np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables]
+    groups = _build_groups(journal, len(tables), len(tables))
+    return [[tuple(block) for block in group] for group in groups]  # type: ignore[misc]
 
 
 def _same(item: T) -> T:
