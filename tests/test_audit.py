@@ -535,51 +535,6 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     assert len(file) == 80 and set(epoch.tolist()) == {0} and not flight.any()
 
 
-def test_verify_names_a_data_file_changed_in_place(tmp_path, capsys) -> None:
-    """``verify`` re-checks every data file against the checkpoint's fingerprints: nothing
-    changed gives an empty list; a file rewritten with the same size and document lengths (other
-    tokens) is refused naming it, or listed with ``allow_changed_files``; the CLI the same."""
-    from torchdata_ext.fingerprint import ChangedFilesError
-
-    rng = np.random.default_rng(8)
-    docs = [
-        rng.integers(5, 30_000, 1 + int(rng.exponential(30)), dtype=np.uint32) for _ in range(60)
-    ]
-    root = tmp_path / "data"
-    for f in range(2):
-        write_arrow_batches(str(root / "web" / f"p{f}.arrow"), docs[f::2])
-    cfg = PipelineConfig(
-        data_path=str(root), datasets="web", seq_length=32, eos_token=0, logical_shards=6,
-        batch_size=2, seed=5, shuffle_buffer=4, block_docs=5,
-    )  # fmt: skip
-    loader = TokenLoader(functools.partial(build_pipeline, cfg))
-    for step, _ in enumerate(loader, 1):
-        if step == 5:
-            break
-    ckpt = str(tmp_path / "c")
-    save_checkpoint(loader, ckpt)
-    assert audit_checkpoint(ckpt, cfg, verify=True).changed_files == []
-    assert audit_checkpoint(ckpt, cfg).changed_files is None
-
-    changed = [d.copy() for d in docs[1::2]]
-    changed[0][0] ^= 1  # same size, same document lengths, another token
-    write_arrow_batches(str(root / "web" / "p1.arrow"), changed)
-    with pytest.raises(ChangedFilesError, match=r"p1\.arrow") as err:
-        audit_checkpoint(ckpt, cfg, verify=True)
-    assert "p0.arrow" not in str(err.value)
-    report = audit_checkpoint(ckpt, cfg, verify=True, allow_changed_files=True)
-    assert len(report.changed_files) == 1 and report.changed_files[0].startswith("web/p1.arrow")
-    assert "sha256" in report.changed_files[0]
-    assert "CHANGED data files" in report.format_table()
-
-    config = tmp_path / "cfg.json"
-    config.write_text(json.dumps(cfg.to_dict()))
-    assert main(["audit", ckpt, "--config", str(config), "--verify"]) == 2
-    assert "p1.arrow" in capsys.readouterr().err
-    assert main(["audit", ckpt, "--config", str(config), "--verify", "--allow-changed-files"]) == 0
-    assert "web/p1.arrow" in capsys.readouterr().out
-
-
 @pytest.fixture()
 def saved_run(tmp_path):
     """A one-dataset run (two Arrow files) checkpointed after 4 batches: (cfg, ckpt, docs)."""
@@ -601,6 +556,36 @@ def saved_run(tmp_path):
     ckpt = str(tmp_path / "c")
     save_checkpoint(loader, ckpt)
     return cfg, ckpt, docs
+
+
+def test_verify_names_a_data_file_changed_in_place(saved_run, tmp_path, capsys) -> None:
+    """``verify`` re-checks every data file against the checkpoint's fingerprints: nothing
+    changed gives an empty list; a file rewritten with the same size and document lengths (other
+    tokens) is refused naming it, or listed with ``allow_changed_files``; the CLI the same."""
+    from torchdata_ext.fingerprint import ChangedFilesError
+
+    cfg, ckpt, docs = saved_run
+    root = tmp_path / "data"
+    assert audit_checkpoint(ckpt, cfg, verify=True).changed_files == []
+    assert audit_checkpoint(ckpt, cfg).changed_files is None
+
+    changed = [d.copy() for d in docs[1::2]]
+    changed[0][0] ^= 1  # same size, same document lengths, another token
+    write_arrow_batches(str(root / "web" / "p1.arrow"), changed)
+    with pytest.raises(ChangedFilesError, match=r"p1\.arrow") as err:
+        audit_checkpoint(ckpt, cfg, verify=True)
+    assert "p0.arrow" not in str(err.value)
+    report = audit_checkpoint(ckpt, cfg, verify=True, allow_changed_files=True)
+    assert len(report.changed_files) == 1 and report.changed_files[0].startswith("web/p1.arrow")
+    assert "sha256" in report.changed_files[0]
+    assert "CHANGED data files" in report.format_table()
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert main(["audit", ckpt, "--config", str(config), "--verify"]) == 2
+    assert "p1.arrow" in capsys.readouterr().err
+    assert main(["audit", ckpt, "--config", str(config), "--verify", "--allow-changed-files"]) == 0
+    assert "web/p1.arrow" in capsys.readouterr().out
 
 
 def test_audit_names_added_and_resized_files_as_load_checkpoint_does(saved_run, tmp_path) -> None:
