@@ -50,7 +50,12 @@ __all__ = ["PrepareResult", "audit_checkpoint", "cli_message", "inspect_dataset"
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name, and words for what the
 # command line sets outside its flags
-_ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
+_ALIASES = {
+    "prepare": {"col_name": "--text-field"},
+    "inspect": {},
+    "audit": {"cfg": "--config"},
+    "index": {},
+}
 _WORDS = {"storage_options": "the storage credentials (fsspec configuration)"}
 
 
@@ -147,7 +152,40 @@ def _parser() -> argparse.ArgumentParser:
                     "recorded (reads 128 KiB per file); a changed file is an error naming it")  # fmt: skip
     ap.add_argument("--allow-changed-files", action="store_true",
                     help="with --verify: list changed files in the report instead of failing")  # fmt: skip
+    _add_index_command(sub)
     return p
+
+
+def _add_index_command(sub: argparse._SubParsersAction) -> None:
+    """``torchdata-ext index DATA_PATH``: write each dataset's index file."""
+    xp = sub.add_parser(
+        "index",
+        help="write the index file of each dataset (ranks then start with one GET, no LIST)",
+        description="List and count the datasets of DATA_PATH and write each one's "
+        "meta/torchdata_ext_index.json (see python -m pydoc torchdata_ext.index_file). Run "
+        "it again after adding, removing or rewriting files: a stale index file is refused.",
+    )
+    xp.add_argument("data_path", help="the config's data_path (URL)")
+    xp.add_argument("--datasets", default="",
+                    help="dataset sub-folders, comma-separated (default: DATA_PATH is one)")  # fmt: skip
+    xp.add_argument("--file-type", default="arrow", help="format name ('none': by suffix)")
+    xp.add_argument("--col-name", default="tokens", help="token column or text field")
+    xp.add_argument("--eos-token", type=int, default=0, help="EOS of flat .npy token files")
+
+
+def _index(args: argparse.Namespace) -> None:
+    """``torchdata-ext index``: write the index files, print their URLs."""
+    from torchdata_ext.index_file import write_index_files
+
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    for url in write_index_files(
+        args.data_path,
+        names,
+        file_type=None if args.file_type == "none" else args.file_type,
+        col_name=args.col_name,
+        eos_token=args.eos_token,
+    ):
+        print(url)
 
 
 def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
@@ -229,6 +267,9 @@ def _run(args: argparse.Namespace) -> None:
     """Do the parsed command."""
     if args.command == "audit":
         _audit(args)
+        return
+    if args.command == "index":
+        _index(args)
         return
     compression = None if args.compression == "none" else args.compression
     if args.command == "prepare":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_same_settings",
     "meta_url",
     "read_meta",
+    "read_side_file",
     "write_meta",
 ]
 
@@ -169,16 +171,34 @@ def write_meta(folder: str, meta: PreparedMeta, storage_options: dict[str, Any] 
 
 
 def read_meta(
-    folder: str, storage_options: dict[str, Any] | None = None
+    folder: str,
+    storage_options: dict[str, Any] | None = None,
+    known: Mapping[str, bytes | None] | None = None,
 ) -> tuple[PreparedMeta, str] | None:
-    """The metadata of the data in ``folder`` and its URL, or None when there is none."""
+    """The metadata of the data in ``folder`` and its URL, or None when there is none.
+
+    Args:
+        folder: the data folder.
+        storage_options: fsspec options.
+        known: files already read, by URL (None: known to be absent), e.g. a
+            :class:`~torchdata_ext.index.DatasetIndex`'s ``side_files``; the store is asked only
+            for a file not in it.
+    """
     url = meta_url(folder)
+    if known is not None and url in known:
+        raw = known[url]
+        return None if raw is None else (PreparedMeta.from_json(raw, url), url)
+    raw = read_side_file(url, storage_options)
+    return None if raw is None else (PreparedMeta.from_json(raw, url), url)
+
+
+def read_side_file(url: str, storage_options: dict[str, Any] | None = None) -> bytes | None:
+    """The bytes of small file ``url``, or None when there is no such file."""
     fs, path = filesystem(url, storage_options)
     try:
-        raw = with_retries(lambda: fs.cat_file(path), url, what="read")
+        return bytes(with_retries(lambda: fs.cat_file(path), url, what="read"))
     except FileNotFoundError:
         return None
-    return PreparedMeta.from_json(raw, url), url
 
 
 def check_config(
