@@ -27,7 +27,7 @@ import numpy as np
 
 from torchdata_ext.remote import with_retries, write_bytes_atomic
 from torchdata_ext.tokenizers import TokenIds, check_special_tokens, token_ids, tokenizer_hash
-from torchdata_ext.urls import filesystem, join
+from torchdata_ext.urls import filesystem, join, protocol_of
 
 __all__ = [
     "META_FILE",
@@ -193,10 +193,13 @@ def read_meta(
 
 
 def read_side_file(url: str, storage_options: dict[str, Any] | None = None) -> bytes | None:
-    """The bytes of small file ``url``, or None when there is no such file."""
+    """The bytes of small file ``url``, or None when there is no such file: one GET on an
+    object store (s3fs asks an object's size first, a HEAD, unless told to read it in one
+    request)."""
     fs, path = filesystem(url, storage_options)
+    one_request = {"max_concurrency": 1} if protocol_of(fs) == "s3" else {}
     try:
-        return bytes(with_retries(lambda: fs.cat_file(path), url, what="read"))
+        return bytes(with_retries(lambda: fs.cat_file(path, **one_request), url, what="read"))
     except FileNotFoundError:
         return None
 
