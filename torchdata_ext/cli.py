@@ -20,6 +20,9 @@ dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), 
 writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
 extra).
 
+``torchdata-ext index DATA_PATH [--datasets a,b]`` writes each dataset's index file
+(:mod:`torchdata_ext.index_file`), so a job's ranks start with one GET each and no LIST.
+
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
 :func:`cli_message` rewrites as this command's flags (``--text-field ...``). Output into a pipe
