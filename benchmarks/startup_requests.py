@@ -316,7 +316,16 @@ def report(
           f"the busiest rank other than 0 ~ F^{other_f:.2f}")  # fmt: skip
         # extrapolation: per rank linear in F (rank 0 and the others apart), by request class
         seconds = 0.0
-        for cls, rate in ((GET_CLASS, GET_RATE), (PUT_CLASS, PUT_RATE)):
+        # a listing is one LIST per 1,000 files: scale the LISTs measured at the largest F
+        # by the pages at --at-files (an upper bound: the meta/ and folder checks do not grow)
+        pages = math.ceil(args.at_files / 1000) / math.ceil(big_f / 1000)
+        lists = _rank(res, big_f, big_r, 0, ("LIST",))
+        lists += (args.at_ranks - 1) * (
+            _rank(res, big_f, big_r, 1, ("LIST",)) if big_r > 1 else lists
+        )
+        at[f"{mode} LIST"] = lists * pages
+        seconds = lists * pages / GET_RATE
+        for cls, rate in ((GET_CLASS[1:], GET_RATE), (PUT_CLASS, PUT_RATE)):
             a0, b0 = linear(file_counts, [_rank(res, F, big_r, 0, cls) for F in file_counts])
             a1, b1 = (a0, b0)
             if big_r > 1:
@@ -329,8 +338,9 @@ def report(
       f"(start + restore, one prefix; S3: {GET_RATE:,} GET/HEAD/LIST and {PUT_RATE:,} "
       "PUT/POST/DELETE per second):")  # fmt: skip
     for mode in modes:
-        p(f"  {mode:5s}: {at[f'{mode} LIST']:>16,.0f} GET-class + {at[f'{mode} PUT']:,.0f} "
-          f"PUT-class requests = {at[mode]:>10,.1f} s of one prefix's capacity")  # fmt: skip
+        p(f"  {mode:5s}: {at[f'{mode} LIST']:>14,.0f} LIST + {at[f'{mode} GET']:>12,.0f} "
+          f"GET/RANGE_GET/HEAD + {at[f'{mode} PUT']:,.0f} PUT/POST/DELETE requests = "
+          f"{at[mode]:>10,.1f} s of one prefix's capacity")  # fmt: skip
     if "list" in modes:
         for mode in modes:
             if mode != "list" and at[mode] > 0:
