@@ -1,4 +1,4 @@
-"""Start-up and restore requests that do not grow with the job: index files (one GET per
+"""Start-up and restore requests that do not grow with the job: index files (two GETs per
 dataset, no LIST; a stale one refused), the index broadcast under torch.distributed, and
 fingerprint checks shared by ranks without a process group and skipped for unchanged objects.
 Requests are counted by kind (``count_s3_requests``) against the moto S3 server."""
@@ -126,8 +126,17 @@ def test_prepare_writes_the_index_file(tmp_path: Path) -> None:
     assert index is not None
     _same(index, DatasetIndex.build(out, name="web"))
     assert index.total_docs == 9
-    meta_url = f"{out}/meta/torchdata_ext_meta.json"  # carried in the index: no GET per worker
-    assert index.side_files[meta_url] == Path(meta_url).read_bytes()
+    # the prepared metadata is read as it is now (not copied into the index file)
+    meta = Path(out, "meta", "torchdata_ext_meta.json")
+    assert build_datasets(_cfg_of(out), World(1, 2))["web"].side_files == {
+        str(meta): meta.read_bytes()
+    }
+    meta.unlink()
+    assert build_datasets(_cfg_of(out), World(1, 2))["web"].side_files == {str(meta): None}
+
+
+def _cfg_of(folder: str) -> PipelineConfig:
+    return PipelineConfig(data_path=folder, seq_length=16, logical_shards=8, tokenizer="byte")
 
 
 # -- requests on S3 -----------------------------------------------------------------------------
@@ -149,10 +158,11 @@ def test_a_rank_starts_with_one_get_per_dataset_and_no_list(s3) -> None:
     write_index_files(root, NAMES, storage_options=so)
     with count_s3_requests() as other:
         got = build_datasets(cfg, World(1, 4))
-    assert other == Counter({"GET": len(NAMES)})  # one GET per dataset, nothing else
+    # per dataset one GET of its index file and one of its prepared metadata, nothing else
+    assert other == Counter({"GET": 2 * len(NAMES)})
     with count_s3_requests() as first:
         build_datasets(cfg, World(0, 4))
-    assert first["LIST"] >= len(NAMES) and first["GET"] == len(NAMES)  # rank 0 checks it
+    assert first["LIST"] >= len(NAMES) and first["GET"] == 2 * len(NAMES)  # rank 0 checks it
     for name in NAMES:
         _same(got[name], reference[name])
     with count_s3_requests() as built:  # a worker's graph from the shared indexes: no request

@@ -21,7 +21,7 @@ writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib
 extra).
 
 ``torchdata-ext index DATA_PATH [--datasets a,b]`` writes each dataset's index file
-(:mod:`torchdata_ext.index_file`), so a job's ranks start with one GET each and no LIST.
+(:mod:`torchdata_ext.index_file`), so a job's ranks start with a GET or two per dataset and no LIST.
 
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
@@ -163,7 +163,7 @@ def _add_index_command(sub: argparse._SubParsersAction) -> None:
     """``torchdata-ext index DATA_PATH``: write each dataset's index file."""
     xp = sub.add_parser(
         "index",
-        help="write the index file of each dataset (ranks then start with one GET, no LIST)",
+        help="write the index file of each dataset (ranks then list nothing at start)",
         description="List and count the datasets of DATA_PATH and write each one's "
         "meta/torchdata_ext_index.json (see python -m pydoc torchdata_ext.index_file). Run "
         "it again after adding, removing or rewriting files: a stale index file is refused.",

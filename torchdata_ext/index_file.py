@@ -1,13 +1,14 @@
-"""Index files: a dataset's listing and counts in one object, so a rank starts with one GET.
+"""Index files: a dataset's listing and counts in one object, so a rank starts without a LIST.
 
 Building a :class:`~torchdata_ext.index.DatasetIndex` lists the dataset's folder (a LIST request
 per 1,000 files on S3), looks for counts files (two more LISTs and a GET each) and the prepared
 metadata (a GET). Done by every rank and worker, a job's start costs ranks x workers x that,
 against one prefix. An *index file*, ``<dataset folder>/meta/torchdata_ext_index.json``
 (:data:`INDEX_FILE`), holds all of it: the files (relative to the folder), their document and
-token counts, sizes and versions (ETag, mtime), the handler options they were counted with and
-the prepared metadata. ``torchdata-ext prepare`` writes it with its output, and
-``torchdata-ext index DATA_PATH`` (:func:`write_index_files`) for any data.
+token counts, sizes and versions (ETag, mtime) and the handler options they were counted with.
+``torchdata-ext prepare`` writes it with its output, and ``torchdata-ext index DATA_PATH``
+(:func:`write_index_files`) for any data. The prepared metadata file is not copied into it
+(it is read as it is now, one more GET, so deleting or rewriting it takes effect at once).
 
 **Stale index files are refused, never used.** Reading one costs one GET and no LIST; one
 process of the job (rank 0, worker 0: :func:`load_index_file` with ``verify=True``) lists the
@@ -95,8 +96,7 @@ def with_side_files(index: DatasetIndex) -> DatasetIndex:
 
 
 def write_index_file(folder: str, index: DatasetIndex) -> str:
-    """Write ``index`` (with its prepared metadata, read if not known yet) as ``folder``'s
-    index file, atomically; return its URL.
+    """Write ``index`` as ``folder``'s index file, atomically; return its URL.
 
     Args:
         folder: the dataset folder the pipeline names (``data_path/<dataset>``).
@@ -111,7 +111,6 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
             f"dataset {index.name!r}: only an index built from files by DatasetIndex.build "
             "(with their sizes and versions) can be written as an index file"
         )
-    index = with_side_files(index)
     body = {
         "index_version": INDEX_VERSION,
         "name": index.name,
@@ -122,10 +121,6 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
         "tokens": index.token_counts.tolist(),
         "sizes": [size for size, _ in index.file_stats],
         "versions": [version for _, version in index.file_stats],
-        "side_files": {
-            _relative(url, folder): None if raw is None else raw.decode()
-            for url, raw in index.side_files.items()
-        },
     }
     try:
         data = json.dumps(body, sort_keys=True).encode()
@@ -216,10 +211,6 @@ def load_index_file(
         handler_options={**options, **wanted},
         storage_options=storage_options,
         file_stats=tuple(zip((int(s) for s in body["sizes"]), body["versions"])),
-        side_files={
-            _absolute(rel, folder): None if text is None else text.encode()
-            for rel, text in body["side_files"].items()
-        },
     )
     if verify:
         _check_fresh(url, hashlib.sha256(raw).hexdigest(), folder, index)

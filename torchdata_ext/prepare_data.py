@@ -648,4 +648,4 @@ def _finalize(
         index = DatasetIndex.build(
             out, file_type=format, storage_options=storage_options, write_counts="data"
         )
-    write_index_file(out, index)  # a job's ranks then start with one GET each, no LIST
+    write_index_file(out, index)  # a job's ranks then start without a LIST
