@@ -98,6 +98,7 @@ from torchdata_ext.rescale import live_cut
 from torchdata_ext.shard_walk import walked_documents
 from torchdata_ext.shards import file_offsets, shard_bounds
 from torchdata_ext.split import EvalSplit, SplitFilter
+from torchdata_ext.world import World
 
 __all__ = ["AuditReport", "DatasetAudit", "EpochConsumption", "audit_checkpoint"]
 
@@ -392,7 +393,7 @@ def audit_checkpoint(
         )
     cfg = _as_config(cfg)
     manifest = read_manifest(url, storage_options)
-    datasets = build_datasets(cfg)
+    datasets = build_datasets(cfg, World())  # this process alone, never a collective
     _check_matches(url, manifest, cfg, datasets)
     changed: list[str] | None = None
     verified: str | None = None

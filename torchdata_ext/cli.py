@@ -24,6 +24,9 @@ Every command takes ``--storage-options JSON`` (the fsspec options of its URLs; 
 ``docs/command-line.md``); a store that cannot work fails within a second or two, naming the
 endpoint and what to check (:mod:`torchdata_ext.remote.probe`).
 
+``torchdata-ext index DATA_PATH [--datasets a,b]`` writes each dataset's index file
+(:mod:`torchdata_ext.index_file`), so a job's ranks start with a GET or two per dataset and no LIST.
+
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
 :func:`cli_message` rewrites as this command's flags (``--text-field ...``). Output into a pipe
@@ -56,7 +59,12 @@ __all__ = ["PrepareResult", "audit_checkpoint", "cli_message", "inspect_dataset"
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name, and words for what the
 # command line sets outside its flags
-_ALIASES = {"prepare": {"col_name": "--text-field"}, "inspect": {}, "audit": {"cfg": "--config"}}
+_ALIASES = {
+    "prepare": {"col_name": "--text-field"},
+    "inspect": {},
+    "audit": {"cfg": "--config"},
+    "index": {},
+}
 _WORDS: dict[str, str] = {}
 _STORAGE_HELP = (
     'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '
@@ -187,7 +195,43 @@ def _parser() -> argparse.ArgumentParser:
                     help="list data files changed in place (same size and document counts) "
                     "in the report instead of failing; implies --verify. Files added, removed "
                     "or resized are always refused")  # fmt: skip
+    _add_index_command(sub)
     return p
+
+
+def _add_index_command(sub: argparse._SubParsersAction) -> None:
+    """``torchdata-ext index DATA_PATH``: write each dataset's index file."""
+    xp = sub.add_parser(
+        "index",
+        help="write the index file of each dataset (ranks then list nothing at start)",
+        description="List and count the datasets of DATA_PATH and write each one's "
+        "meta/torchdata_ext_index.json (see python -m pydoc torchdata_ext.index_file). Run "
+        "it again after adding, removing or rewriting files: a stale index file is refused.",
+    )
+    xp.add_argument("data_path", help="the config's data_path (URL)")
+    xp.add_argument("--datasets", default="",
+                    help="dataset sub-folders, comma-separated (default: DATA_PATH is one)")  # fmt: skip
+    xp.add_argument("--file-type", default="arrow", help="format name ('none': by suffix)")
+    xp.add_argument("--col-name", default="tokens", help="token column or text field")
+    xp.add_argument("--eos-token", type=int, default=0, help="EOS of flat .npy token files")
+    xp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP)  # fmt: skip
+
+
+def _index(args: argparse.Namespace) -> None:
+    """``torchdata-ext index``: write the index files, print their URLs."""
+    from torchdata_ext.index_file import write_index_files
+
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    for url in write_index_files(
+        args.data_path,
+        names,
+        file_type=None if args.file_type == "none" else args.file_type,
+        col_name=args.col_name,
+        eos_token=args.eos_token,
+        storage_options=args.storage_options,
+    ):
+        print(url)
 
 
 def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
@@ -269,6 +313,9 @@ def _run(args: argparse.Namespace) -> None:
     """Do the parsed command."""
     if args.command == "audit":
         _audit(args)
+        return
+    if args.command == "index":
+        _index(args)
         return
     compression = None if args.compression == "none" else args.compression
     if args.command == "prepare":

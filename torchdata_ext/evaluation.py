@@ -28,6 +28,7 @@ from torchdata_ext.index import DatasetIndex
 from torchdata_ext.loader import TokenLoader
 from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_eval_pipeline
 from torchdata_ext.provenance import LITERAL
+from torchdata_ext.world import World
 
 __all__ = ["ROW_MASK", "EvalLoader"]
 
@@ -78,7 +79,9 @@ class EvalLoader:
         if "loss_mask" not in keys:
             keys.append("loss_mask")
         self.cfg = dataclasses.replace(cfg, output_keys=keys)
-        datasets = dict(datasets) if datasets is not None else build_datasets(self.cfg)
+        if datasets is None:  # no collective here: an EvalLoader may be made on one rank alone
+            datasets = build_datasets(self.cfg, World.detect(rank, world_size))
+        datasets = dict(datasets)
         self.build = functools.partial(build_eval_pipeline, self.cfg, datasets=datasets)
         self.build(None)  # refuse a config that holds nothing out now, not in a worker
         self.num_workers = num_workers

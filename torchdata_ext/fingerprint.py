@@ -24,6 +24,10 @@ keep them (``rsync -a``, ``cp -p``) or accept the files explicitly.
 
 Cost: digests are kept per process by ``(url, size, version)``, so each file is read once per
 process whatever the number of indexes, saves and loads; reads run :data:`THREADS` at a time.
+A check against recorded fingerprints reads no file that is listed with its recorded size and
+content version (ETag, generation: :func:`current_fingerprints`), so a restore over unchanged
+objects reads nothing; the other files are shared among the ranks, with or without a process
+group (:func:`check_data_files`). The request budget is in ``docs/object-storage-at-scale.md``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from torchdata_ext.index import DatasetIndex
 
 __all__ = [
+    "CONTENT_VERSIONS",
     "SAMPLE_BYTES",
     "ChangedFilesError",
     "FileChange",
@@ -52,6 +57,7 @@ __all__ = [
     "check_share",
     "compare",
     "compared",
+    "current_fingerprints",
     "dataset_fingerprints",
     "describe",
     "file_fingerprint",
@@ -72,6 +78,9 @@ THREADS = 16
 """Files fingerprinted at a time."""
 # fsspec info fields that change when an object is rewritten, most specific first
 VERSION_KEYS = ("ETag", "etag", "generation", "mtime", "LastModified", "last_modified", "created")
+CONTENT_VERSIONS = ("ETag", "etag", "generation")
+"""Version kinds that change whenever an object's content is rewritten: an object listed with
+the recorded size and one of these is not read again to check it."""
 _DIGEST_CHARS = 32  # 128 bits of the sha256: plenty to tell two versions of a file apart
 
 Stat = tuple[int, str]
@@ -347,7 +356,11 @@ def is_collective(world_size: int) -> bool:
 
 
 def dataset_fingerprints(
-    datasets: Mapping[str, DatasetIndex], *, rank: int = 0, world_size: int = 1
+    datasets: Mapping[str, DatasetIndex],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    recorded: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Every data file's fingerprint now: ``{dataset: {file name: fingerprint}}``.
 
@@ -357,6 +370,9 @@ def dataset_fingerprints(
             :func:`is_collective` (``torch.distributed`` runs those ranks), each rank
             fingerprints every ``world_size``-th file and the shares are gathered: every rank
             must call this, and gets every file. Otherwise this process does all the files.
+        recorded: fingerprints recorded earlier, by dataset and file: a file listed with the
+            recorded size and content version (ETag, generation) is not read
+            (:func:`current_fingerprints`).
 
     Each file is read once per process (see :func:`file_fingerprint`).
 
@@ -368,12 +384,17 @@ def dataset_fingerprints(
     shared = is_collective(world_size)
     mine = _share(datasets, rank, world_size) if shared else _share(datasets, 0, 1)
     out: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in names}
+    recorded = recorded or {}
+
+    def fingerprints(name: str, which: list[int]) -> dict[str, dict[str, Any]]:
+        return current_fingerprints(datasets[name], which, recorded.get(name, {}))
+
     if not shared:
         for name, which in mine.items():
-            out[name] = datasets[name].file_fingerprints(which)
+            out[name] = fingerprints(name, which)
         return out
     parts = _gather(
-        lambda: {name: datasets[name].file_fingerprints(which) for name, which in mine.items()},
+        lambda: {name: fingerprints(name, which) for name, which in mine.items()},
         world_size,
         "fingerprint the data files",
     )
@@ -381,6 +402,44 @@ def dataset_fingerprints(
         for name, files in part.items():
             out[name].update(files)
     return out
+
+
+def current_fingerprints(
+    index: DatasetIndex, which: Sequence[int], recorded: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The fingerprints now of files ``which`` (positions) of ``index``, by name.
+
+    A file whose listed size and version (``index.file_stats``) equal the recorded ones, and
+    whose version names the content (:data:`CONTENT_VERSIONS`: an S3 ``ETag``, a GCS
+    ``generation``, which change whenever the object is rewritten), is unchanged: its recorded
+    fingerprint is returned and nothing is read. The others are read (2 range reads each), so
+    a restart over unchanged objects reads no data file.
+    """
+    names = index.file_names()
+    stats = getattr(index, "file_stats", ())
+    out: dict[str, dict[str, Any]] = {}
+    read: list[int] = []
+    for i in which:
+        old = recorded.get(names[i])
+        if old is not None and stats and _same_object(old, stats[i]):
+            out[names[i]] = dict(old)
+        else:
+            read.append(i)
+    if read:
+        out.update(index.file_fingerprints(read))
+    return out
+
+
+def _same_object(recorded: Mapping[str, Any], stat: Stat) -> bool:
+    """Whether a listed ``(size, version)`` is the recorded object (a content version)."""
+    size, version = stat
+    kind = version.partition("=")[0]
+    return (
+        kind in CONTENT_VERSIONS
+        and version == recorded.get("version")
+        and size >= 0
+        and size == recorded.get("size")
+    )
 
 
 def _gather(compute: Callable[[], T], world_size: int, doing: str) -> list[T]:
@@ -493,7 +552,7 @@ def _share_changes(
             continue
         files = theirs[name]
         number = {f: i for i, f in enumerate(index.file_names())}
-        now = index.file_fingerprints([number[f] for f in files if f in number])
+        now = current_fingerprints(index, [number[f] for f in files if f in number], files)
         if found := compare(files, now):
             changes[name] = found
     return changes
@@ -516,7 +575,12 @@ def check_data_files(
             checkpoint saved before fingerprints existed (nothing is checked; logged).
         datasets: the datasets now, by name; those with nothing recorded (added since) are
             skipped.
-        rank / world_size: as for :func:`dataset_fingerprints` (a collective when it is one).
+        rank / world_size: this process's rank among the loader's ranks. Under
+            ``torch.distributed`` (:func:`is_collective`) a collective: each rank reads every
+            ``world_size``-th file and every rank refuses every changed file. Without a
+            process group each rank reads and compares its share alone (2 range reads per
+            file, F / world_size files) and the rank that finds a change raises it (rank 0
+            also reports recorded files that are gone). ``world_size=1``: every file.
         allow_changed_files: log a warning naming the changed files instead of raising.
         where: what recorded them, for messages (``"loader checkpoint s3://b/ckpt"``).
 
@@ -531,11 +595,36 @@ def check_data_files(
         logger.info("%s records no data file fingerprints: the data files are not checked", where)
         return {}
     theirs = _comparable(recorded)
-    current = dataset_fingerprints(
-        {n: ix for n, ix in datasets.items() if n in theirs}, rank=rank, world_size=world_size
-    )
+    mine = {n: ix for n, ix in datasets.items() if n in theirs}
+    if world_size > 1 and not is_collective(world_size):  # ranks known, no process group
+        changes = _checked_share(theirs, mine, rank, world_size)
+        where = f"{where} (rank {rank} of {world_size} checks every {world_size}-th file)"
+        return _refuse_or_warn(changes, allow_changed_files, where)
+    current = dataset_fingerprints(mine, rank=rank, world_size=world_size, recorded=theirs)
     changes = {name: c for name in sorted(current) if (c := compare(theirs[name], current[name]))}
     return _refuse_or_warn(changes, allow_changed_files, where)
+
+
+def _checked_share(
+    theirs: Mapping[str, Mapping[str, Any]],
+    datasets: Mapping[str, DatasetIndex],
+    rank: int,
+    world_size: int,
+) -> dict[str, list[FileChange]]:
+    """The changed files among rank ``rank``'s share (:func:`_share`) of the recorded ones,
+    read by this rank alone; rank 0 also reports the recorded files that are gone."""
+    changes: dict[str, list[FileChange]] = {}
+    share = _share(datasets, rank, world_size)
+    for name in sorted(datasets):
+        recorded = theirs[name]
+        now = current_fingerprints(datasets[name], share.get(name, []), recorded)
+        was = {f: recorded[f] for f in now if f in recorded}
+        if rank == 0:
+            present = set(datasets[name].file_names())
+            was.update({f: fp for f, fp in recorded.items() if f not in present})
+        if found := compare(was, now):
+            changes[name] = found
+    return changes
 
 
 def _comparable(recorded: Mapping[str, Any]) -> Mapping[str, Mapping[str, Any]]:

@@ -31,7 +31,7 @@ import io
 import logging
 import os
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -59,7 +59,7 @@ from torchdata_ext.remote import (
 )
 from torchdata_ext.urls import expand_urls, filesystem
 
-__all__ = ["COUNTS_FILE", "DatasetIndex", "read_data_sources"]
+__all__ = ["COUNTS_FILE", "DatasetIndex", "list_data_files", "read_data_sources"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,9 @@ class DatasetIndex:
         file_stats: per file ``(size in bytes, version)`` as listed when the index was built
             (see :func:`torchdata_ext.fingerprint.file_stat`); empty when the index was built
             by hand (then asked again when needed).
+        side_files: small files next to the data read once with the index (the prepared
+            metadata), by URL, None for one known to be absent: read from here instead of
+            asking the store again in every worker (see :mod:`torchdata_ext.index_file`).
     """
 
     name: str
@@ -118,6 +121,7 @@ class DatasetIndex:
     handler_options: dict[str, Any] = field(default_factory=dict)
     storage_options: dict[str, Any] = field(default_factory=dict)
     file_stats: tuple[Stat, ...] = field(default=(), repr=False, compare=False)
+    side_files: Mapping[str, bytes | None] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_docs(self) -> int:
@@ -254,61 +258,7 @@ class DatasetIndex:
         handler_options = dict(handler_options or {})
         if col_name is not None:
             handler_options["col_name"] = col_name
-        raw = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else list(urls)
-        expanded: list[str] = []
-        for u in raw:
-            if u.endswith(".txt"):
-                expanded.extend(read_data_sources(u, storage_options))
-            else:
-                expanded.append(u)
-        suffixes = None
-        if file_type == "memory":
-            raise ValueError(
-                "file_type='memory' is for documents held in memory: build the index with "
-                "DatasetIndex.from_documents(name, documents)"
-            )
-        if file_type is not None:
-            get_handler_class(file_type)  # unknown names fail here, naming the known ones
-            suffixes = tuple(registered_formats().get(file_type, []))
-            if file_type in ("flat", "ceped"):
-                suffixes += (".npy",)
-            suffixes = suffixes or None
-        else:
-            suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
-        listed_files: set[str] = set()
-        try:
-            with Progress(
-                f"listing {', '.join(expanded)}", logger, total=len(expanded), unit="patterns"
-            ) as progress:
-                for u in expanded:
-                    found = with_retries(
-                        partial(expand_urls, u, storage_options, suffixes=suffixes), u, what="list"
-                    )
-                    listed_files.update(found)
-                    progress.unit = f"patterns ({len(listed_files):,} files)"
-                    progress.update()
-        except FileNotFoundError:
-            for u in expanded:  # say so if the bucket is missing or refuses these credentials
-                check_access(u, storage_options)
-            raise
-        files = sorted(listed_files)
-        # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data, nor is
-        # an MDS folder's index.json (or a compressed copy of a listed raw MDS shard)
-        files = drop_mds_side_files(files)
-        listed = set(files)
-        files = [
-            f
-            for f in files
-            if not (f.endswith(OFFSETS_SUFFIX) and f[: -len(OFFSETS_SUFFIX)] in listed)
-        ]
-        if file_type is None:
-            kinds = {format_for_url(f) for f in files}
-            if len(kinds) > 1:
-                raise ValueError(
-                    f"the files of dataset {urls!r} have several formats {sorted(kinds)}; "
-                    "pass file_type=... or point urls at one format"
-                )
-            file_type = kinds.pop()
+        files, file_type = list_data_files(urls, file_type, storage_options)
         if eos_token is not None and handler_accepts(get_handler_class(file_type), "eos_token"):
             handler_options.setdefault("eos_token", eos_token)
         root = _common_dir(files)
@@ -445,6 +395,77 @@ class DatasetIndex:
             write_bytes_atomic(path, text.encode())
         except OSError as exc:
             logger.warning("could not keep document counts in %s (%s); continuing", path, exc)
+
+
+def list_data_files(
+    urls: str | os.PathLike[str] | Sequence[str],
+    file_type: str | None,
+    storage_options: dict[str, Any],
+) -> tuple[list[str], str]:
+    """The data files ``urls`` names, sorted, and their format: what :meth:`DatasetIndex.build`
+    lists (side files such as offsets indexes and MDS ``index.json`` left out).
+
+    Args:
+        urls / file_type / storage_options: as for :meth:`DatasetIndex.build`.
+
+    Raises:
+        FileNotFoundError: no data file matches ``urls``.
+        ValueError: mixed formats without ``file_type``, or an unknown format.
+    """
+    raw = [os.fspath(urls)] if isinstance(urls, (str, os.PathLike)) else list(urls)
+    expanded: list[str] = []
+    for u in raw:
+        if u.endswith(".txt"):
+            expanded.extend(read_data_sources(u, storage_options))
+        else:
+            expanded.append(u)
+    suffixes = None
+    if file_type == "memory":
+        raise ValueError(
+            "file_type='memory' is for documents held in memory: build the index with "
+            "DatasetIndex.from_documents(name, documents)"
+        )
+    if file_type is not None:
+        get_handler_class(file_type)  # unknown names fail here, naming the known ones
+        suffixes = tuple(registered_formats().get(file_type, []))
+        if file_type in ("flat", "ceped"):
+            suffixes += (".npy",)
+        suffixes = suffixes or None
+    else:
+        suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
+    listed_files: set[str] = set()
+    try:
+        with Progress(
+            f"listing {', '.join(expanded)}", logger, total=len(expanded), unit="patterns"
+        ) as progress:
+            for u in expanded:
+                found = with_retries(
+                    partial(expand_urls, u, storage_options, suffixes=suffixes), u, what="list"
+                )
+                listed_files.update(found)
+                progress.unit = f"patterns ({len(listed_files):,} files)"
+                progress.update()
+    except FileNotFoundError:
+        for u in expanded:  # say so if the bucket is missing or refuses these credentials
+            check_access(u, storage_options)
+        raise
+    files = sorted(listed_files)
+    # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data, nor is
+    # an MDS folder's index.json (or a compressed copy of a listed raw MDS shard)
+    files = drop_mds_side_files(files)
+    listed = set(files)
+    files = [
+        f for f in files if not (f.endswith(OFFSETS_SUFFIX) and f[: -len(OFFSETS_SUFFIX)] in listed)
+    ]
+    if file_type is None:
+        kinds = {format_for_url(f) for f in files}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the files of dataset {urls!r} have several formats {sorted(kinds)}; "
+                "pass file_type=... or point urls at one format"
+            )
+        file_type = kinds.pop()
+    return files, file_type
 
 
 def _csv_text(header: list[str], rows: Iterable[Iterable[Any]]) -> str:

@@ -40,6 +40,7 @@ from torchdata_ext._drops import DEFAULT_MAX_DROPPED
 from torchdata_ext.batch import ALL_KEYS, HF_KEYS
 from torchdata_ext.curriculum import check_budget, check_phases, with_budget
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.index_file import load_index_file, shared_by_rank0, with_side_files
 from torchdata_ext.prepared_meta import check_config, read_meta
 from torchdata_ext.split import EvalSplit, Subset
 from torchdata_ext.tokenizers import (
@@ -398,19 +399,72 @@ def _yaml_where(exc: Exception) -> str:
     return out + ")"
 
 
-def build_datasets(cfg: PipelineConfig) -> dict[str, DatasetIndex]:
-    """The ``DatasetIndex`` of every dataset of ``cfg``, by name."""
+def build_datasets(cfg: PipelineConfig, world: World | None = None) -> dict[str, DatasetIndex]:
+    """The ``DatasetIndex`` of every dataset of ``cfg``, by name.
+
+    Each comes from the dataset's index file (``meta/torchdata_ext_index.json``: one GET, no
+    LIST; :mod:`torchdata_ext.index_file`) when it has one counted as ``cfg`` asks, else from
+    listing its folder (:meth:`DatasetIndex.build`). An index file is checked against a
+    listing by one process of the job (rank 0, worker 0), which refuses a stale one
+    (:class:`~torchdata_ext.index_file.StaleIndexError`).
+
+    Under ``torch.distributed`` (initialised, more than one rank), called in the training
+    process, this is a collective: rank 0 builds the indexes and broadcasts them, so the job
+    lists each folder once. Call it on every rank and pass the result to every pipeline
+    (``functools.partial(build_pipeline, cfg, datasets=datasets)``): the dataloader workers
+    then ask the store for nothing before reading data.
+
+    Args:
+        cfg: the pipeline config.
+        world: this copy's place (default: rank from ``torch.distributed``, else the ``RANK``
+            environment variable, else 0); it decides which process checks an index file.
+    """
+    import torch.distributed as dist
+    from torch.utils.data import get_worker_info
+
+    if (
+        world is None
+        and get_worker_info() is None
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
+        return shared_by_rank0(lambda: _datasets_here(cfg, True), "build the dataset indexes")
+    return _datasets_here(cfg, _checks_index_files(world))
+
+
+def _checks_index_files(world: World | None) -> bool:
+    """Whether this copy checks index files against a listing: rank 0's worker 0 (``world``
+    None: rank 0 by ``torch.distributed`` or ``RANK``, outside dataloader workers)."""
+    if world is not None:
+        return world.rank == 0 and world.worker_id == 0
+    import torch.distributed as dist
+    from torch.utils.data import get_worker_info
+
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+    info = get_worker_info()
+    return rank == 0 and (info is None or info.id == 0)
+
+
+def _datasets_here(cfg: PipelineConfig, verify: bool) -> dict[str, DatasetIndex]:
+    """:func:`build_datasets` in this process alone (``verify``: check index files)."""
     out: dict[str, DatasetIndex] = {}
     for name in cfg.dataset_weights:
         url = join(cfg.data_path, name) if cfg.datasets else cfg.data_path
-        out[name] = DatasetIndex.build(
-            url,
+        options: dict[str, Any] = dict(
             name=name,
             file_type=cfg.file_type,
             col_name=cfg.col_name,
             eos_token=cfg.eos_token,  # to the formats that split on it, whatever file_type
             storage_options=cfg.storage_options,
         )
+        index = load_index_file(url, **options, verify=verify)
+        if index is None:
+            index = DatasetIndex.build(url, **options)
+        out[name] = with_side_files(index)
     return out
 
 
@@ -476,7 +530,9 @@ def _build(
     from torchdata_ext.nodes.tokenize import Tokenize
     from torchdata_ext.nodes.transform import TransformDocuments
 
-    datasets = dict(datasets) if datasets is not None else build_datasets(cfg)
+    if datasets is None:  # never a collective here: a build may run on one rank alone
+        datasets = _datasets_here(cfg, _checks_index_files(world))
+    datasets = dict(datasets)
     evaluating = subset == "eval"
     if evaluating:
         datasets = {n: ix for n, ix in datasets.items() if cfg.eval_split(n) is not None}
@@ -492,7 +548,7 @@ def _build(
         tokenizer = load_tokenizer(cfg.tokenizer, byte_offset=cfg.byte_offset)
         cfg.check_special_ids(tokenizer)
     for name, index in datasets.items():  # data prepare wrote says how it was tokenized
-        found = read_meta(index.root, index.storage_options)
+        found = read_meta(index.root, index.storage_options, index.side_files)
         if found is not None:
             check_config(
                 *found,

@@ -76,6 +76,7 @@ import numpy as np
 from torchdata_ext._progress import DELAY_S, Progress
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.index import DatasetIndex
+from torchdata_ext.index_file import write_index_file
 from torchdata_ext.prepare_filter import (
     FILTER_DEFAULTS,
     DocFilter,
@@ -726,7 +727,7 @@ def _finalize(
         write_bytes_atomic(
             unstrip(fs, posixpath.join(out_path, "data_sources.txt")), data, storage_options
         )
-        DatasetIndex.build(
+        index = DatasetIndex.build(
             out,
             file_type="flat",
             storage_options=storage_options,
@@ -740,6 +741,7 @@ def _finalize(
             write_mds_index(
                 out, [unstrip(fs, p) for p in names], _mds_columns(dtype), storage_options
             )
-        DatasetIndex.build(
+        index = DatasetIndex.build(
             out, file_type=format, storage_options=storage_options, write_counts="data"
         )
+    write_index_file(out, index)  # a job's ranks then start without a LIST

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from torchdata_ext.remote import with_retries, write_bytes_atomic
 from torchdata_ext.tokenizers import TokenIds, check_special_tokens, token_ids, tokenizer_hash
-from torchdata_ext.urls import filesystem, join
+from torchdata_ext.urls import filesystem, join, protocol_of
 
 __all__ = [
     "META_FILE",
@@ -36,6 +37,7 @@ __all__ = [
     "meta_url",
     "other_tokenizer",
     "read_meta",
+    "read_side_file",
     "write_meta",
 ]
 
@@ -191,16 +193,37 @@ def write_meta(folder: str, meta: PreparedMeta, storage_options: dict[str, Any] 
 
 
 def read_meta(
-    folder: str, storage_options: dict[str, Any] | None = None
+    folder: str,
+    storage_options: dict[str, Any] | None = None,
+    known: Mapping[str, bytes | None] | None = None,
 ) -> tuple[PreparedMeta, str] | None:
-    """The metadata of the data in ``folder`` and its URL, or None when there is none."""
+    """The metadata of the data in ``folder`` and its URL, or None when there is none.
+
+    Args:
+        folder: the data folder.
+        storage_options: fsspec options.
+        known: files already read, by URL (None: known to be absent), e.g. a
+            :class:`~torchdata_ext.index.DatasetIndex`'s ``side_files``; the store is asked only
+            for a file not in it.
+    """
     url = meta_url(folder)
+    if known is not None and url in known:
+        raw = known[url]
+        return None if raw is None else (PreparedMeta.from_json(raw, url), url)
+    raw = read_side_file(url, storage_options)
+    return None if raw is None else (PreparedMeta.from_json(raw, url), url)
+
+
+def read_side_file(url: str, storage_options: dict[str, Any] | None = None) -> bytes | None:
+    """The bytes of small file ``url``, or None when there is no such file: one GET on an
+    object store (s3fs asks an object's size first, a HEAD, unless told to read it in one
+    request)."""
     fs, path = filesystem(url, storage_options)
+    one_request = {"max_concurrency": 1} if protocol_of(fs) == "s3" else {}
     try:
-        raw = with_retries(lambda: fs.cat_file(path), url, what="read")
+        return bytes(with_retries(lambda: fs.cat_file(path, **one_request), url, what="read"))
     except FileNotFoundError:
         return None
-    return PreparedMeta.from_json(raw, url), url
 
 
 def other_tokenizer(meta: PreparedMeta, tokenizer: Any, spec: str | None) -> str | None:

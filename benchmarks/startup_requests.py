@@ -1,0 +1,352 @@
+"""Start-up and restore requests to object storage, per rank, as the job grows.
+
+Starts a local S3 endpoint (moto's server, in a subprocess on 127.0.0.1), uploads ``--datasets``
+datasets of F small Arrow files each (with the counts file ``prepare`` writes next to them),
+then runs R ranks as processes (forked from this one, each with its own local cache folder, as
+separate machines) and counts every request each rank sends, by kind
+(:mod:`torchdata_ext.remote.counting`: LIST, GET, RANGE_GET, HEAD, PUT, ...). Per rank:
+
+* ``start``: build the pipeline (``build_pipeline`` from a ``PipelineConfig``) and take the
+  first batch through a ``TokenLoader``; every rank then saves a folder checkpoint (``save``);
+* ``restore``: new processes, same topology: build, ``load_checkpoint``, first batch;
+* ``rescale``: new processes on 2R ranks: the same from the R-rank checkpoint.
+
+Three ways to start, each a mode:
+
+* ``list`` (the reference: what every rank paid before index files and broadcasting): no index
+  file, no process group, ranks given as ``rank=``/``world_size=``: every rank lists every
+  dataset folder and reads its counts and metadata files;
+* ``index``: the same launch with an index file per dataset (``torchdata-ext index``): a rank
+  reads one object per dataset and lists nothing; rank 0 lists once to refuse a stale index;
+* ``dist``: ``torch.distributed`` (gloo) initialised, ``build_datasets(cfg)`` on every rank:
+  rank 0 lists and reads, the indexes are broadcast, the other ranks ask the store for
+  nothing before reading data.
+
+It prints per-rank counts (rank 0, and the most any other rank sent) and the job's total per
+phase, the fitted growth of the total in R and in F and of a rank other than 0 in F (log-log
+slopes), and extrapolates each mode to ``--at-ranks`` x ``--at-files`` (8,192 x 100,000) with
+a model linear in F per rank (rank 0 and the others apart), against S3's documented
+per-prefix rates (5,500 GET/HEAD and 3,500 PUT/COPY/POST/DELETE requests per second; a LIST is
+a GET of the bucket): the seconds one prefix needs to serve a start at that size.
+
+    python benchmarks/startup_requests.py                       # R in 1,2,4,8; F in 30,300
+    python benchmarks/startup_requests.py --ranks 1,8,32,128 --files 300,3000   # ~10 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from remote_throughput import start_moto  # noqa: E402
+
+from torchdata_ext.testing import write_arrow_batches  # noqa: E402
+
+MODES = ("list", "index", "dist")
+PHASES = ("start", "save", "restore", "rescale")
+GET_CLASS = ("LIST", "GET", "RANGE_GET", "HEAD")  # S3: 5,500 requests/s per prefix
+PUT_CLASS = ("PUT", "POST", "DELETE")  # S3: 3,500 requests/s per prefix
+GET_RATE, PUT_RATE = 5_500, 3_500
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+
+
+def upload(endpoint: str, bucket: str, prefix: str, datasets: int, files: int) -> list[str]:
+    """``datasets`` folders of ``files`` Arrow files (4 documents each) and their counts file;
+    return the dataset names."""
+    import s3fs
+
+    from torchdata_ext import DatasetIndex
+
+    so = _options(endpoint)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        blobs = []
+        for k in range(8):  # a few distinct files, reused under many names
+            path = os.path.join(tmp, f"f{k}.arrow")
+            write_arrow_batches(
+                path, [rng.integers(5, 900, 24).astype(np.uint32) for _ in range(4)]
+            )
+            with open(path, "rb") as f:
+                blobs.append(f.read())
+    names = [f"ds{d}" for d in range(datasets)]
+    for name in names:
+        fs.pipe(
+            {
+                f"{bucket}/{prefix}/{name}/p{f:06d}.arrow": blobs[f % len(blobs)]
+                for f in range(files)
+            }
+        )
+    s3fs.S3FileSystem.clear_instance_cache()
+    for name in names:  # prepare's counts file, so no rank opens files to count them
+        DatasetIndex.build(
+            f"s3://{bucket}/{prefix}/{name}", storage_options=so, write_counts="data"
+        )
+    s3fs.S3FileSystem.clear_instance_cache()
+    return names
+
+
+def _config(endpoint: str, url: str, names: list[str], ranks: int) -> Any:
+    from torchdata_ext import PipelineConfig
+
+    return PipelineConfig(
+        data_path=url, datasets=",".join(names), seq_length=32, logical_shards=max(16, 4 * ranks),
+        batch_size=2, shuffle_buffer=4, block_docs=4, storage_options=_options(endpoint),
+    )  # fmt: skip
+
+
+def _rank_main(
+    rank: int, ranks: int, mode: str, phase: str, cfg: Any, ckpt: str, port: int, out: str
+) -> None:
+    """One rank's ``phase``; writes its request counts to ``out/<rank>.json``."""
+    os.environ["TORCHDATA_EXT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"rank{rank}-")
+    import torch.distributed as dist
+
+    from torchdata_ext import TokenLoader, build_pipeline
+    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+    from torchdata_ext.pipeline import build_datasets
+    from torchdata_ext.remote.counting import count_s3_requests
+
+    if mode == "dist":
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks
+        )
+    counts: dict[str, Counter[str]] = {}
+    try:
+        with count_s3_requests() as c:
+            datasets = build_datasets(cfg) if mode == "dist" else None
+            build = functools.partial(build_pipeline, cfg, datasets=datasets, collate=False)
+            loader = TokenLoader(build, rank=rank, world_size=ranks)
+            if phase != "start":
+                load_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
+            next(iter(loader))
+        counts[phase] = c
+        if phase == "start":
+            with count_s3_requests() as c:
+                save_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
+            counts["save"] = c
+    finally:
+        if mode == "dist":
+            dist.destroy_process_group()
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({k: dict(v) for k, v in counts.items()}, f)
+
+
+def run_ranks(ranks: int, mode: str, phase: str, cfg: Any, ckpt: str) -> list[dict[str, Any]]:
+    """``ranks`` forked processes running ``phase``; each rank's counts by phase."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, ranks, mode, phase, cfg, ckpt, port, out))
+            for r in range(ranks)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"{mode} {phase}: ranks {bad} failed")
+        return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(ranks)]
+
+
+def total(c: dict[str, int]) -> int:
+    return sum(c.values())
+
+
+def show(c: dict[str, int]) -> str:
+    order = ("LIST", "GET", "RANGE_GET", "HEAD", "PUT", "POST", "DELETE")
+    return " ".join(f"{k}={c[k]}" for k in order if c.get(k)) or "0"
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Log-log slope (growth exponent); 0 for a flat or empty series."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        return 0.0
+    return float(np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)[0])
+
+
+def linear(fs: list[int], ys: list[float]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b F`` (least squares; b >= 0)."""
+    if len(set(fs)) < 2:
+        return float(np.mean(ys)), 0.0
+    b, a = np.polyfit(fs, ys, 1)
+    return float(a), max(0.0, float(b))
+
+
+ALL = GET_CLASS + PUT_CLASS
+
+
+def _row(mode: str, F: int, R: int, phase: str, per: list[dict[str, int]]) -> str:
+    """One line of the table: rank 0, the busiest other rank, the job's total."""
+    others = show(max(per[1:], key=total)) if len(per) > 1 else "-"
+    return (
+        f"{mode:5s} {F:>6,} {R:>4} {phase:8s} {show(per[0]):38s} {others:38s} "
+        f"{sum(map(total, per)):>7,}"
+    )
+
+
+def _job(res: Any, F: int, R: int, kinds: tuple[str, ...]) -> int:
+    """The job's requests of ``kinds`` at start and restore."""
+    return sum(c.get(k, 0) for ph in ("start", "restore") for c in res[F][R][ph] for k in kinds)
+
+
+def _rank(res: Any, F: int, R: int, first: int, kinds: tuple[str, ...]) -> int:
+    """The most requests of ``kinds`` any rank from ``first`` on sent at start and restore."""
+    per = [
+        sum(res[F][R][ph][r].get(k, 0) for ph in ("start", "restore") for k in kinds)
+        for r in range(first, R)
+    ]
+    return max(per, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--ranks", default="1,2,4,8", help="R values (processes), comma-separated")
+    ap.add_argument("--files", default="30,300", help="F values (files per dataset)")
+    ap.add_argument("--datasets", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--at-ranks", type=int, default=8192)
+    ap.add_argument("--at-files", type=int, default=100_000)
+    ap.add_argument("--quick", action="store_true", help="R in 1,2,4 and F in 30,120 (~1 min)")
+    args = ap.parse_args()
+    if args.quick:
+        args.ranks, args.files = "1,2,4", "30,120"
+    ranks = [int(r) for r in args.ranks.split(",")]
+    file_counts = [int(f) for f in args.files.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    # imported once here: every forked rank has them, as a long-running launcher's would
+    import torch.distributed  # noqa: F401
+
+    import torchdata_ext.checkpoint  # noqa: F401
+    import torchdata_ext.pipeline  # noqa: F401
+    import torchdata_ext.remote.counting  # noqa: F401
+
+    proc, endpoint = start_moto()
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    # results[mode][F][R][phase] = list of per-rank counts
+    results: dict[str, dict[int, dict[int, dict[str, list[dict[str, int]]]]]] = {
+        m: {} for m in modes
+    }
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True, **_options(endpoint)).call_s3(
+            "create_bucket", Bucket="startup"
+        )
+        for F in file_counts:
+            names = upload(endpoint, "startup", f"F{F}", args.datasets, F)
+            url = f"s3://startup/F{F}"
+            for mode in modes:
+                if mode == "index":
+                    from torchdata_ext.index_file import write_index_files
+
+                    write_index_files(url, names, storage_options=_options(endpoint))
+                results[mode][F] = {}
+                for R in ranks:
+                    ckpt = f"s3://startup/ckpt/{mode}/F{F}/R{R}"
+                    cfg = _config(endpoint, url, names, R)
+                    rows: dict[str, list[dict[str, int]]] = {}
+                    started = run_ranks(R, mode, "start", cfg, ckpt)
+                    rows["start"] = [r["start"] for r in started]
+                    rows["save"] = [r["save"] for r in started]
+                    rows["restore"] = [
+                        r["restore"] for r in run_ranks(R, mode, "restore", cfg, ckpt)
+                    ]
+                    cfg2 = _config(endpoint, url, names, R)  # same shards: a rescale, not new data
+                    rows["rescale"] = [
+                        r["rescale"] for r in run_ranks(2 * R, mode, "rescale", cfg2, ckpt)
+                    ]
+                    results[mode][F][R] = rows
+                    for phase in PHASES:  # as it goes: a long run shows its rows early
+                        print(_row(mode, F, R, phase, rows[phase]), flush=True)
+    finally:
+        proc.kill()
+    report(results, ranks, file_counts, modes, args)
+
+
+def report(
+    results: Any, ranks: list[int], file_counts: list[int], modes: list[str], args: Any
+) -> None:
+    out = io.StringIO()
+    p = functools.partial(print, file=out)
+    p(f"\nrequests to S3 per rank and per job ({args.datasets} datasets of F files; "
+      "restore = same ranks, rescale = R -> 2R ranks)\n")  # fmt: skip
+    p(
+        f"{'mode':5s} {'F':>6s} {'R':>4s} {'phase':8s} {'rank 0':38s} {'max other rank':38s} {'total':>7s}"
+    )
+    for mode in modes:
+        for F in file_counts:
+            for R in ranks:
+                for phase in PHASES:
+                    p(_row(mode, F, R, phase, results[mode][F][R][phase]))
+    p("\ngrowth of the job's total (log-log slope; 1 = linear, 0 = flat), start + restore:")
+    big_f, big_r = file_counts[-1], ranks[-1]
+    at: dict[str, float] = {}
+    for mode in modes:
+        res = results[mode]
+        in_r = slope(ranks, [_job(res, big_f, R, ALL) for R in ranks])
+        in_f = slope(file_counts, [_job(res, F, big_r, ALL) for F in file_counts])
+        other_f = slope(file_counts, [_rank(res, F, big_r, 1, ALL) for F in file_counts])
+        p(f"  {mode:5s}: total ~ R^{in_r:.2f} (F={big_f:,}), ~ F^{in_f:.2f} (R={big_r}); "
+          f"the busiest rank other than 0 ~ F^{other_f:.2f}")  # fmt: skip
+        # extrapolation: per rank linear in F (rank 0 and the others apart), by request class
+        seconds = 0.0
+        # a listing is one LIST per 1,000 files: scale the LISTs measured at the largest F
+        # by the pages at --at-files (an upper bound: the meta/ and folder checks do not grow)
+        pages = math.ceil(args.at_files / 1000) / math.ceil(big_f / 1000)
+        lists = _rank(res, big_f, big_r, 0, ("LIST",))
+        lists += (args.at_ranks - 1) * (
+            _rank(res, big_f, big_r, 1, ("LIST",)) if big_r > 1 else lists
+        )
+        at[f"{mode} LIST"] = lists * pages
+        seconds = lists * pages / GET_RATE
+        for cls, rate in ((GET_CLASS[1:], GET_RATE), (PUT_CLASS, PUT_RATE)):
+            a0, b0 = linear(file_counts, [_rank(res, F, big_r, 0, cls) for F in file_counts])
+            a1, b1 = (a0, b0)
+            if big_r > 1:
+                a1, b1 = linear(file_counts, [_rank(res, F, big_r, 1, cls) for F in file_counts])
+            reqs = (a0 + b0 * args.at_files) + (args.at_ranks - 1) * (a1 + b1 * args.at_files)
+            seconds += reqs / rate
+            at[f"{mode} {cls[0]}"] = reqs
+        at[mode] = seconds
+    p(f"\nextrapolated to {args.at_ranks:,} ranks x {args.at_files:,} files per dataset "
+      f"(start + restore, one prefix; S3: {GET_RATE:,} GET/HEAD/LIST and {PUT_RATE:,} "
+      "PUT/POST/DELETE per second):")  # fmt: skip
+    for mode in modes:
+        p(f"  {mode:5s}: {at[f'{mode} LIST']:>14,.0f} LIST + {at[f'{mode} GET']:>12,.0f} "
+          f"GET/RANGE_GET/HEAD + {at[f'{mode} PUT']:,.0f} PUT/POST/DELETE requests = "
+          f"{at[mode]:>10,.1f} s of one prefix's capacity")  # fmt: skip
+    if "list" in modes:
+        for mode in modes:
+            if mode != "list" and at[mode] > 0:
+                p(f"  {mode} needs 1/{at['list'] / at[mode]:,.0f} of the reference (list)")
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()

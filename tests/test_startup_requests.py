@@ -1,0 +1,284 @@
+"""Start-up and restore requests that do not grow with the job: index files (two GETs per
+dataset, no LIST; a stale one refused), the index broadcast under torch.distributed, and
+fingerprint checks shared by ranks without a process group and skipped for unchanged objects.
+Requests are counted by kind (``count_s3_requests``) against the moto S3 server."""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from harness import item_key, write_random_arrow_datasets
+
+from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline, fingerprint
+from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.cli import main
+from torchdata_ext.fingerprint import ChangedFilesError
+from torchdata_ext.index_file import (
+    INDEX_FILE,
+    StaleIndexError,
+    index_file_url,
+    load_index_file,
+    write_index_files,
+)
+from torchdata_ext.loader import TokenLoader
+from torchdata_ext.pipeline import build_datasets
+from torchdata_ext.remote.counting import count_s3_requests, request_kind
+from torchdata_ext.testing import write_arrow_batches
+
+NAMES = ("web", "code")
+
+
+def _corpus(root: str, so=None) -> None:
+    write_random_arrow_datasets(root, (("web", 40, 20), ("code", 30, 30)), seed=4,
+                                storage_options=so)  # fmt: skip
+    for name in NAMES:  # prepare's counts file next to the data, as a prepared corpus has
+        DatasetIndex.build(f"{root}/{name}", storage_options=so, write_counts="data")
+
+
+def _cfg(root: str, so=None) -> PipelineConfig:
+    return PipelineConfig(
+        data_path=root, datasets=",".join(NAMES), seq_length=16, logical_shards=8, batch_size=2,
+        shuffle_buffer=3, block_docs=4, seed=1, storage_options=dict(so or {}),
+    )  # fmt: skip
+
+
+def _same(a: DatasetIndex, b: DatasetIndex) -> None:
+    assert a.files == b.files and a.file_type == b.file_type and a.name == b.name
+    assert a.doc_counts.tolist() == b.doc_counts.tolist()
+    assert a.token_counts.tolist() == b.token_counts.tolist()
+    assert a.file_stats == b.file_stats and a.handler_options == b.handler_options
+
+
+# -- index files --------------------------------------------------------------------------------
+def test_the_index_command_writes_what_a_listing_finds(tmp_path: Path, capsys) -> None:
+    root = str(tmp_path / "data")
+    _corpus(root)
+    assert main(["index", root, "--datasets", "web,code"]) == 0
+    assert capsys.readouterr().out.split() == [
+        f"{root}/web/meta/{INDEX_FILE}",
+        f"{root}/code/meta/{INDEX_FILE}",
+    ]
+    listed = build_datasets(_cfg(root), World(1, 2))  # rank 1: reads the index files
+    for name in NAMES:
+        built = DatasetIndex.build(f"{root}/{name}", name=name, col_name="tokens", eos_token=0)
+        _same(listed[name], built)
+        assert listed[name].fingerprint() == built.fingerprint()
+
+
+def test_a_stale_index_file_is_refused_naming_the_files(tmp_path: Path) -> None:
+    root = str(tmp_path / "data")
+    _corpus(root)
+    write_index_files(root, NAMES)
+    write_arrow_batches(f"{root}/web/p2.arrow", [np.arange(5, 9, dtype=np.uint32)])  # added
+    write_arrow_batches(f"{root}/code/p1.arrow", [np.arange(5, 60, dtype=np.uint32)])  # resized
+    cfg = _cfg(root)
+    with pytest.raises(StaleIndexError) as e:  # rank 0 lists and refuses
+        build_datasets(cfg, World(0, 4))
+    assert str(e.value).startswith(
+        f"the index file {root}/web/meta/{INDEX_FILE} is stale: 1 file(s) of {root}/web "
+        "changed since it was written: p2.arrow (not in the recorded files). It is not rebuilt "
+        "here (the other ranks read it without listing and must see the same files): write it "
+        f"again before starting the job with `torchdata-ext index {root}/web`"
+    )
+    with pytest.raises(StaleIndexError, match=r"p1\.arrow \(size \d+ -> \d+; version mtime="):
+        load_index_file(f"{root}/code", name="code", file_type="arrow")
+    # another rank trusts the index file (it lists nothing): rank 0's refusal stops the job
+    assert len(build_datasets(cfg, World(2, 4))["web"].files) == 2
+    write_index_files(root, NAMES)  # written again: every rank sees the new files
+    for rank in (0, 2):
+        got = build_datasets(cfg, World(rank, 4))
+        assert [f.rsplit("/", 1)[1] for f in got["web"].files] == [
+            "p0.arrow",
+            "p1.arrow",
+            "p2.arrow",
+        ]
+
+
+def test_an_index_file_counted_otherwise_is_not_used(tmp_path: Path) -> None:
+    root = str(tmp_path / "data")
+    _corpus(root)
+    write_index_files(root, NAMES)
+    folder = f"{root}/web"
+    assert load_index_file(folder, name="web", file_type="arrow", col_name="tokens") is not None
+    assert load_index_file(folder, name="web", file_type="parquet") is None
+    assert load_index_file(folder, name="web", file_type="arrow", col_name="text") is None
+    Path(index_file_url(folder)).write_text('{"index_version": 99}')
+    with pytest.raises(ValueError, match=r"index file version 99 is not supported"):
+        load_index_file(folder, name="web", file_type="arrow")
+
+
+def test_prepare_writes_the_index_file(tmp_path: Path) -> None:
+    from torchdata_ext import prepare
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        "".join(json.dumps({"text": f"document {i} " * (i + 1)}) + "\n" for i in range(9))
+    )
+    out = str(tmp_path / "data" / "web")
+    prepare([str(src)], out, tokenizer="byte")
+    index = load_index_file(out, name="web", file_type="arrow")
+    assert index is not None
+    _same(index, DatasetIndex.build(out, name="web"))
+    assert index.total_docs == 9
+    # the prepared metadata is read as it is now (not copied into the index file)
+    meta = Path(out, "meta", "torchdata_ext_meta.json")
+    assert build_datasets(_cfg_of(out), World(1, 2))["web"].side_files == {
+        str(meta): meta.read_bytes()
+    }
+    meta.unlink()
+    assert build_datasets(_cfg_of(out), World(1, 2))["web"].side_files == {str(meta): None}
+
+
+def _cfg_of(folder: str) -> PipelineConfig:
+    return PipelineConfig(data_path=folder, seq_length=16, logical_shards=8, tokenizer="byte")
+
+
+# -- requests on S3 -----------------------------------------------------------------------------
+def test_request_kinds() -> None:
+    url = "http://127.0.0.1:1/b"
+    assert request_kind("GET", f"{url}?list-type=2&prefix=d%2F", {}) == "LIST"
+    assert request_kind("GET", f"{url}/d/p0.arrow", {"Range": "bytes=0-9"}) == "RANGE_GET"
+    assert request_kind("GET", f"{url}/d/p0.arrow", {}) == "GET"
+    assert request_kind("head", f"{url}/d/p0.arrow", {}) == "HEAD"
+
+
+def test_a_rank_starts_with_one_get_per_dataset_and_no_list(s3) -> None:
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    cfg = _cfg(root, so)
+    with count_s3_requests() as listing:
+        reference = build_datasets(cfg, World(1, 4))
+    assert listing["LIST"] >= 2 * len(NAMES)  # without index files: every rank lists
+    write_index_files(root, NAMES, storage_options=so)
+    with count_s3_requests() as other:
+        got = build_datasets(cfg, World(1, 4))
+    # per dataset one GET of its index file and one of its prepared metadata, nothing else
+    assert other == Counter({"GET": 2 * len(NAMES)})
+    with count_s3_requests() as first:
+        build_datasets(cfg, World(0, 4))
+    assert first["LIST"] >= len(NAMES) and first["GET"] == 2 * len(NAMES)  # rank 0 checks it
+    for name in NAMES:
+        _same(got[name], reference[name])
+    with count_s3_requests() as built:  # a worker's graph from the shared indexes: no request
+        build_pipeline(cfg, World(1, 4, 1, 2), got)
+    assert built == Counter()
+
+
+def test_an_unchanged_restore_reads_no_data_file_to_check_it(s3) -> None:
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    cfg = _cfg(root, so)
+    build = functools.partial(build_pipeline, cfg, collate=False)
+    loader = TokenLoader(build)
+    it = iter(loader)
+    [item_key(next(it)) for _ in range(3)]
+    ckpt = s3.url("ckpt")
+    save_checkpoint(loader, ckpt, storage_options=so)
+    rest = [item_key(next(it)) for _ in range(3)]
+    fingerprint._digests.clear()  # a new process: nothing known
+    with count_s3_requests() as restore:
+        again = TokenLoader(build)
+        load_checkpoint(again, ckpt, storage_options=so)
+    assert restore["RANGE_GET"] == 0  # the listed ETags are the recorded ones
+    assert [item_key(x) for x, _ in zip(again, range(3))] == rest
+    # a rewritten object (same size, another ETag) is read and refused, naming it
+    write_arrow_batches(f"{root}/code/p1.arrow", [np.arange(40, 60, dtype=np.uint32)] * 15,
+                        storage_options=so)  # fmt: skip
+    with count_s3_requests() as changed, pytest.raises(ChangedFilesError, match=r"code.*p1\.arrow"):
+        load_checkpoint(TokenLoader(build), ckpt, storage_options=so)
+    assert changed["RANGE_GET"] in (1, 2)  # that file only (1 read when <= 128 KiB)
+
+
+# -- ranks without a process group share the fingerprint reads ---------------------------------
+def test_ranks_without_a_process_group_check_their_share(tmp_path: Path, monkeypatch) -> None:
+    """Ranks given as rank=/world_size= (no torch.distributed) each check every world_size-th
+    file; the rank whose share holds a changed file raises, naming itself and the file."""
+    root = str(tmp_path / "data")
+    write_random_arrow_datasets(root, (("web", 40, 20),), seed=4)
+    for k in (2, 3):
+        write_arrow_batches(f"{root}/web/p{k}.arrow", [np.arange(5, 9 + k, dtype=np.uint32)] * 3)
+    cfg = PipelineConfig(data_path=root, datasets="web", seq_length=16, logical_shards=8,
+                         batch_size=2, shuffle_buffer=3, block_docs=4, seed=1)  # fmt: skip
+    build = functools.partial(build_pipeline, cfg, collate=False)
+    for r in range(2):
+        loader = TokenLoader(build, rank=r, world_size=2)
+        next(iter(loader))
+        save_checkpoint(loader, str(tmp_path / "c"))
+    reads: list[str] = []
+    real = fingerprint._sampled_sha256
+
+    def counting(url: str, size: int, storage_options):
+        reads.append(url.rsplit("/", 1)[-1])
+        return real(url, size, storage_options)
+
+    monkeypatch.setattr(fingerprint, "_sampled_sha256", counting)
+    per_rank = []
+    for r in range(2):  # each rank a process of its own: nothing known from the other
+        monkeypatch.setattr(fingerprint, "_digests", {})
+        reads.clear()
+        load_checkpoint(TokenLoader(build, rank=r, world_size=2), str(tmp_path / "c"))
+        per_rank.append(sorted(reads))
+    assert per_rank == [["p0.arrow", "p2.arrow"], ["p1.arrow", "p3.arrow"]]
+    before = (Path(root) / "web" / "p3.arrow").stat()
+    write_arrow_batches(f"{root}/web/p3.arrow", [np.arange(6, 13, dtype=np.uint32)] * 3)
+    assert (Path(root) / "web" / "p3.arrow").stat().st_size == before.st_size
+    monkeypatch.setattr(fingerprint, "_digests", {})
+    load_checkpoint(TokenLoader(build, rank=0, world_size=2), str(tmp_path / "c"))  # not its share
+    with pytest.raises(ChangedFilesError) as e:
+        load_checkpoint(TokenLoader(build, rank=1, world_size=2), str(tmp_path / "c"))
+    assert "(rank 1 of 2 checks every 2-th file)" in str(e.value)
+    assert "dataset 'web': 1 file(s): p3.arrow (first/last 64 KiB differ; version" in str(e.value)
+
+
+# -- torch.distributed: rank 0 lists, the indexes are broadcast ---------------------------------
+def _dist_rank(rank: int, port: int, root: str, ckpt: str, so: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        cfg = _cfg(root, so)
+        with count_s3_requests() as listing:
+            datasets = build_datasets(cfg)
+        build = functools.partial(build_pipeline, cfg, datasets=datasets, collate=False)
+        with count_s3_requests() as graphs:
+            for w in range(2):
+                build(World(rank, 3, w, 2))
+        loader = TokenLoader(build)
+        next(iter(loader))
+        save_checkpoint(loader, ckpt, storage_options=so)
+        fingerprint._digests.clear()
+        with count_s3_requests() as restore:
+            load_checkpoint(TokenLoader(build), ckpt, storage_options=so)
+        Path(out, f"{rank}.json").write_text(json.dumps({
+            "files": {n: len(ix.files) for n, ix in datasets.items()},
+            "listing": dict(listing), "graphs": dict(graphs), "restore": dict(restore),
+        }))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torch_distributed_rank_0_lists_and_the_index_is_broadcast(s3, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dist_rank, args=(port, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert all(g["files"] == {"web": 2, "code": 2} for g in got)
+    assert got[0]["listing"]["LIST"] >= 2 * len(NAMES)  # rank 0 lists and reads the counts
+    for g in got[1:]:
+        assert g["listing"] == {}  # the others ask the store for nothing
+    for g in got:
+        assert g["graphs"] == {}  # nor does any worker's graph (prepared metadata included)
+        assert "LIST" not in g["restore"] and "RANGE_GET" not in g["restore"]

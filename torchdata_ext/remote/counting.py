@@ -1,0 +1,100 @@
+"""Count the HTTP requests this process sends to S3, by kind, for tests and benchmarks.
+
+:func:`count_s3_requests` wraps the one place every ``s3fs`` request passes through
+(aiobotocore's ``AIOHTTPSession.send``, once per attempt, retries included) and tallies each
+request as one of::
+
+    LIST        GET of a bucket with a listing query (list-type=2, prefix=, delimiter=)
+    GET         GET of a whole object
+    RANGE_GET   GET of an object with a Range header
+    HEAD        HEAD (an object's or a bucket's)
+    PUT, POST, DELETE, and any other method by its name
+
+It counts in this process only (each rank counts its own requests), so spawned ranks report
+their own counts: per-rank figures need no proxy. What the counts are used for, against S3's
+documented per-prefix request rates, is in ``docs/object-storage-at-scale.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["KINDS", "count_s3_requests", "request_kind"]
+
+KINDS = ("LIST", "GET", "RANGE_GET", "HEAD", "PUT", "POST", "DELETE")
+"""The kinds counted, in the order reports print them."""
+
+_LIST_QUERY = ("list-type=", "prefix=", "delimiter=", "continuation-token=")
+
+
+def request_kind(method: str, url: str, headers: Any) -> str:
+    """The kind of one S3 request (see the module doc).
+
+    Args:
+        method: the HTTP method.
+        url: the request URL (path-style or virtual-host style).
+        headers: the request headers (a mapping; ``Range`` is looked up case-insensitively).
+    """
+    method = method.upper()
+    if method != "GET":
+        return method
+    query = urlsplit(url).query
+    if any(q in query for q in _LIST_QUERY):
+        return "LIST"
+    if any(str(k).lower() == "range" for k in headers):
+        return "RANGE_GET"
+    return "GET"
+
+
+_lock = threading.Lock()
+_active: list[Counter[str]] = []  # the counters of the open count_s3_requests blocks
+_installed = False
+
+
+def _install() -> None:
+    """Wrap ``AIOHTTPSession.send`` once per process (a no-op wrapper while nothing counts)."""
+    global _installed
+    if _installed:
+        return
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    real = AIOHTTPSession.send
+
+    async def counted(self: Any, request: Any) -> Any:
+        if _active:
+            kind = request_kind(request.method, request.url, request.headers)
+            with _lock:
+                for counter in _active:
+                    counter[kind] += 1
+        return await real(self, request)
+
+    AIOHTTPSession.send = counted
+    _installed = True
+
+
+@contextlib.contextmanager
+def count_s3_requests() -> Iterator[Counter[str]]:
+    """Count the S3 requests this process sends inside the block, by kind.
+
+    Yields:
+        A ``Counter`` of kind -> requests, filled as requests are sent (read it after the
+        block, or during it for a running figure). Blocks may nest; each counts what was sent
+        while it was open.
+
+    Raises:
+        ImportError: ``s3fs`` (and so aiobotocore) is not installed.
+    """
+    _install()
+    counter: Counter[str] = Counter()
+    with _lock:
+        _active.append(counter)
+    try:
+        yield counter
+    finally:
+        with _lock:
+            _active.remove(counter)
