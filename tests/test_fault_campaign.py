@@ -1,7 +1,7 @@
 """The randomized kill campaign (``benchmarks/fault_campaign.py``) with a small count: a 2-rank
 torchrun loop SIGKILLed at random moments (start-up, steps, inside ``save_checkpoint``) and
 restored on other topologies, every token of every document delivered exactly once. The full
-campaign (>= 20 trials) is run by hand; its figures are in the README."""
+campaign (>= 20 trials) is run by hand; its figures are in docs/reliability.md."""
 
 from __future__ import annotations
 
