@@ -194,3 +194,22 @@ def document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
                 out[(name, f, d)] = lengths[at + d]
             at += n_docs
     return out
+
+
+def counted_fingerprint_reads(monkeypatch: Any = None) -> list[str]:
+    """From now on (in this test with ``monkeypatch``, else in this process: a spawned rank),
+    the name of each data file whose bytes are fingerprinted, in order."""
+    from torchdata_ext import fingerprint
+
+    read: list[str] = []
+    real = fingerprint._sampled_sha256
+
+    def counting(url: str, size: int, storage_options: Any) -> str:
+        read.append(url.rsplit("/", 1)[-1])
+        return real(url, size, storage_options)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(fingerprint, "_sampled_sha256", counting)
+    else:
+        fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
+    return read

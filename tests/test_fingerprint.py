@@ -15,7 +15,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
-from harness import item_key
+from harness import counted_fingerprint_reads, item_key
 
 from torchdata_ext import DatasetIndex, ShardReader, World, fingerprint
 from torchdata_ext.checkpoint import _sealed_json, load_checkpoint, save_checkpoint
@@ -148,14 +148,7 @@ def test_each_file_is_read_once_per_process(
     root: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fingerprint, "_digests", {})
-    reads: list[str] = []
-    real = fingerprint._sampled_sha256
-
-    def counting(url: str, size: int, storage_options):
-        reads.append(url.rsplit("/", 1)[-1])
-        return real(url, size, storage_options)
-
-    monkeypatch.setattr(fingerprint, "_sampled_sha256", counting)
+    reads = counted_fingerprint_reads(monkeypatch)
     loader = loader_of(root)
     it = iter(loader)
     take(it, 2)
@@ -300,17 +293,8 @@ def test_remote_files_are_sampled_with_range_reads(s3, monkeypatch: pytest.Monke
 
 # -- torch.distributed: each rank reads a share, every rank gets every file ---------------------
 def _counted_reads() -> list[str]:
-    """From now on in this process, the name of each file whose bytes are fingerprinted, in
-    order (a spawned rank's view of which files it read)."""
-    read: list[str] = []
-    real = fingerprint._sampled_sha256
-
-    def counting(url: str, size: int, storage_options):
-        read.append(url.rsplit("/", 1)[-1])
-        return real(url, size, storage_options)
-
-    fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
-    return read
+    """The fingerprint reads of this spawned rank (see ``harness.counted_fingerprint_reads``)."""
+    return counted_fingerprint_reads()
 
 
 def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:

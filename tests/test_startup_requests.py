@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import item_key, write_random_arrow_datasets
+from harness import counted_fingerprint_reads, item_key, write_random_arrow_datasets
 
 from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline, fingerprint
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
@@ -210,14 +210,7 @@ def test_ranks_without_a_process_group_check_their_share(tmp_path: Path, monkeyp
         loader = TokenLoader(build, rank=r, world_size=2)
         next(iter(loader))
         save_checkpoint(loader, str(tmp_path / "c"))
-    reads: list[str] = []
-    real = fingerprint._sampled_sha256
-
-    def counting(url: str, size: int, storage_options):
-        reads.append(url.rsplit("/", 1)[-1])
-        return real(url, size, storage_options)
-
-    monkeypatch.setattr(fingerprint, "_sampled_sha256", counting)
+    reads = counted_fingerprint_reads(monkeypatch)
     per_rank = []
     for r in range(2):  # each rank a process of its own: nothing known from the other
         monkeypatch.setattr(fingerprint, "_digests", {})
