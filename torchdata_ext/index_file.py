@@ -155,8 +155,9 @@ def load_index_file(
     storage_options: dict[str, Any] | None = None,
     verify: bool = True,
 ) -> DatasetIndex | None:
-    """The dataset in ``folder`` from its index file (one GET), or None when it has none or one
-    counted with other options (then build the index by listing, as without one).
+    """The dataset in ``folder`` from its index file (one GET), or None when it has none, one
+    counted with other options, or ``file_type`` is None (the format is found from the listed
+    files): then build the index by listing, as without one.
 
     Args:
         folder: the dataset folder.
@@ -171,7 +172,12 @@ def load_index_file(
     """
     storage_options = dict(storage_options or {})
     url = index_file_url(folder)
-    raw = read_side_file(url, storage_options)
+    if file_type is None:  # the format is found from the files: the listing decides it
+        return None
+    try:
+        raw = read_side_file(url, storage_options)
+    except NotADirectoryError:  # the data path is a file (a data_sources.txt list)
+        return None
     if raw is None:
         return None
     try:

@@ -744,4 +744,9 @@ def _finalize(
         index = DatasetIndex.build(
             out, file_type=format, storage_options=storage_options, write_counts="data"
         )
-    write_index_file(out, index)  # a job's ranks then start without a LIST
+    try:  # a job's ranks then start without a LIST; without it they list, as before
+        write_index_file(out, index)
+    except OSError as exc:
+        logging.getLogger(__name__).warning(
+            "could not write the index file of %s (%s); ranks will list it", out, exc
+        )
