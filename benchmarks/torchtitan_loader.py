@@ -4,9 +4,9 @@ Both read the same JSONL files (two datasets), tokenize with the same byte token
 of ``--seq-len`` tokens, batches of 8, in this process (0 workers). Printed for each: tokens/s
 over ``--batches`` batches, the size of its DCP state (what ``CheckpointManager`` stores under
 ``"dataloader"``), the time to restore it and deliver the first batch, and what it does when
-the checkpoint was taken at dp 2 and is loaded at dp 3. torchtitan's loader reads one dataset
-(``InterleavedHuggingFaceTextDataLoader`` mixes HF datasets by sample, not by tokens); it gets
-the first dataset here.
+the checkpoint was taken at dp 2 and is loaded at dp 3. torchtitan's side is its weighted
+``InterleavedHuggingFaceTextDataLoader`` over the same two datasets, weights 1:1 (it mixes
+packed rows of each source by weight; ours mixes documents by tokens).
 
     PYTHONPATH=. python benchmarks/torchtitan_loader.py [--batches 100] [--docs 2000]
 """
@@ -62,9 +62,17 @@ def _ours(root: str, dp: int, rank: int, seq_len: int) -> TokenDataLoader:
 
 
 def _theirs(root: str, dp: int, rank: int, seq_len: int) -> Any:
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.hf_datasets.text_datasets import (
+        HFDataSource,
+        InterleavedHuggingFaceTextDataLoader,
+    )
 
-    config = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=f"{root}/web")
+    config = InterleavedHuggingFaceTextDataLoader.Config(
+        sources=[
+            HFDataSource(dataset="c4_test", dataset_path=f"{root}/{name}", weight=1.0)
+            for name in ("web", "code")
+        ]
+    )
     return config.build(
         dp_world_size=dp, dp_rank=rank, tokenizer=_ByteTokenizer(), seq_len=seq_len,
         local_batch_size=8,
@@ -119,7 +127,7 @@ def main() -> None:
         rows = []
         for name, make in (
             ("torchdata-ext TokenDataLoader", lambda dp, r: _ours(f"{tmp}/data", dp, r, args.seq_len)),
-            ("torchtitan HuggingFaceTextDataLoader", lambda dp, r: _theirs(f"{tmp}/data", dp, r, args.seq_len)),
+            ("torchtitan InterleavedHuggingFaceTextDataLoader", lambda dp, r: _theirs(f"{tmp}/data", dp, r, args.seq_len)),
         ):  # fmt: skip
             rate, _ = _rate(make(1, 0), args.batches)
             size, restore, outcome = _dcp_round(make, f"{tmp}/{len(rows)}")
