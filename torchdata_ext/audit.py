@@ -71,7 +71,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -84,9 +84,9 @@ from torchdata_ext.checkpoint import dataset_differs, read_manifest, read_worker
 from torchdata_ext.fingerprint import check_data_files, compared
 from torchdata_ext.graph import (
     graph_nodes,
-    is_reader_state,
+    pack_states,
     reader_states,
-    walk_state,
+    shuffle_states,
 )
 from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
@@ -419,8 +419,8 @@ def audit_checkpoint(
             counted_ranks.add(world.rank)
             lagging += int(meta.get("skip_batches", 0))
         # the outermost pack and shuffle buffer; every mix (one per curriculum phase)
-        pack_state = _find(graph, ("mode", "seq_len", "bins", "open_docs", "source"))
-        shuffle_state = _find(graph, ("draws", "exhausted", "source"))
+        pack_state = next(iter(pack_states(graph).values()), None)  # the outermost
+        shuffle_state = next(iter(shuffle_states(graph).values()), None)
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
             _, rows = buffered_provenance(shuffle_state)
@@ -532,21 +532,6 @@ def _check_matches(
                     f"{key}={s[key]!r}, config/data {key}={mine!r}); audit with the config and "
                     "data the run used"
                 )
-
-
-def _find(graph: dict[str, Any], keys: Iterable[str]) -> dict[str, Any] | None:
-    """The first dict in a graph state that has all ``keys`` (outermost first)."""
-    want = set(keys)
-    return _first(graph, lambda x: isinstance(x, dict) and want <= set(x))
-
-
-def _first(tree: Any, match: Callable[[Any], bool]) -> Any:
-    """The first value of a state tree that ``match`` accepts, outermost first (readers'
-    per-shard cursors are not walked), or None."""
-    for _, x in walk_state(tree, prune=is_reader_state):
-        if match(x):
-            return x
-    return None
 
 
 def _training_side(index: DatasetIndex, split: EvalSplit | None) -> np.ndarray | None:

@@ -390,8 +390,8 @@ def _hand_on(
 ) -> None:
     """Put the buffered ``rows`` this worker delivers into its shuffle buffer's state (their
     dataset ids re-keyed by name to its Pack's names) and ``no_bos`` into its Pack's state."""
-    packs = pack_states(box)
     if no_bos:
+        packs = pack_states(box)
         if len(packs) != 1:
             raise ValueError(
                 f"cannot rescale: {len(packs)} Pack nodes in the graph; a rescale that hands "

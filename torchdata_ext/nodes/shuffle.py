@@ -395,20 +395,13 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
     def inflight(self) -> list[tuple[str, int, int, int, int]]:
         """Document tokens held in the buffer, as ``(dataset, file, doc, start, stop)``; used to
         hand them on when rescaling (needs a source with ``dataset_names``, i.e. a Pack)."""
-        if not self._buf:
-            return []
-        names = getattr(self.source, "dataset_names", None)
-        if names is None:
-            raise ValueError(
-                "cannot hand on shuffle-buffer contents: its source has no dataset_names "
-                "(put the shuffle buffer on a Pack)"
-            )
-        out = []
-        for item in self._buf:
-            for ds, f, d, start, length in self._provenance(item).tolist():
-                if ds >= 0 and length > 0:
-                    out.append((names[ds], f, d, start, start + length))
-        return out
+        names, tables = self.held_rows()
+        return [
+            (names[ds], f, d, start, start + length)
+            for table in tables
+            for ds, f, d, start, length in table.tolist()
+            if ds >= 0 and length > 0
+        ]
 
     def held_rows(self) -> tuple[list[str], list[np.ndarray]]:
         """The buffered items as rows to hand on whole when rescaling: the dataset names the
