@@ -232,7 +232,7 @@ class _Cursor:
         u1 = int(np.searchsorted(uo, b, "left"))
         pieces: list[_Piece] = []
         bos_done: list[list[Any]] = []
-        lengths = blk.offsets[1:] - blk.offsets[:-1]
+        lengths = blk.lengths
         for u in range(u0, min(u1, s.n_units)):
             lo, hi = int(uo[u]), int(uo[u + 1])
             if lo == hi:
@@ -257,7 +257,7 @@ class _Cursor:
 
     def pending_bos_done(self) -> list[list[Any]]:
         """The documents told to get no BOS (``bos_done``) not yet met in a block."""
-        return sorted([list(k) for k in self._no_bos])
+        return list(self._no_bos_list)  # kept equal to _no_bos, as the state lists it
 
     def pieces(self, s: _Stream, a: int, b: int) -> list[_Piece]:
         """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
