@@ -120,18 +120,26 @@ class PackedBatch:
     keys: tuple[str, ...]
     provenance: np.ndarray | None = None
 
-    def to_tensors(self) -> dict[str, torch.Tensor]:
+    def to_tensors(self, *, own: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
         """The batch as the model consumes it, only the keys in :attr:`keys`, each a
         C-contiguous ``[B, L]`` tensor as on every other path (``labels.view(-1)`` works):
         ``input_ids`` and ``labels`` are copied out of :attr:`tokens` (views of it would have
-        stride ``L + 1``), the other keys are built here."""
+        stride ``L + 1``), the other keys are built here.
+
+        Args:
+            own: copy ``input_ids`` / ``labels`` even where a view would be contiguous (a
+                one-row batch): :attr:`tokens` is memory that will be written again (a
+                ring slot).
+            pin: put ``input_ids`` / ``labels`` in pinned memory (also done when
+                :attr:`tokens` is pinned).
+        """
         n, keys = self.seq_len, self.keys
         rows, size = self.tokens.shape
         out: dict[str, torch.Tensor] = {}
         if "input_ids" in keys:
-            out["input_ids"] = _contiguous(self.tokens[:, :n])
+            out["input_ids"] = _contiguous(self.tokens[:, :n], own, pin)
         if "labels" in keys and self.shift:
-            out["labels"] = _contiguous(self.tokens[:, 1:])
+            out["labels"] = _contiguous(self.tokens[:, 1:], own, pin)
         arrays: dict[str, np.ndarray] = {}
         dt = _NUMPY_DTYPES.get(self.tokens.dtype)
         if dt is None:
@@ -151,12 +159,13 @@ class PackedBatch:
         return {k: out[k] for k in keys if k in out}
 
 
-def _contiguous(part: torch.Tensor) -> torch.Tensor:
-    """``part`` (columns of a token tensor) as a C-contiguous tensor, pinned if its base is:
-    a NumPy copy (no intra-op threads next to the training step) unless it already is."""
-    if part.is_contiguous():
+def _contiguous(part: torch.Tensor, own: bool = False, pin: bool = False) -> torch.Tensor:
+    """``part`` (columns of a token tensor) as a C-contiguous tensor, pinned if its base is
+    (or ``pin``): a NumPy copy (no intra-op threads next to the training step) unless it
+    already is contiguous and not ``own`` (always copy)."""
+    if part.is_contiguous() and not own and (part.is_pinned() or not pin):
         return part
-    out = torch.empty(part.shape, dtype=part.dtype, pin_memory=part.is_pinned())
+    out = torch.empty(part.shape, dtype=part.dtype, pin_memory=pin or part.is_pinned())
     try:
         np.copyto(out.numpy(), part.numpy())
     except TypeError:  # a dtype NumPy does not have
@@ -178,6 +187,7 @@ class BatchGroup:
     seq_len: int
     shift: bool
     keys: tuple[str, ...]
+    slot: int | None = None  # the worker's TokenRing slot holding ``tokens`` (see loader)
 
     @staticmethod
     def can_group(items: Sequence[Any]) -> bool:
@@ -188,9 +198,16 @@ class BatchGroup:
         return all(x.tokens.shape == t.shape and x.tokens.dtype == t.dtype for x in items)
 
     @classmethod
-    def of(cls, items: Sequence[PackedBatch]) -> BatchGroup:
+    def of(
+        cls, items: Sequence[PackedBatch], out: torch.Tensor | None = None, slot: int | None = None
+    ) -> BatchGroup:
+        """The batches' tokens copied into one tensor: ``out`` (``[len(items), B, size]``,
+        e.g. a :class:`~torchdata_ext._ring.TokenRing` view, then ``slot`` names it) or a
+        new one."""
         first = items[0]
-        tokens = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
+        if out is None:
+            out = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
+        tokens = out
         dest = tokens.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
         for i, x in enumerate(items):
             dest[i] = x.tokens.numpy()
@@ -204,24 +221,31 @@ class BatchGroup:
             first.seq_len,
             first.shift,
             first.keys,
+            slot,
         )
 
     def __getstate__(self) -> dict[str, Any]:
         # the tokens cross a process boundary as a NumPy array, in the message's bytes: a
         # torch tensor would go through a shared-memory segment whose file descriptor the
         # receiver fetches over a socket from the sender (~1 ms a message, on both sides)
+        # tokens in a ring slot do not travel at all: the receiver reads them from the slot
         state = dict(self.__dict__)
-        state["tokens"] = self.tokens.numpy()
+        state["tokens"] = None if self.slot is not None else self.tokens.numpy()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["tokens"] = torch.from_numpy(state["tokens"])
+        state.setdefault("slot", None)
+        if state["tokens"] is not None:
+            state["tokens"] = torch.from_numpy(state["tokens"])
         self.__dict__.update(state)
 
     def pin_memory(self) -> BatchGroup:
         """The group with its token tensor in pinned memory (what the dataloader's
-        ``pin_memory=True`` calls)."""
+        ``pin_memory=True`` calls); a group whose tokens are in a ring slot is pinned when
+        its batches are copied out of it (see ``TokenLoader``)."""
+        if self.tokens is None:
+            return self
         return dataclasses.replace(self, tokens=self.tokens.pin_memory())
 
     def split(self) -> list[PackedBatch]:

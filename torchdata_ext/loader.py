@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.nodes import BaseNode
 
 from torchdata_ext._background import Background as _Background
+from torchdata_ext._ring import TokenRing
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.graph import graph_nodes
 from torchdata_ext.state_delta import apply, diff
@@ -59,6 +60,7 @@ class _Message(NamedTuple):
     delta: bool
     io: dict[str, float]
     ended: bool  # the worker's stream ended after these items
+    ring: TokenRing | None = None  # the worker's token slots, in the first message using one
 
 
 class _PipelineIterator(Iterator[_Message]):
@@ -73,6 +75,7 @@ class _PipelineIterator(Iterator[_Message]):
         *,
         group: int = 1,
         delta: bool = True,
+        ring_slots: int = 0,
     ) -> None:
         self.world = world
         self.root = build(world)
@@ -83,6 +86,9 @@ class _PipelineIterator(Iterator[_Message]):
         self._delta = delta
         self._sent: Any = None  # the graph state sent with the last batch
         self._counted: list[Any] | None = None  # the nodes with io_stats (the graph is fixed)
+        self._ring_slots = ring_slots  # 0: tokens travel in the messages
+        self._ring: TokenRing | None = None
+        self._ring_sent = False
         # a worker ships batches in their compact form; in this process they are made whole
         wire = getattr(self.root, "next_packed_batch", None) if delta else None
         self._wire: Callable[[], Any] = wire if callable(wire) else self.root.__next__
@@ -117,10 +123,29 @@ class _PipelineIterator(Iterator[_Message]):
             states.append(diff(self._sent, graph) if self._delta else graph)
             self._sent = graph
             items.append(item)
-        grouped = BatchGroup.of(items) if self._delta and BatchGroup.can_group(items) else items
+        ring = None
+        grouped: BatchGroup | list[Any] = items
+        if self._delta and BatchGroup.can_group(items):
+            grouped, ring = self._grouped(items)
         return _Message(
-            self.world.worker_id, grouped, states, self._delta, self.io_stats(), self._ended
+            self.world.worker_id, grouped, states, self._delta, self.io_stats(), self._ended, ring
         )
+
+    def _grouped(self, items: list[PackedBatch]) -> tuple[BatchGroup, TokenRing | None]:
+        """The batches as one group, their tokens in the next free ring slot if there is one;
+        and the ring, if this is the first message that uses it."""
+        shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
+        if self._ring is None and self._ring_slots:
+            self._ring = TokenRing((self._group, *shape[1:]), dtype, self._ring_slots)
+        ring = self._ring
+        slot = ring.claim() if ring is not None and ring.fits(shape, dtype) else None
+        if ring is None or slot is None:
+            return BatchGroup.of(items), None
+        group = BatchGroup.of(items, ring.view(slot, len(items)), slot)
+        if self._ring_sent:
+            return group, None
+        self._ring_sent = True
+        return group, ring
 
     def _io_nodes(self) -> list[Any]:
         """The graph's nodes with I/O counters, found once: walking the graph visits every
@@ -168,6 +193,10 @@ class PipelineDataset(IterableDataset):
         worker_offset: logical worker id of physical worker 0 (used to keep the round-robin
             order of batches across a restore; logical = (physical + offset) % num_workers).
         batches_per_message: batches a worker sends together.
+        ring_slots: in a dataloader worker, how many messages' tokens can be in a shared-memory
+            :class:`~torchdata_ext._ring.TokenRing` at once instead of in the messages (at
+            least the messages in flight, the dataloader's ``prefetch_factor``, plus 2); 0:
+            always in the messages.
     """
 
     def __init__(
@@ -179,6 +208,7 @@ class PipelineDataset(IterableDataset):
         initial_states: dict[int, dict[str, Any]] | None = None,
         worker_offset: int = 0,
         batches_per_message: int = 1,
+        ring_slots: int = 0,
     ) -> None:
         super().__init__()
         self.build = build
@@ -187,6 +217,7 @@ class PipelineDataset(IterableDataset):
         self.initial_states = dict(initial_states or {})
         self.worker_offset = int(worker_offset)
         self.batches_per_message = int(batches_per_message)
+        self.ring_slots = int(ring_slots)
 
     def world_for(self, physical_worker: int, num_workers: int) -> World:
         base = World.detect(self.rank, self.world_size)
@@ -205,6 +236,7 @@ class PipelineDataset(IterableDataset):
             self.initial_states.get(world.worker_id),
             group=self.batches_per_message,
             delta=info is not None,
+            ring_slots=self.ring_slots if info is not None else 0,
         )
 
 
@@ -234,6 +266,9 @@ class TokenLoader:
             (or runs the graph, with ``num_workers=0``), applies the state deltas and builds the
             batch keys, so the training thread only takes finished batches; False does that
             work in ``next()``.
+        shared_tokens: worker processes write each message's tokens into slots of shared
+            memory that this process copies them out of (default), instead of sending them
+            through the dataloader's pipe in the message; see :mod:`torchdata_ext._ring`.
 
     With worker processes a worker sends with each batch only what changed in its graph's
     state (:mod:`torchdata_ext.state_delta`: a few kilobytes), and this process keeps every
@@ -259,6 +294,7 @@ class TokenLoader:
         multiprocessing_context: str | None = None,
         persistent_workers: bool = False,
         background: bool = True,
+        shared_tokens: bool = True,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{num_workers=} must be an integer >= 0")
@@ -276,6 +312,7 @@ class TokenLoader:
         self.batches_per_message = batches_per_message
         self.pin_memory = pin_memory
         self.background = background
+        self.shared_tokens = bool(shared_tokens)
         self.prefetch = prefetch_factor or (2 if num_workers else 4)
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
@@ -315,6 +352,7 @@ class TokenLoader:
             initial_states=self._initial,
             worker_offset=self._offset,
             batches_per_message=self.batches_per_message,
+            ring_slots=self.prefetch + 2 if self.shared_tokens and self.num_workers else 0,
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -375,6 +413,8 @@ class TokenLoader:
             w: collections.deque() for w in range(W)
         }
         io: dict[int, dict[str, float]] = {}
+        rings: dict[int, TokenRing] = {}
+        pin = self.pin_memory and torch.cuda.is_available()
         live = set(range(W))  # workers whose stream has not ended
         w = self._offset
         while True:
@@ -384,7 +424,11 @@ class TokenLoader:
                 except StopIteration:
                     live.clear()
                     break
-                items = msg.items.split() if isinstance(msg.items, BatchGroup) else msg.items
+                if msg.ring is not None:
+                    rings[msg.worker] = msg.ring
+                items = msg.items
+                if isinstance(items, BatchGroup):
+                    items = _split(items, rings.get(msg.worker), pin)
                 pending[msg.worker].extend(
                     (item, st, msg.delta) for item, st in zip(items, msg.states, strict=True)
                 )
@@ -517,6 +561,19 @@ class _Delivery(NamedTuple):
     worker: int
     state: Any
     io: dict[str, float]
+
+
+def _split(group: BatchGroup, ring: TokenRing | None, pin: bool) -> list[Any]:
+    """A group's batches; those in a ring slot are made whole at once (copied out of the
+    slot), then the slot is released."""
+    if group.slot is None:
+        return group.split()
+    if ring is None:  # the ring comes with the worker's first message that uses it
+        raise RuntimeError("a worker sent tokens in a shared-memory slot before its ring")
+    group.tokens = ring.view(group.slot, len(group.cuts))
+    out = [batch.to_tensors(own=True, pin=pin) for batch in group.split()]
+    ring.release()
+    return out
 
 
 def _as_is(message: _Message) -> _Message:

@@ -1,0 +1,148 @@
+"""Tokens through shared-memory ring slots (``torchdata_ext._ring``): a worker writes a
+message's tokens into a slot the training process has released, or sends them in the message
+when none is free; either way the training process delivers exactly the batches of the
+in-process pipeline, and a slot is never written while its tokens are still to be read."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+
+from torchdata_ext import World
+from torchdata_ext._ring import TokenRing
+from torchdata_ext.batch import BatchGroup, PackedBatch
+from torchdata_ext.loader import TokenLoader, _PipelineIterator, _split
+from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.state_delta import apply
+from torchdata_ext.testing import write_arrow_batches
+
+KEYS = ["input_ids", "labels", "position_ids", "document_ids", "loss_mask"]
+
+
+@pytest.fixture(scope="module")
+def data_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("ring")
+    rng = np.random.default_rng(11)
+    for name in ("web", "code"):
+        docs = [rng.integers(5, 900, int(rng.integers(1, 70)), dtype=np.uint32) for _ in range(90)]
+        write_arrow_batches(str(root / name / "a.arrow"), docs)
+    return str(root)
+
+
+def _cfg(data_path: str, batch_size: int = 3) -> PipelineConfig:
+    return PipelineConfig(
+        data_path=data_path, datasets="web,code", weights="2,1", seq_length=20, logical_shards=8,
+        batch_size=batch_size, shuffle_buffer=6, block_docs=4, seed=5, output_keys=KEYS,
+    )  # fmt: skip
+
+
+def _build(cfg: PipelineConfig, world: World):
+    return build_pipeline(cfg, world)
+
+
+def _key(batch: dict[str, torch.Tensor] | PackedBatch) -> list[list[list[int]]]:
+    if isinstance(batch, PackedBatch):  # sent in the message: made whole when delivered
+        batch = batch.to_tensors()
+    return [batch[k].int().tolist() for k in KEYS]
+
+
+def test_slots_are_claimed_in_order_and_only_once_released() -> None:
+    ring = TokenRing((2, 3, 5), torch.int64, slots=2)
+    assert [ring.claim(), ring.claim(), ring.claim()] == [0, 1, None]
+    ring.release()
+    assert [ring.claim(), ring.claim()] == [0, None]
+    ring.release()
+    ring.release()
+    assert [ring.claim(), ring.claim(), ring.claim()] == [1, 0, None]
+    assert ring.fits((2, 3, 5), torch.int64) and ring.fits((1, 3, 5), torch.int64)
+    assert not ring.fits((3, 3, 5), torch.int64)  # more batches than a slot holds
+    assert not ring.fits((2, 3, 6), torch.int64) and not ring.fits((2, 3, 5), torch.int32)
+    with pytest.raises(ValueError, match="slots"):
+        TokenRing((1,), torch.int64, slots=0)
+
+
+def test_slot_and_in_message_tokens_give_the_in_process_batches(data_path) -> None:
+    """One worker's messages, sent as the dataloader's queue sends them (ForkingPickler), with
+    a one-slot ring: a message finds the slot taken whenever the previous one is unread and
+    sends its tokens itself. The batches and the states after them are the in-process ones,
+    whichever way each message went."""
+    cfg = _cfg(data_path)
+    world = World(0, 1, 0, 1)
+    # produce two messages before reading them (the second finds the slot taken), then one
+    # at a time (the slot is free again each time)
+    pattern = [2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 2, 2]
+    ref_node = build_pipeline(cfg, world)
+    ref = [_key(next(ref_node)) for _ in range(2 * sum(pattern))]
+
+    it = _PipelineIterator(
+        functools.partial(_build, cfg), world, None, group=2, delta=True, ring_slots=1
+    )
+    ring = None
+    state = None
+    got, ways = [], []
+    for ahead in pattern:
+        wire = [ForkingPickler.dumps(next(it)) for _ in range(ahead)]
+        for raw in wire:
+            msg = pickle.loads(raw)
+            ring = msg.ring or ring
+            ways.append("slot" if msg.items.slot is not None else "message")
+            assert isinstance(msg.items, BatchGroup)
+            for batch, delta in zip(_split(msg.items, ring, False), msg.states, strict=True):
+                state = apply(state, delta)
+                got.append((_key(batch), state))
+    assert "slot" in ways and "message" in ways, ways
+    assert [batch for batch, _ in got] == ref
+    for i, (_, st) in enumerate(got[:-1]):  # each state restores the rest of the stream
+        node = build_pipeline(cfg, world)
+        node.reset(pickle.loads(pickle.dumps(st)))
+        assert _key(next(node)) == ref[i + 1], i
+
+
+def test_batches_copied_out_of_a_slot_do_not_change_when_it_is_written_again(data_path) -> None:
+    """A one-row batch's ``input_ids`` would be a contiguous view of the slot: it is copied,
+    so the batches a training loop keeps stay as they were delivered."""
+    cfg = _cfg(data_path, batch_size=1)
+    world = World(0, 1, 0, 1)
+    it = _PipelineIterator(
+        functools.partial(_build, cfg), world, None, group=1, delta=True, ring_slots=1
+    )
+    ring = None
+    kept = []
+    for _ in range(6):
+        msg = pickle.loads(ForkingPickler.dumps(next(it)))
+        ring = msg.ring or ring
+        assert msg.items.slot == 0
+        kept.extend(_split(msg.items, ring, False))
+    ref_node = build_pipeline(cfg, world)
+    assert [_key(b) for b in kept] == [_key(next(ref_node)) for _ in range(6)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_two_workers_deliver_the_same_stream_with_and_without_shared_tokens(
+    data_path, batch_size
+) -> None:
+    """Through real worker processes: the ring (default) and tokens in the messages give the
+    same batches, and a restore at a step continues with the rest of that stream."""
+    build = functools.partial(_build, _cfg(data_path, batch_size))
+    runs = {}
+    for shared in (True, False):
+        loader = TokenLoader(build, num_workers=2, shared_tokens=shared, batches_per_message=2)
+        it = iter(loader)
+        runs[shared] = [_key(next(it)) for _ in range(30)]
+        if shared:
+            for _ in range(7):
+                next(it)
+            state = pickle.loads(pickle.dumps(loader.state_dict()))
+            after = [_key(next(it)) for _ in range(12)]
+        del it, loader
+    assert runs[True] == runs[False]
+    again = TokenLoader(build, num_workers=2, batches_per_message=2)
+    again.load_state_dict(state)
+    it = iter(again)
+    assert [_key(next(it)) for _ in range(12)] == after
