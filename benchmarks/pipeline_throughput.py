@@ -17,7 +17,10 @@ It also runs the pipeline through ``TokenLoader`` as a training loop does, with
 ``state_dict()`` at every step: in a background thread and in 1 or 2 dataloader worker
 processes, each next to the bare pipeline's rate after its buffer fill (``benchmarks/
 loader_overhead.py`` adds a simulated training step), and the bare pipeline taking its graph
-state after every batch (the state's own cost, without a loader).
+state after every batch (the state's own cost, without a loader). The 2-worker path runs
+twice: with the tokens in shared-memory slots (the default) and in the messages
+(``shared_tokens=False``, how they travelled before), so the slots' gain is measured in the
+same run.
 
 The machine may be shared: ``--repeat`` runs the raw limit and the pipeline alternately that
 many times and reports the best and the median of each, and the ratio of the bests (compare
@@ -88,7 +91,13 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     from torchdata_ext.loader import TokenLoader
 
     datasets = build_datasets(cfg)
-    paths = (("in-process thread", 0), ("1 worker process", 1), ("2 worker processes", 2))
+    paths = (
+        ("in-process thread", 0, True),
+        ("1 worker process", 1, True),
+        ("2 worker processes", 2, True),
+        # the reference for the shared-memory token slots: tokens in the messages, as before
+        ("2 worker processes, tokens in the messages", 2, False),
+    )
 
     def fill(workers: int) -> int:  # batches until a streaming buffer is full in every worker
         if cfg.shuffle_fill != "stream":
@@ -97,8 +106,8 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
 
     bares: list[float] = []
     stated: list[float] = []  # the bare pipeline with its graph state taken after every batch
-    rates: dict[str, list[float]] = {label: [] for label, _ in paths}
-    cpu: dict[str, list[float]] = {label: [] for label, _ in paths}  # CPU s per M tokens
+    rates: dict[str, list[float]] = {label: [] for label, _, _ in paths}
+    cpu: dict[str, list[float]] = {label: [] for label, _, _ in paths}  # CPU s per M tokens
     for _ in range(max(1, repeat)):
         for with_state, out in ((False, bares), (True, stated)):
             node = build_pipeline(cfg, World(), datasets)
@@ -112,8 +121,10 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
                     node.state_dict()
             out.append(tokens / (time.perf_counter() - t0))
             del node
-        for label, workers in paths:
-            loader = TokenLoader(functools.partial(_build, cfg, datasets), num_workers=workers)
+        for label, workers, shared in paths:
+            loader = TokenLoader(
+                functools.partial(_build, cfg, datasets), num_workers=workers, shared_tokens=shared
+            )
             it = iter(loader)
             for _ in range(fill(workers) + 5 * max(1, workers)):
                 next(it)
