@@ -147,3 +147,53 @@ def test_two_workers_deliver_the_same_stream_with_and_without_shared_tokens(
     again.load_state_dict(state)
     it = iter(again)
     assert [_key(next(it)) for _ in range(12)] == after
+
+
+@pytest.mark.parametrize("short", ["free space", "allocation fails"])
+def test_short_shared_memory_sends_the_tokens_in_the_messages(
+    data_path, monkeypatch, short
+) -> None:
+    """A container's small /dev/shm (Docker's 64 MB) must not kill a worker: with too little
+    free, or when the allocation fails, no ring is made and every message carries its tokens;
+    the batches are the in-process ones."""
+    import torchdata_ext._ring as ring_module
+
+    if short == "free space":
+        monkeypatch.setattr(ring_module, "_free_bytes", lambda path: 16 << 20)  # 16 MB free
+    else:
+
+        def no_space(self):
+            raise RuntimeError("unable to write to file </torch_1_2>: No space left on device")
+
+        monkeypatch.setattr(torch.Tensor, "share_memory_", no_space)
+    cfg = _cfg(data_path)
+    world = World(0, 1, 0, 1)
+    it = _PipelineIterator(
+        functools.partial(_build, cfg), world, None, group=2, delta=True, ring_slots=4
+    )
+    got = []
+    for _ in range(8):
+        msg = pickle.loads(ForkingPickler.dumps(next(it)))
+        assert msg.ring is None and msg.items.slot is None
+        got.extend(_key(b) for b in _split(msg.items, None, False))
+    ref_node = build_pipeline(cfg, world)
+    assert got == [_key(next(ref_node)) for _ in range(len(got))]
+
+
+def test_a_ring_is_made_when_shared_memory_has_room(monkeypatch) -> None:
+    import torchdata_ext._ring as ring_module
+
+    shape = (4, 8, 4097)  # 1 MB of int64 per slot, 4 MB for 4 slots
+    monkeypatch.setattr(ring_module, "_free_bytes", lambda path: 40 << 20)
+    assert TokenRing.make(shape, torch.int64, 4) is None  # 8 x 4 MB + 32 MB > 40 MB
+    monkeypatch.setattr(ring_module, "_free_bytes", lambda path: 80 << 20)
+    ring = TokenRing.make(shape, torch.int64, 4)
+    assert ring is not None and ring.slots == 4 and ring.data.is_shared()
+    monkeypatch.setattr(ring_module, "_free_bytes", lambda path: None)  # no /dev/shm to ask
+    assert TokenRing.make(shape, torch.int64, 4) is not None
+
+
+def test_a_group_with_its_tokens_in_a_slot_says_so_when_split_alone() -> None:
+    group = BatchGroup(None, [], [], [], [], [], 4, True, ("input_ids",), slot=3)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="ring slot 3"):
+        group.split()

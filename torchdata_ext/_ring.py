@@ -17,13 +17,42 @@ training process copies each batch's ``input_ids`` / ``labels`` out of the slot 
 it always made, see :meth:`~torchdata_ext.batch.PackedBatch.to_tensors`), then releases it
 (:meth:`TokenRing.release`). Slots are used and released in order: a worker's messages reach
 the training process in the order it sent them.
+
+Shared memory is ``/dev/shm`` on Linux, which containers often keep small (Docker: 64 MB). A
+worker makes its ring only when that leaves room to spare (:meth:`TokenRing.make`), else its
+tokens go in the messages; running out of shared memory would kill the worker.
+
+Ordering: the reader's copy out of a slot happens before its store to :attr:`TokenRing.
+released`, and the writer reads that count before writing the slot. On x86 (total store
+order) a store is never moved before the loads that precede it, so this is safe; between the
+two the reader runs thousands of interpreter instructions and a torch call on every
+architecture.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+
 import torch
 
 __all__ = ["TokenRing"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_SPARE = 8  # make a ring only if shared memory has this many times its size free ...
+_FLOOR = 32 << 20  # ... plus this much for everything else that uses it (NCCL, other workers)
+
+
+def _free_bytes(path: str) -> int | None:
+    """Free bytes of the file system at ``path`` (None: not there, e.g. not Linux)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 class TokenRing:
@@ -36,6 +65,26 @@ class TokenRing:
         slots: how many groups can be in flight at once (the dataloader's prefetch, plus the
             one being read and the one being written).
     """
+
+    @classmethod
+    def make(cls, shape: tuple[int, ...], dtype: torch.dtype, slots: int) -> TokenRing | None:
+        """A ring, or None when shared memory is short (less than ``8 x`` the ring's size
+        plus 32 MB free) or cannot be had: the worker then sends its tokens in the messages."""
+        nbytes = slots * math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        free = _free_bytes(SHM_DIR)
+        if free is not None and free < _SPARE * nbytes + _FLOOR:
+            logger.info(
+                "%s has %.0f MB free, too little for a %.1f MB token ring: this worker sends "
+                "its batches' tokens in the dataloader's messages (a larger --shm-size, or "
+                "TokenLoader(shared_tokens=False) to say so)",
+                SHM_DIR, free / 2**20, nbytes / 2**20,
+            )  # fmt: skip
+            return None
+        try:
+            return cls(shape, dtype, slots)
+        except (RuntimeError, OSError) as e:  # e.g. "No space left on device"
+            logger.info("no shared-memory token ring (%s): tokens go in the messages", e)
+            return None
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, slots: int) -> None:
         if slots < 1:

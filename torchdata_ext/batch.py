@@ -250,6 +250,11 @@ class BatchGroup:
 
     def split(self) -> list[PackedBatch]:
         """The batches again; their tokens are views of :attr:`tokens`."""
+        if self.tokens is None:  # received with its tokens in a ring slot, not attached yet
+            raise RuntimeError(
+                f"this group's tokens are in ring slot {self.slot} of the worker that sent it; "
+                "set group.tokens from that TokenRing (TokenLoader does) before split()"
+            )
         return [
             PackedBatch(
                 self.tokens[i],

@@ -141,7 +141,9 @@ class _PipelineIterator(Iterator[_Message]):
         and the ring, if this is the first message that uses it."""
         shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
         if self._ring is None and self._ring_slots:
-            self._ring = TokenRing((self._group, *shape[1:]), dtype, self._ring_slots)
+            self._ring = TokenRing.make((self._group, *shape[1:]), dtype, self._ring_slots)
+            if self._ring is None:  # shared memory is short: tokens go in the messages
+                self._ring_slots = 0
         ring = self._ring
         slot = ring.claim() if ring is not None and ring.fits(shape, dtype) else None
         if ring is None or slot is None:
@@ -419,7 +421,7 @@ class TokenLoader:
         }
         io: dict[int, dict[str, float]] = {}
         rings: dict[int, TokenRing] = {}
-        pin = self.pin_memory and torch.cuda.is_available()
+        pin = self.pin_memory and _accelerator()  # where the dataloader pins, as it does
         live = set(range(W))  # workers whose stream has not ended
         w = self._offset
         while True:
@@ -579,6 +581,14 @@ def _split(group: BatchGroup, ring: TokenRing | None, pin: bool) -> list[Any]:
     out = [batch.to_tensors(own=True, pin=pin) for batch in group.split()]
     ring.release()
     return out
+
+
+def _accelerator() -> bool:
+    """Whether an accelerator is there to pin memory for (the dataloader's own test)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
 
 
 def _as_is(message: _Message) -> _Message:
