@@ -67,10 +67,10 @@ def first_batch(cfg: PipelineConfig, workers: int, repeat: int = 1) -> float:
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        it = iter(_loader(cfg, workers))
-        next(it)
+        loader = _loader(cfg, workers)
+        next(iter(loader))
         best = min(best, time.perf_counter() - t0)
-        del it
+        loader.close()  # its workers stop now, not while the next try runs
     return best
 
 
@@ -88,6 +88,7 @@ def fill_and_restore(cfg: PipelineConfig, workers: int) -> tuple[float, float, f
         next(it)
     filled = time.perf_counter() - t0
     state = pickle.loads(pickle.dumps(loader.state_dict()))  # as a checkpoint file holds it
+    loader.close()
     del it, loader
     restored = float("inf")
     for _ in range(REPEAT):
@@ -96,7 +97,7 @@ def fill_and_restore(cfg: PipelineConfig, workers: int) -> tuple[float, float, f
         again.load_state_dict(state)
         next(iter(again))
         restored = min(restored, time.perf_counter() - t0)
-        del again
+        again.close()
     return min(first, first_batch(cfg, workers, REPEAT - 1)), filled, restored
 
 

@@ -197,3 +197,33 @@ def test_a_group_with_its_tokens_in_a_slot_says_so_when_split_alone() -> None:
     group = BatchGroup(None, [], [], [], [], [], 4, True, ("input_ids",), slot=3)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="ring slot 3"):
         group.split()
+
+
+@pytest.mark.multiprocess
+def test_close_stops_the_worker_processes_and_keeps_the_state(data_path) -> None:
+    """``close()`` ends the workers at once (they would otherwise go on tokenizing and
+    reading until garbage-collected, taking the cores from what runs next); the state is the
+    one after the last batch delivered, and it restores."""
+    import multiprocessing
+
+    build = functools.partial(_build, _cfg(data_path))
+    before = set(multiprocessing.active_children())
+    loader = TokenLoader(build, num_workers=2)
+    it = iter(loader)
+    seen = [_key(next(it)) for _ in range(5)]
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    assert len(workers) == 2, multiprocessing.active_children()
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    loader.close()
+    assert not any(p.is_alive() for p in workers)
+    assert pickle.dumps(loader.state_dict()) == pickle.dumps(state)
+    ref = TokenLoader(build, num_workers=2)
+    ref_it = iter(ref)
+    want = [_key(next(ref_it)) for _ in range(9)]
+    assert want[:5] == seen
+    again = TokenLoader(build, num_workers=2)
+    again.load_state_dict(state)
+    again_it = iter(again)
+    assert [_key(next(again_it)) for _ in range(4)] == want[5:]
+    again.close()
+    ref.close()

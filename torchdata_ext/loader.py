@@ -335,6 +335,7 @@ class TokenLoader:
         self._offset = 0
         self._skip = 0  # batches to drop after a restore (see state_dict)
         self._it: Any = None
+        self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._reset_live()
 
     def _reset_live(self) -> None:
@@ -364,7 +365,7 @@ class TokenLoader:
 
     def __iter__(self) -> Iterator[Any]:
         if self._it is not None:
-            self._close()
+            self.close()
         self._reset_live()
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
@@ -376,6 +377,7 @@ class TokenLoader:
                     self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
                 )
                 messages: Iterator[_Message] = iter(self._dl)
+            self._messages = messages
         else:
             messages = iter(self._dataset())
         produced = self._produce(messages)
@@ -383,6 +385,18 @@ class TokenLoader:
             produced = _Background(produced, self.prefetch * self.batches_per_message)
         self._it = produced
         return self._deliver(produced)
+
+    def close(self) -> None:
+        """Stop the stream now: the background thread and the worker processes, which would
+        otherwise go on preparing batches until the iterator is garbage-collected (taking
+        cores from what comes next, e.g. an evaluation loader). ``state_dict()`` still gives
+        the state after the last batch delivered; iterating again starts over from the state
+        the loader started from (or from one loaded after this)."""
+        self._close()
+        messages, self._messages = self._messages, None
+        shutdown = getattr(messages, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
 
     def _close(self) -> None:
         it, self._it = self._it, None
