@@ -242,6 +242,10 @@ class Tokenize(BaseNode[DocumentBlock]):
         else:
             self.source.reset()
         self._source_state = self.source.state_dict()
+        if initial_state is not None and self.num_threads:
+            # a restore: the node above asks for the block it stopped in right away (every
+            # dataset's, in an interleave), so their encoding starts now, side by side
+            self._fill()
 
     def next(self) -> DocumentBlock:
         if self._replay:  # unpickled with blocks in flight: read them again
