@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 from harness import document_lengths, write_random_arrow_datasets
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rows import check_rows, simulate
 
@@ -52,6 +52,12 @@ topology = st.tuples(st.integers(1, 3), st.integers(1, 3))
     selection=st.sampled_from(["all", "min_length", "eval", "transform"]),
     reordered=st.booleans(),
 )
+# found by this test: a whole document handed back whose BOS had ended a delivered row
+# (bos_done) went on in the middle of a row, glued to the document before it without a BOS
+@example(
+    mode="concat", buffer=1, chunk=None, specials=(1, None), topologies=[(2, 3), (1, 1)],
+    steps=4, seed=0, selection="all", reordered=False,
+)  # fmt: skip
 def test_rows_after_rescales_are_rows_of_an_uninterrupted_run(
     base, mode, buffer, chunk, specials, topologies, steps, seed, selection, reordered
 ) -> None:

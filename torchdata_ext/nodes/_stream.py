@@ -420,6 +420,8 @@ class _Cursor:
                 & (start[1:] == start[:-1] + lengths[:-1])
             )
             pin_at = unit_off[np.flatnonzero(inside)].tolist() or None
+        if skipped:  # its BOS ended a row before the rescale: the document starts the next
+            pin_at = sorted({*(pin_at or []), *unit_off[sorted(skipped)].tolist()})
         return _Stream(
             pre_state,
             carry_in,
