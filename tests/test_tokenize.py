@@ -289,10 +289,11 @@ def test_restore_endless_reader_and_through_loader(texts_dir, bpe) -> None:
     check_loader_restore(make, steps=30, at=[0, 5, 29])
 
 
-def test_a_restore_starts_encoding_at_once_and_continues_exactly(texts_dir, bpe) -> None:
-    """After a restore the node above asks for its block right away (an interleave: every
-    dataset's): the encoding of the next blocks is under way when ``reset`` returns, so the
-    datasets' blocks are encoded side by side; the stream is the uninterrupted one."""
+def test_skip_next_encodes_only_what_is_left_and_starts_at_once(texts_dir, bpe) -> None:
+    """After a restore an interleave replays the block it stopped in and drops the pieces it
+    had delivered (``skip_next``): those are not encoded again (they come out empty), the
+    rest and the blocks after are the uninterrupted stream's, and the encoding is under way
+    before the block is asked for (so several datasets' blocks encode side by side)."""
     index, _ = texts_dir
     make = lambda: Tokenize(reader(index, epochs=1, block_docs=4), bpe, eos_token=1, prefetch=2)  # noqa: E731
     ref = run(make(), 12)
@@ -302,15 +303,27 @@ def test_a_restore_starts_encoding_at_once_and_continues_exactly(texts_dir, bpe)
         next(node)
     state = pickle.loads(pickle.dumps(node.state_dict()))
     node.close()
-    again = make()
-    again.reset(state)
-    assert len(again._pending) == 2  # submitted, not waiting for next()
-    rest = [next(again) for _ in range(7)]
-    assert [item_key(b) for b in rest] == [item_key(b) for b in ref[5:]]
+    for threads in (2, 0):
+        again = Tokenize(
+            reader(index, epochs=1, block_docs=4), bpe, eos_token=1, prefetch=2,
+            num_threads=threads,
+        )  # fmt: skip
+        again.reset(state)
+        again.skip_next(3)
+        assert len(again._pending) == (2 if threads else 0)  # submitted before next()
+        first = next(again)
+        want = ref[5]
+        assert [len(d.data) for d in list(first)[:3]] == [0, 0, 0]
+        assert [d.data.tolist() for d in list(first)[3:]] == [
+            d.data.tolist() for d in list(want)[3:]
+        ]
+        assert (first.file == want.file).all() and (first.doc == want.doc).all()
+        rest = [next(again) for _ in range(6)]
+        assert [item_key(b) for b in rest] == [item_key(b) for b in ref[6:]]
+        again.close()
     fresh = make()
     fresh.reset()  # a fresh start reads nothing before it is asked (the first batch's source
-    assert not fresh._pending  # may not be this dataset)
-    again.close()
+    assert not fresh._pending  # may be another dataset)
 
 
 def test_pickled_mid_stream_node_continues(texts_dir, bpe) -> None:

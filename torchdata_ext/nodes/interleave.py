@@ -217,6 +217,7 @@ class Interleave(BaseNode[DocumentBlock]):
             )
         self._tokens = [int(tokens[name]) for name in self.names]
         self._counter = int(initial_state[self.COUNTER_KEY])
+        replay: list[tuple[int, str, Any, int]] = []  # sources whose block is read again
         for i, name in enumerate(self.names):
             st = per_source[name]
             self.sources[i].reset(st[self.SOURCE_KEY])
@@ -224,6 +225,13 @@ class Interleave(BaseNode[DocumentBlock]):
             consumed = int(st[self.CONSUMED_KEY])
             if consumed == 0 or self._ended[i]:
                 continue
+            # a tokenizing source need not encode what was delivered before, and starts on
+            # the rest now: every source's block is encoded side by side (see Tokenize)
+            hint = getattr(self.sources[i], "skip_next", None)
+            if callable(hint):
+                hint(consumed)
+            replay.append((i, name, st, consumed))
+        for i, name, st, consumed in replay:
             try:
                 block = next(self.sources[i])
             except StopIteration:

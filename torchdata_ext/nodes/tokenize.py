@@ -86,13 +86,16 @@ def _encode_block(
     eos_token: int | None,
     dtype: np.dtype,
     cut: bool = True,
+    skip: int = 0,
 ) -> DocumentBlock:
-    """The token block of a text block (runs on a pool thread; touches no node state)."""
+    """The token block of a text block (runs on a pool thread; touches no node state). The
+    first ``skip`` texts are not encoded: they are left empty (see :meth:`Tokenize.skip_next`)."""
     assert block.texts is not None
-    arrays = encoder.encode_batch(block.texts)
-    if len(arrays) != len(block.texts):
+    skip = min(skip, len(block.texts)) if block.stop is None else 0
+    arrays = encoder.encode_batch(block.texts[skip:])
+    if len(arrays) != len(block.texts) - skip:
         raise ValueError(
-            f"the tokenizer returned {len(arrays)} encodings for {len(block.texts)} texts"
+            f"the tokenizer returned {len(arrays)} encodings for {len(block.texts) - skip} texts"
         )
     n = len(arrays)
     offsets = np.zeros(n + 1, np.int64)
@@ -107,6 +110,8 @@ def _encode_block(
                 "pass a wider dtype to Tokenize (e.g. np.int64)"
             )
     tokens, offsets = ensure_bos_eos(flat, offsets, bos_token, eos_token, dtype)
+    if skip:  # the pieces not encoded come first, empty
+        offsets = np.concatenate([np.zeros(skip, np.int64), offsets])
     if block.stop is not None and cut:
         return _cut_handed_back(block, tokens, offsets)
     return DocumentBlock(
@@ -230,6 +235,7 @@ class Tokenize(BaseNode[DocumentBlock]):
         self._source_state: Any = None
         self._exhausted = False
         self._replay = False
+        self._skip = 0  # pieces of the next block not to encode (see skip_next)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -242,9 +248,16 @@ class Tokenize(BaseNode[DocumentBlock]):
         else:
             self.source.reset()
         self._source_state = self.source.state_dict()
-        if initial_state is not None and self.num_threads:
-            # a restore: the node above asks for the block it stopped in right away (every
-            # dataset's, in an interleave), so their encoding starts now, side by side
+        self._skip = 0
+
+    def skip_next(self, pieces: int) -> None:
+        """Called by the node above right after a restore (``Interleave``): it will drop the
+        first ``pieces`` pieces of the next block, delivered before the checkpoint, so they
+        are not encoded again (they come out empty); and it will ask for that block at once,
+        so its encoding (and the read-ahead's) starts now, side by side with the other
+        datasets'."""
+        self._skip = max(0, int(pieces))
+        if self.num_threads:
             self._fill()
 
     def next(self) -> DocumentBlock:
@@ -252,7 +265,8 @@ class Tokenize(BaseNode[DocumentBlock]):
             self.source.reset(self._source_state)
             self._replay = self._exhausted = False
         if self.num_threads == 0:
-            out = self._encode_now(next(self.source))
+            skip, self._skip = self._skip, 0
+            out = self._encode_now(next(self.source), skip)
             self._source_state = self.source.state_dict()  # only once the block is encoded
             return out
         self._fill()
@@ -322,12 +336,18 @@ class Tokenize(BaseNode[DocumentBlock]):
         return state
 
     # -- internals -----------------------------------------------------------------------------
-    def _encode_now(self, block: DocumentBlock) -> DocumentBlock:
+    def _encode_now(self, block: DocumentBlock, skip: int = 0) -> DocumentBlock:
         if block.texts is None:
             return block
         self._check_whole(block)
         return _encode_block(
-            self.encoder, block, self.bos_token, self.eos_token, self.dtype, self.cut_handed_back
+            self.encoder,
+            block,
+            self.bos_token,
+            self.eos_token,
+            self.dtype,
+            self.cut_handed_back,
+            skip,
         )
 
     def _fill(self) -> None:
@@ -338,6 +358,7 @@ class Tokenize(BaseNode[DocumentBlock]):
                 self._exhausted = True
                 break
             state = self.source.state_dict()
+            skip, self._skip = self._skip, 0  # the first block after skip_next only
             if block.texts is None:
                 self._pending.append((block, state))
                 continue
@@ -354,6 +375,7 @@ class Tokenize(BaseNode[DocumentBlock]):
                 self.eos_token,
                 self.dtype,
                 self.cut_handed_back,
+                skip,
             )
             self._pending.append((future, state))
 
