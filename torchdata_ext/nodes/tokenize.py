@@ -367,17 +367,8 @@ class Tokenize(BaseNode[DocumentBlock]):
                 self._executor = ThreadPoolExecutor(
                     self.num_threads, thread_name_prefix="torchdata_ext-tokenize"
                 )
-            future = self._executor.submit(
-                _encode_block,
-                self.encoder,
-                block,
-                self.bos_token,
-                self.eos_token,
-                self.dtype,
-                self.cut_handed_back,
-                skip,
-            )
-            self._pending.append((future, state))
+            # on a pool thread: _encode_now reads only settings fixed at construction
+            self._pending.append((self._executor.submit(self._encode_now, block, skip), state))
 
     def _drop_pending(self) -> None:
         for item, _ in self._pending:
