@@ -207,12 +207,11 @@ class BatchGroup:
         first = items[0]
         if out is None:
             out = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
-        tokens = out
-        dest = tokens.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
+        dest = out.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
         for i, x in enumerate(items):
             dest[i] = x.tokens.numpy()
         return cls(
-            tokens,
+            out,
             [x.cuts for x in items],
             [x.ids for x in items],
             [x.row_runs for x in items],

@@ -89,7 +89,6 @@ class _PipelineIterator(Iterator[_Message]):
         self._ring_slots = ring_slots  # 0: tokens travel in the messages
         self._ring: TokenRing | None = None
         self._ring_sent = False
-        self._sent_any = False
         # a worker ships batches in their compact form; in this process they are made whole
         wire = getattr(self.root, "next_packed_batch", None) if delta else None
         self._wire: Callable[[], Any] = wire if callable(wire) else self.root.__next__
@@ -111,13 +110,12 @@ class _PipelineIterator(Iterator[_Message]):
     def __next__(self) -> _Message:
         if self._ended:
             raise StopIteration
+        # the first message holds one batch: the first batch (fresh or after a restore) does
+        # not wait for the group's others
+        group = self._group if self._started else 1
         self._start()
         items: list[Any] = []
         states: list[Any] = []
-        # the first message holds one batch: the first batch (fresh or after a restore) does
-        # not wait for the group's others
-        group = self._group if self._sent_any else 1
-        self._sent_any = True
         while len(items) < group:
             try:
                 item = self._wire()

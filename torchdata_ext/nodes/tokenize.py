@@ -340,6 +340,11 @@ class Tokenize(BaseNode[DocumentBlock]):
         if block.texts is None:
             return block
         self._check_whole(block)
+        return self._encode(block, skip)
+
+    def _encode(self, block: DocumentBlock, skip: int) -> DocumentBlock:
+        """:func:`_encode_block` with this node's settings (also on a pool thread: it reads
+        only settings fixed at construction)."""
         return _encode_block(
             self.encoder,
             block,
@@ -367,8 +372,7 @@ class Tokenize(BaseNode[DocumentBlock]):
                 self._executor = ThreadPoolExecutor(
                     self.num_threads, thread_name_prefix="torchdata_ext-tokenize"
                 )
-            # on a pool thread: _encode_now reads only settings fixed at construction
-            self._pending.append((self._executor.submit(self._encode_now, block, skip), state))
+            self._pending.append((self._executor.submit(self._encode, block, skip), state))
 
     def _drop_pending(self) -> None:
         for item, _ in self._pending:
