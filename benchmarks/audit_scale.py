@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
-from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.checkpoint import save_checkpoint
+from torchdata_ext.audit.report import audit_checkpoint
+from torchdata_ext.checkpoint.folder import save_checkpoint
 from torchdata_ext.testing import write_ceped_npy
 
 

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from torchdata_ext.loader import TokenLoader  # noqa: E402
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint  # noqa: E402
+from torchdata_ext.loader.token_loader import TokenLoader  # noqa: E402
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 
 
 def build(cfg: PipelineConfig, datasets, world: World):

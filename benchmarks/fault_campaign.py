@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.audit.row_check import RowRules, row_problems
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.provenance import PAD
-from torchdata_ext.row_check import RowRules, row_problems
 from torchdata_ext.testing import write_arrow_batches
 
 DATASETS = ("web", "code")

@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
 from torchdata_ext import World, batch  # noqa: E402
-from torchdata_ext.loader import TokenLoader, _PipelineIterator  # noqa: E402
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
-from torchdata_ext.state_delta import apply  # noqa: E402
+from torchdata_ext.loader.token_loader import TokenLoader, _PipelineIterator  # noqa: E402
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.state.delta import apply  # noqa: E402
 
 
 def _build(cfg: PipelineConfig, datasets, world: World):

@@ -43,7 +43,7 @@ from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
 from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 
 
 def raw_limit(files: list[str]) -> tuple[int, float]:
@@ -88,7 +88,7 @@ def loader_rates(cfg: PipelineConfig, n_batches: int, repeat: int) -> None:
     reference is the bare pipeline over the same number of batches after its fill, measured alternately with the paths, ``repeat`` rounds; ratios of the bests."""
     import functools
 
-    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.loader.token_loader import TokenLoader
 
     datasets = build_datasets(cfg)
     paths = (

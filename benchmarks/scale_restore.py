@@ -55,25 +55,27 @@ import numpy as np
 from torchdata_ext.nodes.interleave import Interleave
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import ShuffleBuffer
-from torchdata_ext.reader_state import (
+from torchdata_ext.order.shards import count_new_readers, old_workers_to_read, worker_shards
+from torchdata_ext.state.reader_state import (
     ReaderCursors,
     cursor_state,
     merge_reader_states,
     reader_cursors,
 )
-from torchdata_ext.shards import count_new_readers, old_workers_to_read, worker_shards
 from torchdata_ext.world import World
 
 
 def _library_lookup() -> Callable[[int, int, World], list[int]]:
     """The rescale code's ``old_workers_needed`` wherever it lives (it is moving from
     ``checkpoint.py`` to ``rescale.py``)."""
-    for module in ("torchdata_ext.rescale", "torchdata_ext.checkpoint"):
+    for module in ("torchdata_ext.checkpoint.rescale", "torchdata_ext.checkpoint.folder"):
         try:
             return importlib.import_module(module).old_workers_needed
         except (ImportError, AttributeError):
             continue
-    raise ImportError("old_workers_needed not found in torchdata_ext.rescale or .checkpoint")
+    raise ImportError(
+        "old_workers_needed not found in torchdata_ext.checkpoint.rescale or .checkpoint"
+    )
 
 
 old_workers_needed = _library_lookup()

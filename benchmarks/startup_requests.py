@@ -123,8 +123,8 @@ def _rank_main(
     import torch.distributed as dist
 
     from torchdata_ext import TokenLoader, build_pipeline
-    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-    from torchdata_ext.pipeline import build_datasets
+    from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+    from torchdata_ext.pipeline.build import build_datasets
     from torchdata_ext.remote.counting import count_s3_requests
 
     if mode == "dist":
@@ -242,8 +242,8 @@ def main() -> None:
     # imported once here: every forked rank has them, as a long-running launcher's would
     import torch.distributed  # noqa: F401
 
-    import torchdata_ext.checkpoint  # noqa: F401
-    import torchdata_ext.pipeline  # noqa: F401
+    import torchdata_ext.checkpoint.folder  # noqa: F401
+    import torchdata_ext.pipeline.build  # noqa: F401
     import torchdata_ext.remote.counting  # noqa: F401
 
     proc, endpoint = start_moto()
@@ -263,7 +263,7 @@ def main() -> None:
             url = f"s3://startup/F{F}"
             for mode in modes:
                 if mode == "index":
-                    from torchdata_ext.index_file import write_index_files
+                    from torchdata_ext.sources.index_file import write_index_files
 
                     write_index_files(url, names, storage_options=_options(endpoint))
                 results[mode][F] = {}

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 from torchdata_ext.testing import write_jsonl  # noqa: E402
 
 SHARES = {"web": 0.6, "code": 0.2, "books": 0.2}
@@ -113,7 +113,7 @@ def _build(cfg: PipelineConfig, datasets: Any, world: World) -> Any:
 
 
 def ours(cfg: PipelineConfig, workers: int, max_tokens: int) -> tuple[float, float]:
-    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.loader.token_loader import TokenLoader
 
     loader = TokenLoader(functools.partial(_build, cfg, build_datasets(cfg)), num_workers=workers)
     it = iter(loader)

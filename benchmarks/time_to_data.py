@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.loader import TokenLoader  # noqa: E402
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.loader.token_loader import TokenLoader  # noqa: E402
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
 
 REPEAT = 3  # first batches (bufferless, fresh, restored): the least of 3 tries
 
@@ -134,7 +134,7 @@ def shuffle_quality(buffer: int, batch: int, seed: int = 1) -> None:
     from torchdata.nodes import IterableWrapper
 
     from torchdata_ext.nodes.shuffle import _DRAW_TAG, ShuffleBuffer
-    from torchdata_ext.walk import mix_seed
+    from torchdata_ext.order.walk import mix_seed
 
     print(f"shuffle quality, {buffer}-row buffer, batches of {batch}, in-order source:")
     for fill in ("stream", "full"):

@@ -24,7 +24,7 @@ import numpy as np
 import torch.distributed.checkpoint as dcp
 
 from torchdata_ext.testing import write_jsonl
-from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
+from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
 from torchdata_ext.torchtitan import TokenDataLoader
 
 WORDS = ["the", "a", "loader", "shard", "token", "model", "data", "epoch", "rank", "worker"]

@@ -27,10 +27,10 @@ import tempfile
 import numpy as np
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
-from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
+from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
 from torchdata_ext.transforms import Filter
 
 WORDS = [

@@ -26,7 +26,7 @@ What it does, and checks:
 5. **Verify**: every delivered sequence equals the tokens its provenance names, read back from
    the shard files; no token of any document was delivered twice (before or after the resume,
    on any rank); and the loss went down from the start and continued after the resume.
-6. **Audit** the final loader checkpoint (:func:`torchdata_ext.audit.audit_checkpoint`): print
+6. **Audit** the final loader checkpoint (:func:`torchdata_ext.audit.report.audit_checkpoint`): print
    what it says each dataset consumed, and check that its tokens consumed minus those in
    flight equal the document tokens delivered.
 """
@@ -59,12 +59,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torchdata.nodes import BaseNode
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
-from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.checkpoint import DCPLoaderState, graph_nodes, load_checkpoint, save_checkpoint
+from torchdata_ext.audit.report import audit_checkpoint
+from torchdata_ext.checkpoint.folder import (
+    DCPLoaderState,
+    graph_nodes,
+    load_checkpoint,
+    save_checkpoint,
+)
 from torchdata_ext.cli import prepare
 from torchdata_ext.nodes.collate import DEFAULT_KEYS, Collate
 from torchdata_ext.nodes.pack import Pack
-from torchdata_ext.pipeline import build_datasets
+from torchdata_ext.pipeline.build import build_datasets
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
 

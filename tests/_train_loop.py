@@ -19,9 +19,9 @@ import sys
 from torchdata.nodes import BaseNode
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 
 
 def build_reader(root: str, world: World) -> ShardReader:

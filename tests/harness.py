@@ -16,7 +16,7 @@ import numpy as np
 from torchdata.nodes import BaseNode, Loader
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.pipeline import PipelineConfig, build_datasets
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 
@@ -199,7 +199,7 @@ def document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
 def counted_fingerprint_reads(monkeypatch: Any = None) -> list[str]:
     """From now on (in this test with ``monkeypatch``, else in this process: a spawned rank),
     the name of each data file whose bytes are fingerprinted, in order."""
-    from torchdata_ext import fingerprint
+    from torchdata_ext.sources import fingerprint
 
     read: list[str] = []
     real = fingerprint._sampled_sha256

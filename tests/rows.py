@@ -1,8 +1,8 @@
-"""Rescale runs in one process, and the row oracle (:mod:`torchdata_ext.row_check`) on them.
+"""Rescale runs in one process, and the row oracle (:mod:`torchdata_ext.audit.row_check`) on them.
 
 :func:`simulate` runs a pipeline at ``R x W`` global workers in this process, takes each
 worker's graph state after a few rows, rescales to ``R' x W'`` (and optionally again) through
-:func:`~torchdata_ext.rescale.rescale_worker_states`, exactly as ``load_checkpoint`` does,
+:func:`~torchdata_ext.checkpoint.rescale.rescale_worker_states`, exactly as ``load_checkpoint`` does,
 and finishes the epoch: the streams it returns are what real workers would deliver.
 :func:`check_rows` asserts that those rows are rows an uninterrupted run could have made.
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchdata_ext import World
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.rescale import rescale_worker_states
-from torchdata_ext.row_check import RowRules, row_problems
+from torchdata_ext.audit.row_check import RowRules, row_problems
+from torchdata_ext.checkpoint.rescale import rescale_worker_states
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 
 Key = tuple[str, int, int]
 
@@ -28,7 +28,7 @@ def check_rows(
     *,
     budget: bool = False,
 ) -> None:
-    """Assert :func:`~torchdata_ext.row_check.row_problems` finds nothing in ``streams`` (lists
+    """Assert :func:`~torchdata_ext.audit.row_check.row_problems` finds nothing in ``streams`` (lists
     of delivered item dicts with a ``provenance`` table and the ``_names`` its ids index)."""
     problems = row_problems(
         [[(item["provenance"], item["_names"]) for item in stream] for stream in streams],
@@ -55,8 +55,8 @@ def _take(node: Any, n: int | None, out: list[dict[str, Any]]) -> None:
 
 
 def _pack_of(node: Any) -> Any:
-    from torchdata_ext.graph import graph_nodes
     from torchdata_ext.nodes.pack import Pack
+    from torchdata_ext.state.graph import graph_nodes
 
     (pack,) = [x for x in graph_nodes(node) if isinstance(x, Pack)]
     return pack

@@ -1,6 +1,6 @@
 """The audit of a checkpoint matches what the run delivered, by provenance, document by document.
 
-The invariant (see ``torchdata_ext/audit.py``): the documents a checkpoint says were consumed
+The invariant (see ``torchdata_ext/audit/report.py``): the documents a checkpoint says were consumed
 and are not in flight are exactly the documents all of whose tokens were delivered in batches
 up to that checkpoint; so between two checkpoints of one run, the documents that became
 consumed-and-not-in-flight are exactly those whose last token was delivered in between.
@@ -20,10 +20,10 @@ import pytest
 from harness import document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_datasets, build_pipeline
-from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.audit.report import audit_checkpoint
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
-from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.state.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ["web", "code"]
@@ -104,7 +104,7 @@ def test_consumed_between_two_checkpoints_is_what_was_delivered(
     assert by["pipeline"] and by["shuffle_buffer"]
     web = reports[31].datasets[0]
     if eval_fraction:  # the held-out documents are in no count and no row
-        from torchdata_ext.split import heldout_documents
+        from torchdata_ext.order.split import heldout_documents
 
         index = build_datasets(cfg)["web"]
         held_out = {("web", f, d) for f, d in heldout_documents(index, cfg.eval_split("web"))}
@@ -301,7 +301,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
     """Counted from a cursor in the middle of a document (``max_chunksize``; the audit of a
     checkpoint without replay meets them): the tokens of the pieces handed out, exactly."""
     from torchdata_ext import ShardReader, World
-    from torchdata_ext.audit import _audit_dataset, _Held
+    from torchdata_ext.audit.report import _audit_dataset, _Held
 
     index = build_datasets(cfg)["code"]
     reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, max_chunksize=4)
@@ -399,8 +399,8 @@ def test_text_data_counts_documents_exactly_and_tokens_as_unknown(tmp_path) -> N
     """Text tokenized on the fly: documents are exact (lengths in tokens of the delivered
     documents, read back through the pipeline), tokens are unknown."""
     from torchdata_ext import World
-    from torchdata_ext.graph import graph_nodes
     from torchdata_ext.nodes.pack import Pack
+    from torchdata_ext.state.graph import graph_nodes
     from torchdata_ext.testing import write_jsonl
 
     rng = np.random.default_rng(11)
@@ -516,7 +516,7 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     """A reader with ``epochs=1`` read to its end has every shard waiting at epoch 1: the
     current epoch is the finished one, 100% consumed, every document listed."""
     from torchdata_ext import ShardReader, World
-    from torchdata_ext.audit import _audit_dataset, _document_rows, _Held
+    from torchdata_ext.audit.report import _audit_dataset, _document_rows, _Held
 
     index = build_datasets(cfg)["code"]
     reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, epochs=1)
@@ -562,7 +562,7 @@ def test_verify_names_a_data_file_changed_in_place(saved_run, tmp_path, capsys) 
     """``verify`` re-checks every data file against the checkpoint's fingerprints: nothing
     changed gives an empty list; a file rewritten with the same size and document lengths (other
     tokens) is refused naming it, or listed with ``allow_changed_files``; the CLI the same."""
-    from torchdata_ext.fingerprint import ChangedFilesError
+    from torchdata_ext.sources.fingerprint import ChangedFilesError
 
     cfg, ckpt, docs = saved_run
     root = tmp_path / "data"
@@ -641,7 +641,7 @@ def test_the_plot_shows_counts_and_its_legends_match_its_axes(cfg, tmp_path) -> 
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from torchdata_ext._audit_render import figure
+    from torchdata_ext.audit.render import figure
 
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
     for step, _ in enumerate(loader, 1):

@@ -16,8 +16,8 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchdata_ext import World
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.testing import write_arrow_batches
 
 KEYS = ["input_ids", "labels", "position_ids", "document_ids", "loss_mask"]

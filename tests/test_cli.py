@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from torchdata_ext.cli import inspect_dataset, main, prepare, split_inputs
-from torchdata_ext.index import DatasetIndex
+from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import (
     write_arrow_batches,
     write_ceped_npy,
@@ -24,7 +24,7 @@ from torchdata_ext.testing import (
     write_jsonl,
     write_parquet,
 )
-from torchdata_ext.tokenizers import ByteTokenizer
+from torchdata_ext.tokenizers.load import ByteTokenizer
 
 TOK = ByteTokenizer(offset=1)
 

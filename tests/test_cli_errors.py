@@ -17,7 +17,7 @@ import pytest
 import torchdata_ext
 from torchdata_ext.cli import main
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
-from torchdata_ext.tokenizers import load_tokenizer
+from torchdata_ext.tokenizers.load import load_tokenizer
 
 API_NAMES = (
     "col_name",

@@ -17,9 +17,9 @@ from harness import (
 )
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
 
 NAMES = ["web", "code", "math"]
@@ -263,7 +263,7 @@ def test_rescale_with_a_dataset_budget_under_the_mix(root, tmp_path, old, new) -
 def test_evaluation_data_is_not_budgeted(root) -> None:
     """The held-out split is evaluated whole: build_eval_pipeline ignores phases and budgets
     (the same documents as without them), while training stops at exactly max_tokens."""
-    from torchdata_ext.pipeline import build_eval_pipeline
+    from torchdata_ext.pipeline.build import build_eval_pipeline
 
     plain = base(root, datasets="web,code,math", eval_fraction=0.2)
     cfg = base(

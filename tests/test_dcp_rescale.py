@@ -22,11 +22,11 @@ import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ra
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint import DCPLoaderState
-from torchdata_ext.fingerprint import ChangedFilesError
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.checkpoint.folder import DCPLoaderState
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.sources.fingerprint import ChangedFilesError
 
 NAMES = ["web", "code"]
 

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 import pytest
 from test_remote_pipeline import _cfg, _write_corpus, build
 
-import torchdata_ext.checkpoint as checkpoint_module
-import torchdata_ext.prepare_data as prepare_data
+import torchdata_ext.checkpoint.folder as checkpoint_module
+import torchdata_ext.prepare_data.tokenize_text as prepare_data
 from torchdata_ext import prepare
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.testing import write_jsonl
 
 PAGE = 4096

@@ -1,5 +1,5 @@
 """A pipeline that can never yield fails instead of hanging, and one that keeps almost nothing
-warns (``torchdata_ext._drops``): document filters and maps, the reader's ``min_length``, and
+warns (``torchdata_ext.nodes.drops``): document filters and maps, the reader's ``min_length``, and
 ``chunk`` packing with ``drop_remainder``, on endless streams; a legitimately selective filter
 and a finite stream are left alone."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from torchdata_ext import World
-from torchdata_ext._drops import NothingKeptError
-from torchdata_ext.index import DatasetIndex
+from torchdata_ext.nodes.drops import NothingKeptError
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.transforms import Map
 
 N_DOCS = 500

@@ -16,13 +16,13 @@ import torch
 from harness import check_exactly_once
 
 from torchdata_ext import PipelineConfig, World, build_datasets, build_pipeline
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.evaluation import ROW_MASK, EvalLoader
-from torchdata_ext.file_access import FileAccess
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import build_eval_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.evaluation import ROW_MASK, EvalLoader
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.order.split import heldout_documents
+from torchdata_ext.pipeline.build import build_eval_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.split import heldout_documents
+from torchdata_ext.sources.file_access import FileAccess
 from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ["web", "code"]
@@ -113,8 +113,8 @@ def test_train_and_eval_together_cover_every_document_once(cfg) -> None:
 def test_no_shuffle_buffer_and_one_epoch(cfg) -> None:
     endless = dataclasses.replace(cfg, epochs=None)
     root = build_eval_pipeline(endless, World(0, 1, 0, 1))
-    from torchdata_ext.graph import graph_nodes
     from torchdata_ext.nodes import ShardReader, ShuffleBuffer
+    from torchdata_ext.state.graph import graph_nodes
 
     nodes = list(graph_nodes(root))
     assert not any(isinstance(n, ShuffleBuffer) for n in nodes)
@@ -243,7 +243,7 @@ def test_config_errors_name_the_field(cfg) -> None:
         list(EvalLoader(cfg, equal_batches=True))
     only_code = dataclasses.replace(cfg, eval_fraction={"code": 0.2})
     root = build_eval_pipeline(only_code, World(0, 1, 0, 1))
-    from torchdata_ext.graph import reader_states
+    from torchdata_ext.state.graph import reader_states
 
     root.reset()
     assert [st["dataset"] for st in reader_states(root.state_dict()).values()] == ["code"]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from torchdata_ext import DatasetIndex
-from torchdata_ext.file_access import FileAccess, make_cache
 from torchdata_ext.remote import ShardCache
+from torchdata_ext.sources.file_access import FileAccess, make_cache
 from torchdata_ext.testing import write_arrow_batches
 
 

@@ -17,18 +17,19 @@ import numpy as np
 import pytest
 from harness import counted_fingerprint_reads, item_key
 
-from torchdata_ext import DatasetIndex, ShardReader, World, fingerprint
-from torchdata_ext.checkpoint import _sealed_json, load_checkpoint, save_checkpoint
-from torchdata_ext.fingerprint import (
+from torchdata_ext import DatasetIndex, ShardReader, World
+from torchdata_ext.checkpoint.folder import _sealed_json, load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.sources import fingerprint
+from torchdata_ext.sources.fingerprint import (
     SAMPLE_BYTES,
     ChangedFilesError,
     FileChange,
     compare,
     file_fingerprint,
 )
-from torchdata_ext.loader import TokenLoader
 from torchdata_ext.testing import write_arrow_batches
-from torchdata_ext.urls import filesystem
 
 LENGTHS = np.random.default_rng(5).integers(1, 30, 120)
 
@@ -135,7 +136,7 @@ def test_the_override_restores_with_a_warning_naming_the_file(
     ckpt, _ = saved(root, tmp_path / "c")
     rewrite_p1(root)
     loader = loader_of(root)
-    with caplog.at_level(logging.WARNING, logger="torchdata_ext.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext.sources.fingerprint"):
         load_checkpoint(loader, str(ckpt), allow_changed_files=True)
     assert "p1.arrow" in caplog.text and "p0.arrow" not in caplog.text
     # the positions apply to the new tokens: the stream goes on as a run over the new data would
@@ -350,7 +351,7 @@ def _dcp_saved(root: str, folder: Path) -> list:
     """A DCP checkpoint of a loader after 3 batches; the 6 batches the run delivers after it."""
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint import DCPLoaderState
+    from torchdata_ext.checkpoint.folder import DCPLoaderState
 
     loader = loader_of(root)
     it = iter(loader)
@@ -362,7 +363,7 @@ def _dcp_saved(root: str, folder: Path) -> list:
 def _dcp_load(root: str, folder: Path, **kw) -> TokenLoader:
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint import DCPLoaderState
+    from torchdata_ext.checkpoint.folder import DCPLoaderState
 
     loader = loader_of(root)
     dcp.load({"data": DCPLoaderState(loader, **kw)}, checkpoint_id=str(folder))
@@ -377,7 +378,7 @@ def test_dcp_refuses_a_file_rewritten_in_place_and_the_override_loads(
     rewrite_p1(root)
     with pytest.raises(ChangedFilesError, match=r"dataset 'web': 1 file\(s\): p1\.arrow \("):
         _dcp_load(root, tmp_path / "dcp")
-    with caplog.at_level(logging.WARNING, logger="torchdata_ext.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext.sources.fingerprint"):
         loader = _dcp_load(root, tmp_path / "dcp", allow_changed_files=True)
     assert "p1.arrow" in caplog.text and "allow_changed_files=True" in caplog.text
     assert len(take(iter(loader), 6)) == 6
@@ -415,7 +416,7 @@ def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> No
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint import DCPLoaderState
+    from torchdata_ext.checkpoint.folder import DCPLoaderState
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -467,7 +468,7 @@ def test_saves_after_the_first_build_no_graph(root: str, tmp_path: Path) -> None
     (folder or DCP) builds no graph, so it lists no folder (a request per folder on S3)."""
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint import DCPLoaderState
+    from torchdata_ext.checkpoint.folder import DCPLoaderState
 
     builds: list[World] = []
 
@@ -510,7 +511,7 @@ def _check_share_rank_main(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from torchdata_ext.fingerprint import SAMPLE_BYTES, check_share
+    from torchdata_ext.sources.fingerprint import SAMPLE_BYTES, check_share
 
     dist.init_process_group(
         "gloo",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchdata.nodes import Batcher, IterableWrapper
 
-from torchdata_ext.graph import (
+from torchdata_ext.state.graph import (
     graph_nodes,
     graph_summary,
     reader_states,

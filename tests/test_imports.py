@@ -67,15 +67,18 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert "torchdata_ext.graph" in graph["torchdata_ext.loader"]
+    assert "torchdata_ext.state.graph" in graph["torchdata_ext.loader.token_loader"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 
 def test_layers() -> None:
     """The loader knows nothing of checkpoints or rescaling; the CLI only calls the libraries."""
     graph = import_graph()
-    assert not {"torchdata_ext.checkpoint", "torchdata_ext.rescale"} & graph["torchdata_ext.loader"]
-    assert "torchdata_ext.checkpoint" not in graph["torchdata_ext.rescale"]
+    assert (
+        not {"torchdata_ext.checkpoint.folder", "torchdata_ext.checkpoint.rescale"}
+        & graph["torchdata_ext.loader.token_loader"]
+    )
+    assert "torchdata_ext.checkpoint.folder" not in graph["torchdata_ext.checkpoint.rescale"]
     importers_of_cli = {m for m, deps in graph.items() if "torchdata_ext.cli" in deps}
     assert importers_of_cli == {"torchdata_ext.__main__"}
 

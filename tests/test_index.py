@@ -9,7 +9,7 @@ import pytest
 
 from torchdata_ext import DatasetIndex
 from torchdata_ext.handlers import base as handler_base
-from torchdata_ext.index import COUNTS_FILE
+from torchdata_ext.sources.index import COUNTS_FILE
 from torchdata_ext.testing import write_arrow_batches, write_flat_tokens, write_jsonl
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import torchdata_ext
-from torchdata_ext.inspect_data import histogram
+from torchdata_ext.audit.inspect_data import histogram
 from torchdata_ext.testing import write_arrow_batches, write_flat_tokens, write_jsonl
 
 DOCS = [[5, 6, 7], [8], list(range(1, 21)), [9, 9], []]  # lengths 3, 1, 20, 2, 0

@@ -16,13 +16,13 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.graph import is_reader_state
 from torchdata_ext.nodes.interleave import _SAMPLES_TAG, Interleave, _counter_uniforms
 from torchdata_ext.nodes.tokenize import Tokenize
-from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.order.walk import mix_seed
+from torchdata_ext.state.graph import is_reader_state
+from torchdata_ext.state.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
-from torchdata_ext.tokenizers import ByteTokenizer
-from torchdata_ext.walk import mix_seed
+from torchdata_ext.tokenizers.load import ByteTokenizer
 
 
 # -- in-memory sources and the slow reference ---------------------------------------------------

@@ -118,7 +118,7 @@ def test_kill_full_pipeline_and_restart_with_other_worker_count(tmp_path) -> Non
     # them are exactly those whose last token was delivered between them
     from _train_loop import full_config
 
-    from torchdata_ext.audit import audit_checkpoint
+    from torchdata_ext.audit.report import audit_checkpoint
 
     first, last = min(fully), max(fully)
     assert last > first, "the resumed run saved no checkpoint; make it longer"

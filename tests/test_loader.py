@@ -11,8 +11,8 @@ import pytest
 from harness import item_key
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.checkpoint import DCPLoaderState, load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
+from torchdata_ext.checkpoint.folder import DCPLoaderState, load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.testing import write_arrow_batches
 
 N_SHARDS = 24
@@ -236,7 +236,7 @@ def test_a_state_written_by_the_previous_version_still_restores(tmp_path, worker
 
 def _two_datasets(root, seed: int, **kw):
     """A small full-pipeline config over two datasets of random documents under ``root``."""
-    from torchdata_ext.pipeline import PipelineConfig
+    from torchdata_ext.pipeline.build import PipelineConfig
 
     rng = np.random.default_rng(seed)
     for name in ("web", "code"):
@@ -249,7 +249,7 @@ def _two_datasets(root, seed: int, **kw):
 
 
 def _pipeline(cfg, world):
-    from torchdata_ext.pipeline import build_pipeline
+    from torchdata_ext.pipeline.build import build_pipeline
 
     return build_pipeline(cfg, world)
 
@@ -281,7 +281,7 @@ def test_closing_from_the_background_thread_itself_does_not_raise() -> None:
     not try to join that thread ("cannot join current thread")."""
     import threading
 
-    from torchdata_ext._background import Background
+    from torchdata_ext.loader.background import Background
 
     errors: list[BaseException] = []
     ready = threading.Event()
@@ -310,7 +310,7 @@ def test_background_hands_over_in_order_in_batches_and_ends_cleanly() -> None:
     import threading
     import time
 
-    from torchdata_ext._background import Background
+    from torchdata_ext.loader.background import Background
 
     made: list[int] = []
     lock = threading.Lock()
@@ -362,7 +362,7 @@ def test_background_close_stops_the_producer_and_frees_a_waiting_consumer() -> N
     import threading
     import time
 
-    from torchdata_ext._background import Background
+    from torchdata_ext.loader.background import Background
 
     def endless():
         i = 0
@@ -402,7 +402,7 @@ def test_next_after_close_ends_the_stream_even_when_the_source_had_ended() -> No
     had already ended (a short stream that fits in the prefetch depth, or an iterator of a
     TokenLoader started again with iter()): the consumer's next call then ends the stream
     rather than popping from an empty hand-over (IndexError)."""
-    from torchdata_ext._background import Background
+    from torchdata_ext.loader.background import Background
 
     bg = Background(iter(range(3)), depth=8, wake=4)
     bg._thread.join(5)  # the source ended: 0, 1, 2 and the end are waiting

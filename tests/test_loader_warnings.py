@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.loader import TokenLoader
+from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.testing import write_arrow_batches
 
 

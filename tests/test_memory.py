@@ -13,11 +13,11 @@ import pytest
 from harness import check_exactly_once, check_restore_at_every_step, run
 
 from torchdata_ext import DatasetIndex, PipelineConfig, ShardReader, World, build_pipeline
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.handlers import DataFileError, MemorySource
-from torchdata_ext.loader import TokenLoader
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.order.split import EvalSplit
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.split import EvalSplit
 
 
 def make_docs(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline, inspect_dataset, prepare
-from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext.audit.report import audit_checkpoint
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from test_pack import ListSource
 
 from torchdata_ext import World
-from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_arrow_batches
 
 BOS, EOS, BOL, EOL, P = 1, 2, 3, 4, 5
@@ -93,7 +93,7 @@ def test_sequences_equal_the_reference(lengths, seq_len, chunk, block_docs, drop
 
 
 def test_module_example() -> None:
-    # _chunk's docstring: a document of 8 tokens and one of 2, capacity 4
+    # chunk.py's docstring: a document of 8 tokens and one of 2, capacity 4
     a, b = np.arange(10, 18), np.arange(20, 22)
     kw = {"bos_token": BOS, "eos_token": EOS, "pad_token": P}
     seqs = run(Pack(ListSource([a, b]), 4, mode="chunk", **kw))
@@ -168,8 +168,8 @@ def test_rescale_2x2_to_3x1_gives_the_same_sequences(cfg, tmp_path, drop) -> Non
     """The sequences delivered before and after the rescale are exactly those of an
     uninterrupted run (chunks stay aligned to their document's start), each from one document;
     without drop_remainder every token is delivered once."""
-    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+    from torchdata_ext.loader.token_loader import TokenLoader
 
     cfg = dataclasses.replace(cfg, drop_remainder=drop)
     ref = collections.Counter(seq_key(s) for s in build(cfg, World(0, 1, 0, 1)))

@@ -10,8 +10,8 @@ import pytest
 from harness import run
 from test_pack import ListSource
 
-from torchdata_ext.nodes import _packed
-from torchdata_ext.nodes._best_fit import _place
+from torchdata_ext.nodes import packed as _packed
+from torchdata_ext.nodes.best_fit import _place
 from torchdata_ext.nodes.pack import Pack, PackedSequence
 
 
@@ -46,7 +46,7 @@ def test_place_matches_the_reference_on_long_random_lists() -> None:
 
 
 def test_best_fit_module_example() -> None:
-    # _best_fit's docstring: capacity 8, units a:5 b:3 c:6 d:2 e:10 (head 2 + one chunk of 8)
+    # best_fit.py's docstring: capacity 8, units a:5 b:3 c:6 d:2 e:10 (head 2 + one chunk of 8)
     a, b, c, d, e = (np.arange(100 * k, 100 * k + n) for k, n in enumerate((5, 3, 6, 2, 10), 1))
     seqs = run(Pack(ListSource([a, b, c, d, e], block_docs=2), 8, mode="best_fit", window=5))
     assert [s["input_ids"].tolist() for s in seqs] == [
@@ -60,7 +60,7 @@ def test_best_fit_module_example() -> None:
 
 
 def test_concat_pad_module_example() -> None:
-    # _concat_pad's docstring: units of 5 (B, 3 tokens, E), capacity 7 between bol and eol
+    # concat_pad.py's docstring: units of 5 (B, 3 tokens, E), capacity 7 between bol and eol
     docs = [np.arange(100 * k, 100 * k + 3) for k in (1, 2, 3)]
     kw = {"bos_token": 1, "eos_token": 2, "bol_token": 3, "eol_token": 4, "pad_token": 5}
     concat = run(Pack(ListSource(docs), 9, mode="concat", **kw))

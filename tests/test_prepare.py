@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 import torchdata_ext
-from torchdata_ext.prepare_data import PrepareResult
+from torchdata_ext.prepare_data.tokenize_text import PrepareResult
 from torchdata_ext.testing import write_jsonl, write_parquet
 
 
@@ -174,7 +174,7 @@ def test_a_finished_part_is_skipped(inputs: Path, tmp_path: Path) -> None:
 def test_an_interrupted_part_resumes_where_it_stopped(
     inputs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchdata_ext.prepare_data as prepare_data
+    import torchdata_ext.prepare_data.tokenize_text as prepare_data
 
     ref = torchdata_ext.prepare(str(inputs), str(tmp_path / "ref"), max_tokens_per_file=4,
                                 progress=False)  # fmt: skip

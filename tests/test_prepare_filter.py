@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import torchdata_ext
 from torchdata_ext import PipelineConfig, World, build_pipeline
 from torchdata_ext.cli import main
-from torchdata_ext.prepare_data import PrepareResult
-from torchdata_ext.prepare_filter import DocFilter
+from torchdata_ext.prepare_data.filter import DocFilter
+from torchdata_ext.prepare_data.tokenize_text import PrepareResult
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl, write_parquet
 
@@ -168,7 +168,7 @@ def test_sample_then_lengths_counted_separately(inputs, tmp_path: Path) -> None:
 def test_an_interrupted_sampled_part_resumes_to_the_same_bytes(
     inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchdata_ext.prepare_data as prepare_data
+    import torchdata_ext.prepare_data.tokenize_text as prepare_data
 
     root, _ = inputs
     kw = dict(data_fraction=0.4, seed=5, min_length=8)

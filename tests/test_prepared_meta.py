@@ -14,9 +14,9 @@ import pytest
 
 import torchdata_ext
 from torchdata_ext.cli import main
-from torchdata_ext.index import COUNTS_FILE
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.prepared_meta import META_FILE
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.sources.index import COUNTS_FILE
+from torchdata_ext.sources.prepared_meta import META_FILE
 from torchdata_ext.testing import write_jsonl
 
 TEXTS = ["first doc @ home", "second, with é", "third"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from torchdata_ext import _progress
-from torchdata_ext._progress import Progress
+from torchdata_ext import progress as _progress
+from torchdata_ext.progress import Progress
 
 log = logging.getLogger("test_progress")
 

@@ -12,7 +12,7 @@ from harness import check_loader_restore, check_restore_at_every_step, item_key,
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.handlers import DataFileError
-from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.state.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 

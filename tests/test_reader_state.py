@@ -14,12 +14,12 @@ import pytest
 from harness import check_exactly_once, document_lengths, item_key, run, write_random_arrow_datasets
 
 from torchdata_ext import DatasetIndex, ShardReader, World, merge_reader_states
-from torchdata_ext.graph import reader_states, set_at
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.checkpoint.rescale import rescale_worker_states
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.reader_state import reader_cursors
-from torchdata_ext.rescale import rescale_worker_states
-from torchdata_ext.state_delta import diff
+from torchdata_ext.state.delta import diff
+from torchdata_ext.state.graph import reader_states, set_at
+from torchdata_ext.state.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches
 
 

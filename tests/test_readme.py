@@ -60,7 +60,7 @@ def _text_corpus(tmp: Path) -> dict[str, Any]:
 
 def _checkpoint(tmp: Path) -> dict[str, Any]:
     from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
-    from torchdata_ext.checkpoint import save_checkpoint
+    from torchdata_ext.checkpoint.folder import save_checkpoint
     from torchdata_ext.testing import write_arrow_batches
 
     docs = [np.arange(5, 5 + 20 + k, dtype=np.uint32) for k in range(40)]

@@ -707,7 +707,7 @@ def test_eviction_takes_the_least_recently_used_file_nobody_holds(tmp_path) -> N
 
 
 class _Ticks:
-    """A clock for torchdata_ext._progress that advances ``step`` seconds per reading."""
+    """A clock for torchdata_ext.progress that advances ``step`` seconds per reading."""
 
     def __init__(self, step: float) -> None:
         self.now, self.step = 0.0, step
@@ -728,7 +728,7 @@ def test_slow_listing_counting_and_downloads_log_progress(s3, tmp_path, monkeypa
     caplog.set_level(logging.INFO, logger="torchdata_ext")
     fast = DatasetIndex.build(patterns, storage_options=so, write_counts=False)
     assert [r.getMessage() for r in caplog.records] == []  # a short wait says nothing
-    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))
+    monkeypatch.setattr("torchdata_ext.progress._clock", _Ticks(1.0))
     index = DatasetIndex.build(patterns, storage_options=so, write_counts=False)
     assert index.files == fast.files and index.total_docs == 90
     lines = [r.getMessage() for r in caplog.records]

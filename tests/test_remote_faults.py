@@ -28,8 +28,8 @@ from test_remote_pipeline import _cfg, _write_corpus, build
 from test_rescale import NAMES, cover
 
 from torchdata_ext import DatasetIndex
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.remote import (
     RemoteError,
     RetryPolicy,

@@ -10,9 +10,9 @@ from harness import check_exactly_once, document_lengths, item_key, run, write_r
 from test_rescale import NAMES, cover
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 
 
 def _write_corpus(root: str, storage_options=None) -> None:

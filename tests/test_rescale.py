@@ -22,11 +22,11 @@ from harness import (
 )
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.state.reader_state import reader_cursors
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_added_dataset_is_refused_unless_accepted(cfg, tmp_path) -> None:
     with pytest.raises(ValueError, match="'web': weight differs"):  # 1.0 alone, now 2 of 3
         load_checkpoint(loader, ckpt, allow_new_datasets=True)
     load_checkpoint(loader, ckpt, allow_new_datasets=True, allow_weight_changes=True)
-    from torchdata_ext.checkpoint import _token_counters
+    from torchdata_ext.checkpoint.folder import _token_counters
 
     (counters,) = [
         c for st in loader.state_dict()["workers"].values() for c in _token_counters(st).values()
@@ -122,7 +122,7 @@ def _checkpoint_then_finish(cfg, tmp_path, old, new, steps=7) -> tuple[dict, lis
     """Run ``cfg`` at ``old`` ranks x workers for a few items per rank, checkpoint, restore at
     ``new`` and finish the epoch; the coverage of everything delivered, and the pieces the
     rescale handed back to the readers (``[file, doc, start, stop]``)."""
-    from torchdata_ext.checkpoint import _reader_states
+    from torchdata_ext.checkpoint.folder import _reader_states
 
     coverage: dict = {}
     returned: list = []
@@ -233,8 +233,8 @@ def test_mix_changes_that_cannot_be_exact_are_refused(cfg, tmp_path) -> None:
 def test_token_counters_are_split_exactly(cfg, old, new) -> None:
     """Rescaled interleave token counters add up to the saved ones: each old worker's count
     is split among the new workers that read it, nothing dropped by rounding."""
-    from torchdata_ext.graph import token_counters
-    from torchdata_ext.rescale import rescale_worker_states
+    from torchdata_ext.checkpoint.rescale import rescale_worker_states
+    from torchdata_ext.state.graph import token_counters
 
     make = functools.partial(build, cfg)
     graphs = {}

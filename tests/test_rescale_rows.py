@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rows import check_rows, simulate
 
-from torchdata_ext.pipeline import PipelineConfig
+from torchdata_ext.pipeline.build import PipelineConfig
 from torchdata_ext.provenance import literal_owner
 
 
@@ -84,7 +84,7 @@ def test_a_pack_state_saved_before_bos_done_restores(base) -> None:
     from rows import _pack_of
 
     from torchdata_ext import World
-    from torchdata_ext.pipeline import build_pipeline
+    from torchdata_ext.pipeline.build import build_pipeline
 
     node = build_pipeline(base, World(), collate=False)
     node.reset(None)
@@ -92,7 +92,7 @@ def test_a_pack_state_saved_before_bos_done_restores(base) -> None:
         next(node)
     state = node.state_dict()
     expected = [next(node)["input_ids"].tolist() for _ in range(3)]
-    from torchdata_ext.graph import pack_states
+    from torchdata_ext.state.graph import pack_states
 
     for pack in pack_states({"g": state}).values():
         assert pack["bos_done"] == []

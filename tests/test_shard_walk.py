@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.shard_walk import shard_plan, walked_documents
-from torchdata_ext.shards import file_offsets
+from torchdata_ext.order.shard_walk import shard_plan, walked_documents
+from torchdata_ext.order.shards import file_offsets
+from torchdata_ext.order.walk import RandomWalk, mix_seed, mix_seeds, walk_prefixes
 from torchdata_ext.testing import write_arrow_batches
-from torchdata_ext.walk import RandomWalk, mix_seed, mix_seeds, walk_prefixes
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdata_ext.shards import (
+from torchdata_ext.order.shards import (
     check_shard_count,
     count_new_readers,
     file_offsets,

@@ -310,7 +310,7 @@ class _HideProtocol(BaseNode[dict]):
 
 
 class _Ticks:
-    """A clock for torchdata_ext._progress that advances ``step`` seconds per reading."""
+    """A clock for torchdata_ext.progress that advances ``step`` seconds per reading."""
 
     def __init__(self, step: float) -> None:
         self.now, self.step = 0.0, step
@@ -322,7 +322,7 @@ class _Ticks:
 
 def test_a_slow_fill_logs_its_progress_and_size(index, monkeypatch, caplog) -> None:
     idx, _ = index
-    monkeypatch.setattr("torchdata_ext._progress._clock", _Ticks(1.0))  # 1 s per pull
+    monkeypatch.setattr("torchdata_ext.progress._clock", _Ticks(1.0))  # 1 s per pull
     caplog.set_level("INFO", logger="torchdata_ext.nodes.shuffle")
     node = make(idx, 40, fill="full")
     next(node)
@@ -407,7 +407,7 @@ def test_a_restored_text_buffer_tokenizes_only_the_rows_drawn(tmp_path, monkeypa
     from harness import text_config, write_random_text_datasets
 
     from torchdata_ext.nodes.tokenize import Tokenize
-    from torchdata_ext.pipeline import build_pipeline
+    from torchdata_ext.pipeline.build import build_pipeline
 
     write_random_text_datasets(str(tmp_path), [("web", 90, 12), ("code", 50, 12)], ["ab"], 2)
     cfg = dataclasses.replace(text_config(str(tmp_path)), shuffle_buffer=20)

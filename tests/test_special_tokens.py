@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import torchdata_ext
 from torchdata_ext.cli import main
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.testing import write_jsonl
-from torchdata_ext.tokenizers import ByteTokenizer, check_special_tokens, token_ids
+from torchdata_ext.tokenizers.load import ByteTokenizer, check_special_tokens, token_ids
 
 BYTE_AT = (
     "eos_token=65 is an ordinary token (byte 0x40 '@') of the tokenizer 'byte' (byte_offset=1)"
@@ -116,7 +116,7 @@ def tok_json(tmp_path: Path) -> str:
 def test_a_hugging_face_tokenizer_allows_its_own_special_tokens(
     text_in: Path, tmp_path: Path, tok_json: str
 ) -> None:
-    ids = token_ids(torchdata_ext.tokenizers.load_tokenizer(tok_json), tok_json)
+    ids = token_ids(torchdata_ext.tokenizers.load.load_tokenizer(tok_json), tok_json)
     assert (ids.ordinary, ids.specials, ids.vocab_size) == (((0, 4), (5, 6)), (4,), 6)
     cfg = PipelineConfig(data_path=str(tmp_path), datasets="in", file_type="jsonl",
                          col_name="text", tokenizer=tok_json, seq_length=4, shift=False,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchdata_ext import DatasetIndex, ShardReader, World, merge_reader_states
-from torchdata_ext.split import EvalSplit, heldout_documents
+from torchdata_ext.order.split import EvalSplit, heldout_documents
 from torchdata_ext.testing import write_arrow_batches
 
 SPLIT = EvalSplit(0.2, seed=7)

@@ -15,20 +15,21 @@ import numpy as np
 import pytest
 from harness import counted_fingerprint_reads, item_key, write_random_arrow_datasets
 
-from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline, fingerprint
-from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
+from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
-from torchdata_ext.fingerprint import ChangedFilesError
-from torchdata_ext.index_file import (
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import build_datasets
+from torchdata_ext.remote.counting import count_s3_requests, request_kind
+from torchdata_ext.sources import fingerprint
+from torchdata_ext.sources.fingerprint import ChangedFilesError
+from torchdata_ext.sources.index_file import (
     INDEX_FILE,
     StaleIndexError,
     index_file_url,
     load_index_file,
     write_index_files,
 )
-from torchdata_ext.loader import TokenLoader
-from torchdata_ext.pipeline import build_datasets
-from torchdata_ext.remote.counting import count_s3_requests, request_kind
 from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ("web", "code")

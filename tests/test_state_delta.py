@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchdata_ext import World
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.state_delta import PATCH, SET, apply, diff
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.state.delta import PATCH, SET, apply, diff
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 scalars = st.one_of(
@@ -203,7 +203,7 @@ def test_after_a_restore_deltas_are_taken_against_the_restored_state(data_path) 
     starts from it too): for a restored shuffle buffer only the groups of the slots drawn
     since, and applying the deltas to the restored state gives the graph's state at every
     step."""
-    from torchdata_ext.state_delta import _plain
+    from torchdata_ext.state.delta import _plain
 
     kw = dict(
         data_path=data_path, datasets="web,code,books", weights="3,1,1", seq_length=16,

@@ -1,4 +1,4 @@
-"""Tokens through shared-memory ring slots (``torchdata_ext._ring``): a worker writes a
+"""Tokens through shared-memory ring slots (``torchdata_ext.loader.ring``): a worker writes a
 message's tokens into a slot the training process has released, or sends them in the message
 when none is free; either way the training process delivers exactly the batches of the
 in-process pipeline, and a slot is never written while its tokens are still to be read."""
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from torchdata_ext import World
-from torchdata_ext._ring import TokenRing
 from torchdata_ext.batch import BatchGroup, PackedBatch
-from torchdata_ext.loader import TokenLoader, _PipelineIterator, _split
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
-from torchdata_ext.state_delta import apply
+from torchdata_ext.loader.ring import TokenRing
+from torchdata_ext.loader.token_loader import TokenLoader, _PipelineIterator, _split
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.state.delta import apply
 from torchdata_ext.testing import write_arrow_batches
 
 KEYS = ["input_ids", "labels", "position_ids", "document_ids", "loss_mask"]
@@ -156,7 +156,7 @@ def test_short_shared_memory_sends_the_tokens_in_the_messages(
     """A container's small /dev/shm (Docker's 64 MB) must not kill a worker: with too little
     free, or when the allocation fails, no ring is made and every message carries its tokens;
     the batches are the in-process ones."""
-    import torchdata_ext._ring as ring_module
+    import torchdata_ext.loader.ring as ring_module
 
     if short == "free space":
         monkeypatch.setattr(ring_module, "_free_bytes", lambda path: 16 << 20)  # 16 MB free
@@ -181,7 +181,7 @@ def test_short_shared_memory_sends_the_tokens_in_the_messages(
 
 
 def test_a_ring_is_made_when_shared_memory_has_room(monkeypatch) -> None:
-    import torchdata_ext._ring as ring_module
+    import torchdata_ext.loader.ring as ring_module
 
     shape = (4, 8, 4097)  # 1 MB of int64 per slot, 4 MB for 4 slots
     monkeypatch.setattr(ring_module, "_free_bytes", lambda path: 40 << 20)

@@ -18,7 +18,7 @@ from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.tokenize import Tokenize, ensure_bos_eos
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
-from torchdata_ext.tokenizers import ByteTokenizer, as_encoder
+from torchdata_ext.tokenizers.load import ByteTokenizer, as_encoder
 
 WORDS = [
     "the", "data", "loader", "packs", "tokens", "für", "naïve", "日本語", "données",

@@ -16,8 +16,8 @@ import pytest
 import torchdata_ext
 from torchdata_ext.cli import main
 from torchdata_ext.testing import write_jsonl
-from torchdata_ext.tokenizer_names import is_model_name
-from torchdata_ext.tokenizers import load_tokenizer
+from torchdata_ext.tokenizers.load import load_tokenizer
+from torchdata_ext.tokenizers.names import is_model_name
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -52,7 +52,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty local Hugging Face cache in use, offline (and no tokenizer loaded before)."""
     from huggingface_hub import constants
 
-    import torchdata_ext.prepare_data as prepare_data
+    import torchdata_ext.prepare_data.tokenize_text as prepare_data
 
     monkeypatch.setattr(prepare_data, "_TOKENIZERS", {})  # prepare loads a spec once per process
 

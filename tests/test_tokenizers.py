@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET, ByteTokenizer, load_tokenizer
+from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET, ByteTokenizer, load_tokenizer
 
 
 @pytest.mark.parametrize("offset", [0, 1, 4])
@@ -22,7 +22,7 @@ def test_byte_tokenizer_with_the_callers_offset(offset: int) -> None:
 def _pipeline_ids(tmp_path: Path, data: str, **kw: Any) -> list[int]:
     """The tokens of the one sequence the pipeline packs from the dataset folder
     ``tmp_path/data`` (one document of exactly 8 tokens, EOS included: no padding)."""
-    from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+    from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 
     cfg = PipelineConfig(data_path=str(tmp_path), datasets=[data], seq_length=8, shift=False,
                          logical_shards=1, shuffle_buffer=1, epochs=1, **kw)  # fmt: skip
@@ -79,7 +79,7 @@ def test_missing_file_and_missing_package(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_worker_threads_share_the_cores() -> None:
-    from torchdata_ext.tokenizers import worker_threads
+    from torchdata_ext.tokenizers.load import worker_threads
 
     assert [worker_threads(w, cores=2) for w in (0, 1, 2, 3)] == [2, 2, 1, 1]
     assert worker_threads(4, cores=16) == 4
@@ -88,8 +88,8 @@ def test_worker_threads_share_the_cores() -> None:
 @pytest.mark.multiprocess
 def test_tokenizer_threads_are_limited_in_workers_unless_the_user_set_them(monkeypatch) -> None:
 
-    from torchdata_ext.loader import TokenLoader
-    from torchdata_ext.tokenizers import limit_tokenizer_threads, worker_threads
+    from torchdata_ext.loader.token_loader import TokenLoader
+    from torchdata_ext.tokenizers.load import limit_tokenizer_threads, worker_threads
 
     for var in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
         monkeypatch.delenv(var, raising=False)

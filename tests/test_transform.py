@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from torchdata_ext import World
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments, TransformDocuments
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD
-from torchdata_ext.reader_state import reader_cursors
+from torchdata_ext.sources.index import DatasetIndex
+from torchdata_ext.state.reader_state import reader_cursors
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 from torchdata_ext.transforms import (
     Filter,
@@ -324,7 +324,7 @@ def cfg(tmp_path_factory) -> PipelineConfig:
 
 def mapped_reference(cfg: PipelineConfig) -> dict:
     """(dataset, file, doc) -> the document after the config's transforms, from raw files."""
-    from torchdata_ext.pipeline import build_datasets
+    from torchdata_ext.pipeline.build import build_datasets
 
     out = {}
     for name, index in build_datasets(cfg).items():
@@ -375,8 +375,8 @@ def build(cfg, world):
 def test_rescale_with_a_length_changing_map_and_a_filter(cfg, tmp_path, old, new) -> None:
     """Save at R x W, restore at R' x W' and finish the epoch: every token of every kept,
     mapped document exactly once, each the right token."""
-    from torchdata_ext.checkpoint import _reader_states, load_checkpoint, save_checkpoint
-    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.checkpoint.folder import _reader_states, load_checkpoint, save_checkpoint
+    from torchdata_ext.loader.token_loader import TokenLoader
 
     want = mapped_reference(cfg)
     names = ["web", "code"]
@@ -435,7 +435,7 @@ def test_yaml_config_uses_the_builtins(tmp_path, cfg) -> None:
 def test_no_transform_node_without_transforms(cfg) -> None:
     import dataclasses
 
-    from torchdata_ext.graph import graph_nodes
+    from torchdata_ext.state.graph import graph_nodes
 
     plain = dataclasses.replace(cfg, transforms=[])
     nodes = graph_nodes(build_pipeline(plain, World(0, 1, 0, 1)))
@@ -465,8 +465,8 @@ def text_cfg(tmp_path_factory) -> PipelineConfig:
 
 
 def text_reference(cfg: PipelineConfig) -> dict:
-    from torchdata_ext.pipeline import build_datasets
-    from torchdata_ext.tokenizers import ByteTokenizer
+    from torchdata_ext.pipeline.build import build_datasets
+    from torchdata_ext.tokenizers.load import ByteTokenizer
 
     out = {}
     for name, index in build_datasets(cfg).items():
@@ -490,8 +490,8 @@ def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None
     """Text steps before tokenize, token steps after it: handed-back pieces are token ranges
     of the transformed document, cut by the token transform node (tokenize hands the whole
     encoded text on)."""
-    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
-    from torchdata_ext.loader import TokenLoader
+    from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+    from torchdata_ext.loader.token_loader import TokenLoader
 
     want = text_reference(text_cfg)
     names = ["web", "code"]
@@ -522,8 +522,8 @@ def test_text_and_token_transforms_rescale(text_cfg, tmp_path, old, new) -> None
 def test_interleave_counts_the_transformed_tokens(cfg) -> None:
     """Interleave's token shares see the documents as transformed: after the epoch its
     counters are the transformed documents' tokens, dataset by dataset."""
-    from torchdata_ext.graph import graph_nodes
     from torchdata_ext.nodes.interleave import Interleave
+    from torchdata_ext.state.graph import graph_nodes
 
     node = build_pipeline(cfg, World(0, 1, 0, 1), collate=False)
     node.reset()

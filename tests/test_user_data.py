@@ -16,9 +16,9 @@ import pytest
 
 import torchdata_ext
 from torchdata_ext import World
-from torchdata_ext.index import DatasetIndex
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.pipeline import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_jsonl
 
 tokenizers = pytest.importorskip("tokenizers")

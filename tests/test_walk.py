@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchdata_ext.walk import RandomWalk, mix_seed
+from torchdata_ext.order.walk import RandomWalk, mix_seed
 
 
 @settings(max_examples=60, deadline=None)

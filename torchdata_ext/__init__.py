@@ -7,18 +7,17 @@ order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`P
 :class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches
 (:class:`Concat` delivers curriculum phases in turn, :class:`Take` ends a stream at a budget);
 :func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
-runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
+runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint.folder` saves,
 restores and rescales it. :func:`prepare` tokenizes text files into token shards and
 :func:`inspect_dataset` summarizes a dataset and :func:`audit_checkpoint` says what a checkpoint
 consumed (the ``torchdata-ext`` command calls all three).
 """
 
-from torchdata_ext.audit import AuditReport, audit_checkpoint
+from torchdata_ext.audit.inspect_data import inspect_dataset
+from torchdata_ext.audit.report import AuditReport, audit_checkpoint
 from torchdata_ext.document import Document, DocumentBlock
-from torchdata_ext.evaluation import EvalLoader
-from torchdata_ext.index import DatasetIndex
-from torchdata_ext.inspect_data import inspect_dataset
-from torchdata_ext.loader import PipelineDataset, TokenLoader
+from torchdata_ext.loader.evaluation import EvalLoader
+from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
     Collate,
     Concat,
@@ -33,18 +32,19 @@ from torchdata_ext.nodes import (
     TransformDocuments,
     merge_reader_states,
 )
-from torchdata_ext.pipeline import (
+from torchdata_ext.order.split import EvalSplit
+from torchdata_ext.order.walk import RandomWalk, mix_seed
+from torchdata_ext.pipeline.build import (
     PipelineConfig,
     build_datasets,
     build_eval_pipeline,
     build_pipeline,
 )
-from torchdata_ext.prepare_data import prepare
-from torchdata_ext.reader_state import ReaderCursors, reader_cursors
+from torchdata_ext.prepare_data.tokenize_text import prepare
 from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
-from torchdata_ext.split import EvalSplit
-from torchdata_ext.tokenizers import ByteTokenizer
-from torchdata_ext.walk import RandomWalk, mix_seed
+from torchdata_ext.sources.index import DatasetIndex
+from torchdata_ext.state.reader_state import ReaderCursors, reader_cursors
+from torchdata_ext.tokenizers.load import ByteTokenizer
 from torchdata_ext.world import World
 
 __all__ = [

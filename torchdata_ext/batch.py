@@ -202,7 +202,7 @@ class BatchGroup:
         cls, items: Sequence[PackedBatch], out: torch.Tensor | None = None, slot: int | None = None
     ) -> BatchGroup:
         """The batches' tokens copied into one tensor: ``out`` (``[len(items), B, size]``,
-        e.g. a :class:`~torchdata_ext._ring.TokenRing` view, then ``slot`` names it) or a
+        e.g. a :class:`~torchdata_ext.loader.ring.TokenRing` view, then ``slot`` names it) or a
         new one."""
         first = items[0]
         if out is None:

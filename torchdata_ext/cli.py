@@ -2,7 +2,7 @@
 ``audit`` a checkpoint.
 
 This module only parses arguments, calls the library and prints: the work is
-:func:`torchdata_ext.prepare_data.prepare` and :func:`torchdata_ext.inspect_data.inspect_dataset`
+:func:`torchdata_ext.prepare_data.tokenize_text.prepare` and :func:`torchdata_ext.audit.inspect_data.inspect_dataset`
 (both also exported as ``torchdata_ext.prepare`` and ``torchdata_ext.inspect_dataset``), whose
 docstrings describe the formats, the resumable parts and the report.
 
@@ -16,7 +16,7 @@ dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), 
 ``--tokenizer`` (default: the tokenizer ``prepare`` recorded with the data), cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
 
 ``torchdata-ext audit CKPT --config cfg.yaml`` prints what a loader checkpoint consumed
-(:func:`torchdata_ext.audit.audit_checkpoint`): a table, or ``--json``; ``--list out.parquet``
+(:func:`torchdata_ext.audit.report.audit_checkpoint`): a table, or ``--json``; ``--list out.parquet``
 writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
 extra).
 
@@ -25,7 +25,7 @@ Every command takes ``--storage-options JSON`` (the fsspec options of its URLs; 
 endpoint and what to check (:mod:`torchdata_ext.remote.probe`).
 
 ``torchdata-ext index DATA_PATH [--datasets a,b]`` writes each dataset's index file
-(:mod:`torchdata_ext.index_file`), so a job's ranks start with a GET or two per dataset and no LIST.
+(:mod:`torchdata_ext.sources.index_file`), so a job's ranks start with a GET or two per dataset and no LIST.
 
 Errors and warnings are one line each on stderr (exit code 2 on error), in the command line's
 own terms: the library names its Python parameters (``col_name=...``), which
@@ -48,11 +48,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TextIO, cast
 
-from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.inspect_data import MORE_HINT, inspect_dataset
-from torchdata_ext.prepare_data import PrepareResult, prepare
-from torchdata_ext.prepare_data import split_inputs as split_inputs  # tests import it from here
-from torchdata_ext.tokenizers import DEFAULT_BYTE_OFFSET
+from torchdata_ext.audit.inspect_data import MORE_HINT, inspect_dataset
+from torchdata_ext.audit.report import audit_checkpoint
+from torchdata_ext.prepare_data.tokenize_text import PrepareResult, prepare
+from torchdata_ext.prepare_data.tokenize_text import (
+    split_inputs as split_inputs,  # tests import it from here
+)
+from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
 
 __all__ = ["PrepareResult", "audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
 
@@ -99,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         "prepare",
         help="tokenize text files into shard files",
         description="Tokenize JSONL/Parquet/.txt text into Arrow, flat .npy or MDS token shards "
-        "(resumable; see python -m pydoc torchdata_ext.prepare_data).",
+        "(resumable; see python -m pydoc torchdata_ext.prepare_data.tokenize_text).",
     )
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
@@ -170,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
         help="what a checkpoint consumed, per dataset and epoch",
         description="What a loader checkpoint says the run consumed: per dataset, the epochs "
         "of its logical shards, documents and tokens consumed per epoch, documents in flight, "
-        "token share against the target (see python -m pydoc torchdata_ext.audit).",
+        "token share against the target (see python -m pydoc torchdata_ext.audit.report).",
     )
     ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint")
     ap.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
@@ -205,7 +207,7 @@ def _add_index_command(sub: argparse._SubParsersAction) -> None:
         "index",
         help="write the index file of each dataset (ranks then list nothing at start)",
         description="List and count the datasets of DATA_PATH and write each one's "
-        "meta/torchdata_ext_index.json (see python -m pydoc torchdata_ext.index_file). Run "
+        "meta/torchdata_ext_index.json (see python -m pydoc torchdata_ext.sources.index_file). Run "
         "it again after adding, removing or rewriting files: a stale index file is refused.",
     )
     xp.add_argument("data_path", help="the config's data_path (URL)")
@@ -220,7 +222,7 @@ def _add_index_command(sub: argparse._SubParsersAction) -> None:
 
 def _index(args: argparse.Namespace) -> None:
     """``torchdata-ext index``: write the index files, print their URLs."""
-    from torchdata_ext.index_file import write_index_files
+    from torchdata_ext.sources.index_file import write_index_files
 
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     for url in write_index_files(

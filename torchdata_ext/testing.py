@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from torchdata_ext.urls import filesystem, is_local
+from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
     "write_arrow_batches",

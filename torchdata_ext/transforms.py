@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from torchdata_ext._checks import check_int
+from torchdata_ext.checks import check_int
 from torchdata_ext.document import Document, DocumentBlock
 
 __all__ = [

@@ -40,10 +40,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from torchdata_ext.handlers._arrow_index import BatchIndex, batch_index, index_agrees
+from torchdata_ext.handlers.arrow_index import BatchIndex, batch_index, index_agrees
 from torchdata_ext.handlers.base import DataFileError, FileHandler
 from torchdata_ext.handlers.numpy_tokens import check_index, check_indices, read_source
-from torchdata_ext.urls import filesystem, is_local
+from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = ["ArrowHandler", "ArrowReader", "BatchIndex", "batch_index"]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from torchdata_ext.handlers.mds import _CODE_OF, _SCALARS, INDEX_FILE
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.urls import filesystem
+from torchdata_ext.remote.urls import filesystem
 
 __all__ = ["encode_mds_shard", "mds_index", "write_mds_index"]
 

@@ -4,7 +4,7 @@ A :class:`MemorySource` holds one column of documents as Arrow data: a list of t
 of lists of ints (gathered once into one values array and an offsets array, wrapped without a
 copy), a list of texts, a ``pyarrow`` table / array / chunked array, or a Hugging Face
 ``datasets.Dataset`` (its Arrow table, ``ds.data.table``, read in place: no row-by-row Python).
-:meth:`~torchdata_ext.index.DatasetIndex.from_documents` cuts it into virtual files of
+:meth:`~torchdata_ext.sources.index.DatasetIndex.from_documents` cuts it into virtual files of
 ``docs_per_file`` rows named ``<memory>/<dataset>/part-00000``..., read by
 :class:`MemoryHandler` through the same row reader as Arrow/Parquet files
 (:class:`~torchdata_ext.handlers.arrow.RowColumn`: token documents are zero-copy NumPy views),

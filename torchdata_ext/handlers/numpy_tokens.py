@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
-from torchdata_ext.urls import filesystem, is_local
+from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
     "CepedHandler",

@@ -41,9 +41,9 @@ from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.graph import graph_nodes
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.state.graph import graph_nodes
 
 __all__ = ["Concat"]
 

@@ -62,7 +62,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.walk import mix_seed
+from torchdata_ext.order.walk import mix_seed
 
 __all__ = ["Interleave"]
 

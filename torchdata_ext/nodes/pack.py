@@ -17,11 +17,11 @@ Every output sequence is one dict of NumPy arrays (see :class:`Pack`), plus a pr
 This module holds the node: its settings, state and provenance API. The work is split by
 side and by mode, each module readable alone::
 
-    _stream.py      upstream blocks -> streams (specials placed), the read cursor
-    _concat_pad.py  concat / pad: fill sequences from the stream in order
-    _best_fit.py    best_fit: a window of units placed into bins
-    _chunk.py       chunk: each document cut into sequences of its own
-    _packed.py      parts of streams -> PackedSequence -> output dict (or batch arrays)
+    stream.py       upstream blocks -> streams (specials placed), the read cursor
+    concat_pad.py   concat / pad: fill sequences from the stream in order
+    best_fit.py     best_fit: a window of units placed into bins
+    chunk.py        chunk: each document cut into sequences of its own
+    packed.py       parts of streams -> PackedSequence -> output dict (or batch arrays)
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
-from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
+from torchdata_ext.checks import check_int
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.nodes._best_fit import _BestFit
-from torchdata_ext.nodes._chunk import _Chunk
-from torchdata_ext.nodes._concat_pad import _ConcatPad
-from torchdata_ext.nodes._packed import PackedSequence, _Layout
-from torchdata_ext.nodes._stream import _Cursor, _Mark, _Piece, _Specials
+from torchdata_ext.nodes.best_fit import _BestFit
+from torchdata_ext.nodes.chunk import _Chunk
+from torchdata_ext.nodes.concat_pad import _ConcatPad
+from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
+from torchdata_ext.nodes.packed import PackedSequence, _Layout
+from torchdata_ext.nodes.stream import _Cursor, _Mark, _Piece, _Specials
 from torchdata_ext.provenance import PROV_COLUMNS, resolve
 
 __all__ = ["Pack", "PackedSequence"]
@@ -112,7 +112,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             ``datasets``); a dataset not listed gets the next id when first met. A restore keeps
             these ids whatever order the checkpoint's state lists the names in.
         max_dropped: with ``drop_remainder`` on an endless source: fail
-            (:class:`~torchdata_ext._drops.NothingKeptError`) after this many documents in a
+            (:class:`~torchdata_ext.nodes.drops.NothingKeptError`) after this many documents in a
             row gave no sequence (all shorter than one), or after a whole pass over the readers'
             documents, instead of pulling forever (default one million; None: only the pass).
 

@@ -2,7 +2,7 @@
 
 For each logical shard it owns, a worker walks the shard's documents in a seeded pseudo-random
 order: the shard's file pieces in an order shuffled per epoch, and inside each piece a
-:class:`~torchdata_ext.walk.RandomWalk` over its documents. Shards are read one at a time (one
+:class:`~torchdata_ext.order.walk.RandomWalk` over its documents. Shards are read one at a time (one
 open file at a time), in an order shuffled per epoch; a shard at a lower epoch always goes
 first, so after a rescale no worker starts a new epoch while it still owns unfinished shards.
 
@@ -12,7 +12,7 @@ long documents are cut into ``max_chunksize`` pieces). The reader's state is tha
 owned shard, by global shard id, so re-partitioning state over a new number of workers is a
 selection by shard id.
 
-State keys (format 2, see :mod:`torchdata_ext.reader_state`): ``format``, ``dataset``,
+State keys (format 2, see :mod:`torchdata_ext.state.reader_state`): ``format``, ``dataset``,
 ``fingerprint``, ``seed``, ``n_logical_shards``, ``split`` (the held-out split and which side of
 it this reader delivers, or None; all checked on restore); ``cursors``: ``{"ids", "epoch",
 "pos", "offset", "skips"}``, read-only integer arrays over the owned shards sorted by id, each
@@ -21,7 +21,7 @@ epoch or its handed-back pieces); ``active``: the cursor of the shard being read
 ``{"shard", "epoch", "pos", "offset", "skips", "skipped_files", "skipped_docs", "returned"}``,
 or None; ``extras``: ``{str(shard_id): {"skipped_files"?, "skipped_docs"?, "returned"?}}`` for
 the left shards with such lists. Format 1 states (``shards``: a dict per shard) restore too:
-states are read through :func:`~torchdata_ext.reader_state.reader_cursors`. Resume guarantee:
+states are read through :func:`~torchdata_ext.state.reader_state.reader_cursors`. Resume guarantee:
 restoring a state continues with exactly the blocks the uninterrupted run would have produced
 next.
 
@@ -29,11 +29,11 @@ This module is the walk: shard order, plans, cursors and epochs, building blocks
 pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
 ``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
 :class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
-:class:`~torchdata_ext.file_access.FileAccess`, which the reader asks for a file number and
+:class:`~torchdata_ext.sources.file_access.FileAccess`, which the reader asks for a file number and
 document ids. At ~790 lines it is over the ~500 of the style guide: the rest is one state
 machine over the per-shard cursor (``Cursor``) that the plan, block and hand-back code all
 advance; the state format (``Cursor``, :func:`merge_reader_states`) already lives in
-:mod:`torchdata_ext.reader_state`.
+:mod:`torchdata_ext.state.reader_state`.
 """
 
 from __future__ import annotations
@@ -48,13 +48,18 @@ from typing import Any, Literal
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
-from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch
+from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.file_access import CacheSetting, FileAccess
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.index import DatasetIndex
-from torchdata_ext.reader_state import (
+from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch
+from torchdata_ext.order.shard_walk import ShardPlan, shard_order_rank, shard_plan
+from torchdata_ext.order.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
+from torchdata_ext.order.split import EvalSplit, SplitFilter, Subset
+from torchdata_ext.order.walk import RandomWalk
+from torchdata_ext.remote import RemoteError, ShardCache
+from torchdata_ext.sources.file_access import CacheSetting, FileAccess
+from torchdata_ext.sources.index import DatasetIndex
+from torchdata_ext.state.reader_state import (
     COLUMNS,
     STATE_FORMAT,
     Cursor,
@@ -64,11 +69,6 @@ from torchdata_ext.reader_state import (
     narrow,
     reader_cursors,
 )
-from torchdata_ext.remote import RemoteError, ShardCache
-from torchdata_ext.shard_walk import ShardPlan, shard_order_rank, shard_plan
-from torchdata_ext.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
-from torchdata_ext.split import EvalSplit, SplitFilter, Subset
-from torchdata_ext.walk import RandomWalk
 from torchdata_ext.world import World
 
 __all__ = ["ShardReader", "merge_reader_states"]
@@ -80,7 +80,7 @@ class ShardReader(BaseNode[DocumentBlock]):
     """Read a dataset's documents in random-walk order, exactly once per epoch per document.
 
     Args:
-        dataset: the dataset (a :class:`~torchdata_ext.index.DatasetIndex`; build one with
+        dataset: the dataset (a :class:`~torchdata_ext.sources.index.DatasetIndex`; build one with
             ``DatasetIndex.build(url, ...)``).
         n_logical_shards: N, the number of logical shards the documents are cut into; the same
             on every rank; must be >= ranks x workers and <= the number of documents. Keep it
@@ -111,11 +111,11 @@ class ShardReader(BaseNode[DocumentBlock]):
         prefetch_shards: how many of the next shard files this worker will open (the rest of
             the current logical shard, then the next shards in its order) are downloaded in the
             background while it reads the current one (default 2); 0 turns prefetching off.
-        split: a held-out evaluation split (:class:`~torchdata_ext.split.EvalSplit`), or None
+        split: a held-out evaluation split (:class:`~torchdata_ext.order.split.EvalSplit`), or None
             (default: every document is delivered).
         subset: with a ``split``: ``"train"`` (default) skips the held-out documents (their
             walk positions are consumed, as for ``min_length``), ``"eval"`` delivers only them.
-        max_dropped: fail (:class:`~torchdata_ext._drops.NothingKeptError`) after this many
+        max_dropped: fail (:class:`~torchdata_ext.nodes.drops.NothingKeptError`) after this many
             documents in a row passed over (``min_length``, ``on_error``, ``split``) with none
             delivered, instead of reading on forever (default one million; None: only after
             two whole epochs of this worker's shards gave nothing). See :mod:`torchdata_ext.

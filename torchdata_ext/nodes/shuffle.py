@@ -38,7 +38,7 @@ taking one costs a few references however large the buffer. A state is built int
 ``_BLOCK`` (4) slots, in groups of ``_GROUP`` (64), only when read (pickled, iterated or diffed),
 from the last built state and the changes since: a block or group that did not change is the
 same object as in the state before, so the state a dataloader worker sends after a batch is a
-few kilobytes (only the blocks whose slots were drawn, see :mod:`torchdata_ext.state_delta`),
+few kilobytes (only the blocks whose slots were drawn, see :mod:`torchdata_ext.state.delta`),
 and a training loop that takes a state at every step and saves few pays for the ones it saves.
 A journal longer than twice the buffer is built into a new base (its memory is bounded: ~20,000
 small tables for a 10,000-sequence buffer).
@@ -66,9 +66,9 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._progress import Progress
+from torchdata_ext.order.walk import mix_seed
+from torchdata_ext.progress import Progress
 from torchdata_ext.provenance import PROV_COLUMNS, remap_ids
-from torchdata_ext.walk import mix_seed
 
 __all__ = [
     "FILL_MODES",
@@ -500,7 +500,7 @@ class _LazyGroups(Sequence[list[Any]]):
     It pickles (and copies) as the plain list of groups it stands for. Groups and blocks that
     did not change since the journal's base are the base's own objects, so a dataloader worker
     that diffs consecutive states sends only the changed blocks
-    (:mod:`torchdata_ext.state_delta` reads ``__state_value__``)."""
+    (:mod:`torchdata_ext.state.delta` reads ``__state_value__``)."""
 
     __slots__ = ("_groups", "journal", "k", "n")
 

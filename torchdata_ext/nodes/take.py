@@ -14,7 +14,7 @@ change the run's total with every change of topology; a per-run one is what a tr
 states ("anneal on 2B tokens"). A worker whose shards run out first delivers less (a budget is
 a cap, not a promise). On a rescale the *remaining* budget of each old worker is re-split among
 the new workers that take over its logical shards, as interleave token counters are
-(:func:`torchdata_ext.rescale.rescale_worker_states`), plus the tokens (documents) the nodes
+(:func:`torchdata_ext.checkpoint.rescale.rescale_worker_states`), plus the tokens (documents) the nodes
 above held in flight: those go back to the readers and pass this node again, so they are
 credited back. The new workers' remaining budgets sum to exactly what was left.
 
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
+from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.world import World

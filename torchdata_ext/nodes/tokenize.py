@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock, handed_back_piece
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.tokenizers import Encoder, as_encoder
+from torchdata_ext.tokenizers.load import Encoder, as_encoder
 
 __all__ = ["Tokenize", "ensure_bos_eos"]
 
@@ -171,8 +171,8 @@ class Tokenize(BaseNode[DocumentBlock]):
             node whole: documents are cut (into ``seq_len`` pieces) after tokenizing, by the
             packer, so do not set ``max_chunksize`` on a text reader.
         tokenizer: a Hugging Face ``tokenizers.Tokenizer``, a ``transformers`` tokenizer or a
-            :class:`~torchdata_ext.tokenizers.ByteTokenizer` (see
-            :func:`~torchdata_ext.tokenizers.as_encoder`). Its own special tokens (post-processor)
+            :class:`~torchdata_ext.tokenizers.load.ByteTokenizer` (see
+            :func:`~torchdata_ext.tokenizers.load.as_encoder`). Its own special tokens (post-processor)
             are kept.
         bos_token: put in front of each document that does not start with it; None: never.
         eos_token: put at the end of each document that does not end with it; None: never. If

@@ -38,12 +38,12 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from torchdata_ext._checks import check_int
-from torchdata_ext._drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
+from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock, handed_back_piece
-from torchdata_ext.graph import graph_nodes
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.index import DatasetIndex
+from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
+from torchdata_ext.sources.index import DatasetIndex
+from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.transforms import Filter, Map, On, Transform, TransformError, from_spec
 
 __all__ = ["FilterDocuments", "MapDocuments", "TransformDocuments"]
@@ -112,12 +112,12 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             All work on tokens, or all on text (a text chain goes before tokenize).
         check_deterministic: apply each step twice to the first block and raise ``ValueError``
             if the results differ (cheap; turn off only for costly functions known to be pure).
-        max_dropped: on an endless source, fail (:class:`~torchdata_ext._drops.
+        max_dropped: on an endless source, fail (:class:`~torchdata_ext.nodes.drops.
             NothingKeptError`, naming each step's drops) after this many documents in a row
             dropped or emptied by the steps, or after a whole pass over the source's documents
             (twice what its readers own) with none kept, instead of pulling forever (default one
             million; None: only the whole pass). Almost everything dropped warns once
-            (:mod:`torchdata_ext._drops`).
+            (:mod:`torchdata_ext.nodes.drops`).
 
     Raises:
         TypeError / ValueError: a bad step, or steps on both tokens and text.

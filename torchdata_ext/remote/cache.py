@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
-from torchdata_ext._progress import Progress, fsspec_callback
+from torchdata_ext.progress import Progress, fsspec_callback
 from torchdata_ext.remote import disk
 from torchdata_ext.remote.disk import Entry
 from torchdata_ext.remote.files import default_cache_dir, is_remote, private_filesystem

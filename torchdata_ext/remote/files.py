@@ -24,7 +24,7 @@ from typing import Any
 from fsspec.core import split_protocol
 
 from torchdata_ext.remote.retry import RetryPolicy, with_retries
-from torchdata_ext.urls import filesystem, is_local
+from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
     "check_access",

@@ -2,7 +2,7 @@
 
 An S3 client left to itself answers a closed port, a missing bucket or missing credentials
 after 6-30 s of its own retries and back-off, with a long botocore/aiohttp traceback.
-:func:`probe_store` is called by :func:`torchdata_ext.urls.filesystem` (so by every entry
+:func:`probe_store` is called by :func:`torchdata_ext.remote.urls.filesystem` (so by every entry
 point: the pipeline, ``prepare``, ``inspect``, ``audit``, checkpoints) the first time a process
 resolves a URL of a store: one listing of at most one key, with a short connect timeout and no
 retry. A permanent failure (nothing listens at the endpoint, unknown host, TLS mismatch, an

@@ -1,0 +1,27 @@
+"""Save, restore and rescale a loader: the checkpoint folder, the DCP state, and the rescale of
+worker states to another topology.
+"""
+
+from torchdata_ext.checkpoint.folder import (
+    CHECKPOINT_FORMAT,
+    DCPLoaderState,
+    dataset_differs,
+    is_checkpoint_folder,
+    load_checkpoint,
+    read_manifest,
+    read_worker_states,
+    rescale_worker_states,
+    save_checkpoint,
+)
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "DCPLoaderState",
+    "dataset_differs",
+    "is_checkpoint_folder",
+    "load_checkpoint",
+    "read_manifest",
+    "read_worker_states",
+    "rescale_worker_states",
+    "save_checkpoint",
+]

@@ -1,0 +1,374 @@
+"""File access for the reader: a dataset's files opened, read, prefetched and closed.
+
+:class:`FileAccess` owns everything between a file number and its documents' data: the
+dataset's :class:`~torchdata_ext.handlers.base.FileHandler`; opening a file in place (local),
+from a :class:`~torchdata_ext.remote.ShardCache` (remote, downloaded whole) or by range requests
+(remote Arrow IPC and Parquet with ``ShardCache(range_reads=True)``); the cache holds that keep
+the next files prefetched while the current one is read; a few more files kept open for
+:meth:`FileAccess.fetch_document`; closing and releasing all of them; and the I/O counters.
+
+It knows nothing of shards, cursors or epochs: the reader
+(:class:`~torchdata_ext.nodes.reader.ShardReader`) decides which file and which documents come
+next, and what to do with a file that cannot be read (raise, or skip it and record that in its
+state). Handles and holds are never part of any state: they are rebuilt by opening again.
+
+One file at a time is *current* (the one the walk reads)::
+
+    open(file, upcoming) -> document count      close the current file, open `file`, hold the
+                                                first `prefetch` remote files of `upcoming`
+    get_many(doc_ids) / get(doc)                documents of the current file
+    close(discard=...)                          close it (discard: drop its cached copy too)
+    fetch_document(file, doc)                   any file (the current one or a small LRU)
+    stop_prefetching() / close_all()            drop holds / close everything
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
+from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
+from torchdata_ext.sources.index import DatasetIndex
+
+__all__ = ["CacheSetting", "FileAccess", "make_cache"]
+
+logger = logging.getLogger(__name__)
+
+CacheSetting: TypeAlias = ShardCache | str | os.PathLike[str] | bool | None
+"""What a reader's ``cache`` argument may be (see :func:`make_cache`)."""
+
+_FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers on restore)
+# side files a format reads next to a data file, fetched into the cache with it
+_COMPANIONS = {"flat": (".offsets.npy",), "npy": (".offsets.npy",)}
+_RANGE_FORMATS = ("arrow", "parquet")
+_NOTHING_OPEN = "no file is open: call open(file, upcoming) first"
+
+
+class FileAccess:
+    """Open, read and close one dataset's files, with prefetching of the next ones.
+
+    Args:
+        dataset: the dataset whose files are read (by file number, ``dataset.files[i]``).
+        cache: how remote files are read; see :func:`make_cache`.
+        prefetch: how many of the upcoming remote files passed to :meth:`open` are held as
+            prefetched (downloaded in the background); 0 turns prefetching off.
+
+    One per reader, not thread-safe. Picklable before anything is opened (as a reader is when
+    it is sent to a worker process).
+    """
+
+    def __init__(self, dataset: DatasetIndex, cache: CacheSetting, prefetch: int) -> None:
+        self.dataset = dataset
+        self.cache = make_cache(cache, dataset)
+        self.prefetch = prefetch
+        self._handler: FileHandler | None = None
+        self._local_handler: FileHandler | None = None
+        self._companions = _COMPANIONS.get(dataset.file_type, ())
+        self._current: tuple[int, Any] | None = None
+        self._fetch_cache: dict[int, Any] = {}
+        self._prefetching: list[str] = []  # URLs held prefetched in the cache
+        self._io = {"files_opened": 0, "open_seconds": 0.0}
+
+    # -- the current file ----------------------------------------------------------------------
+    @property
+    def current_file(self) -> int | None:
+        """The number of the file :meth:`open` opened last (None once closed)."""
+        return None if self._current is None else self._current[0]
+
+    def open(self, file: int, upcoming: Iterable[int]) -> int:
+        """Make file number ``file`` the current file, and hold the next files prefetched.
+
+        The previous current file is closed. Of ``upcoming`` (the file numbers the caller will
+        open next, in order; repeats allowed; read lazily, and only when prefetching applies),
+        the first :attr:`prefetch` distinct remote files other than ``file`` are held as
+        prefetched, and holds on files no longer among them are dropped. When nothing fetches
+        ``file`` yet, it is fetched first and the prefetches start once it is open (so they do
+        not slow it down).
+
+        Returns:
+            The file's number of documents, as its handler counts them.
+
+        Raises:
+            RemoteError: the storage failed (an outage or an access problem, not a bad file).
+            DataFileError: the file cannot be read (a cached copy of it is discarded, so the
+                next attempt fetches it again); other exceptions of the handler likewise mean
+                the file cannot be read. Nothing is left open.
+        """
+        self.close()
+        url = self.dataset.files[file]
+        try:
+            handle = self._open_prefetching(file, self._prefetch_urls(file, upcoming))
+        except DataFileError:
+            self._discard(url)
+            raise
+        try:
+            n = self.handler().length(handle)
+        except BaseException:
+            self._close_handle(file, handle)
+            raise
+        self._current = (file, handle)
+        return n
+
+    def get_many(self, doc_ids: np.ndarray) -> Sequence[DocData]:
+        """Documents ``doc_ids`` of the current file, as its handler reads them."""
+        if self._current is None or self._handler is None:  # (no extra call: the hot path)
+            raise RuntimeError(_NOTHING_OPEN)
+        return self._handler.get_many(self._current[1], doc_ids)
+
+    def get(self, doc: int) -> DocData:
+        """Document ``doc`` of the current file, as its handler reads it."""
+        if self._current is None or self._handler is None:
+            raise RuntimeError(_NOTHING_OPEN)
+        return self._handler.get(self._current[1], doc)
+
+    def close(self, *, discard: bool = False) -> None:
+        """Close the current file, if any; ``discard=True`` also drops its cached copy (so it
+        is fetched again next time)."""
+        if self._current is not None:
+            self._close_handle(*self._current)
+            if discard:
+                self._discard(self.dataset.files[self._current[0]])
+        self._current = None
+
+    # -- any file ------------------------------------------------------------------------------
+    def fetch_document(self, file: int, doc: int) -> DocData:
+        """Document ``doc`` of file number ``file``, as its handler reads it.
+
+        Read from the current file when that is ``file``; else from one of the last few files
+        opened this way (kept open, least recently used closed first).
+        """
+        if self._current is not None and self._current[0] == file:
+            return self.handler().get(self._current[1], doc)
+        handle = self._fetch_cache.pop(file, None)
+        if handle is None:
+            handle = self._open_handle(file)
+        self._fetch_cache[file] = handle  # most recently used last
+        while len(self._fetch_cache) > _FETCH_CACHE_FILES:
+            old = next(iter(self._fetch_cache))
+            self._close_handle(old, self._fetch_cache.pop(old))
+        return self.handler().get(handle, doc)
+
+    def handler(self) -> FileHandler:
+        """The dataset's file handler (built on first use)."""
+        if self._handler is None:
+            self._handler = self.dataset.handler()
+        return self._handler
+
+    # -- holds, closing, counters -----------------------------------------------------------------
+    @property
+    def prefetching(self) -> list[str]:
+        """The URLs held as prefetched in the cache (a copy)."""
+        return list(self._prefetching)
+
+    def stop_prefetching(self) -> None:
+        """Drop every prefetch hold (the cache may then evict those files)."""
+        self._hold_prefetched([])
+
+    def close_all(self) -> None:
+        """Close every open file and drop every hold on cached files. Usable again after."""
+        self.close()
+        self.stop_prefetching()
+        for file in list(self._fetch_cache):
+            self._close_handle(file, self._fetch_cache.pop(file))
+
+    def io_stats(self) -> dict[str, float]:
+        """``files_opened``, ``open_seconds`` (time spent opening files, waits for downloads
+        included), then the cache's :meth:`~torchdata_ext.remote.ShardCache.stats`; without a
+        cache, ``wait_seconds`` is ``open_seconds`` (files are read when opened)."""
+        out: dict[str, float] = dict(self._io)
+        if self.cache is not None:
+            out.update(self.cache.stats())
+        else:  # files are read when opened: opening is the wait
+            out["wait_seconds"] = out["open_seconds"]
+        return out
+
+    # -- opening: local, remote through the cache, or remote by range requests -----------------
+    def _range_reads(self) -> bool:
+        """Whether remote files are read with range requests (nothing to prefetch)."""
+        return (
+            self.cache is not None
+            and self.cache.range_reads
+            and self.dataset.file_type in _RANGE_FORMATS
+        )
+
+    def _open_handle(self, file: int) -> Any:
+        """Open file number ``file``: in place, from the cache, or by range requests."""
+        url = self.dataset.files[file]
+        handler = self.handler()
+        so = self.dataset.storage_options
+        t0 = time.perf_counter()
+        try:
+            if self.cache is None or not self.cache.is_cached(url):
+                if not is_remote(url):
+                    return handler.open(url)
+                return with_retries(lambda: handler.open(url), url, what="open")
+            if self._range_reads():
+                handle = _open_range(handler, self.cache, url, so)
+                if handle is not None:
+                    return handle
+            local = self.cache.acquire(url, so, self._companions)
+            if self._local_handler is None:  # the remote storage_options mean nothing locally
+                self._local_handler = get_handler(
+                    self.dataset.file_type, **self.dataset.handler_options
+                )
+            try:
+                return self._local_handler.open(local)
+            except DataFileError as exc:
+                self.cache.release(url, so)
+                message = str(exc).removeprefix(f"{local}: ")
+                raise DataFileError(url, f"{message} (read from the cached copy {local})") from exc
+            except BaseException:
+                self.cache.release(url, so)
+                raise
+        except FileNotFoundError as exc:
+            raise DataFileError(
+                url,
+                f"not found ({exc}); it was listed when the dataset index was built: check that "
+                "nothing deleted it, or rebuild the index",
+            ) from exc
+        finally:
+            self._io["files_opened"] += 1
+            self._io["open_seconds"] += time.perf_counter() - t0
+
+    def _open_prefetching(self, file: int, upcoming: list[str]) -> Any:
+        """Open ``file`` and hold ``upcoming`` as prefetched, in the order :meth:`open` says."""
+        url = self.dataset.files[file]
+        cache = self.cache
+        so = self.dataset.storage_options
+        if cache is not None and cache.is_cached(url) and not cache.is_ready(url, so):
+            try:
+                return self._open_handle(file)
+            finally:
+                self._release(self._hold_prefetched(upcoming, current=url))
+        later = self._hold_prefetched(upcoming, current=url)
+        try:
+            return self._open_handle(file)
+        finally:  # the current file's prefetch hold, kept until it is open
+            self._release(later)
+
+    def _prefetch_urls(self, file: int, upcoming: Iterable[int]) -> list[str]:
+        """URLs of the first :attr:`prefetch` distinct cached files of ``upcoming`` that are
+        not ``file``; none when nothing is prefetched (``upcoming`` is then not read)."""
+        n = self.prefetch
+        cache = self.cache
+        if n == 0 or cache is None or self._range_reads():
+            return []
+        out: list[str] = []
+        seen = {file}
+        for other in upcoming:
+            if other not in seen:
+                seen.add(other)
+                url = self.dataset.files[other]
+                if cache.is_cached(url):
+                    out.append(url)
+                    if len(out) >= n:
+                        break
+        return out
+
+    def _discard(self, url: str) -> None:
+        if self.cache is not None and self.cache.is_cached(url):
+            self.cache.discard(url, self.dataset.storage_options)
+
+    def _close_handle(self, file: int, handle: Any) -> None:
+        self.handler().close(handle)
+        url = self.dataset.files[file]
+        cache = self.cache
+        if cache is not None and cache.is_cached(url) and not getattr(handle, "_range_read", 0):
+            cache.release(url, self.dataset.storage_options)
+
+    def _hold_prefetched(self, urls: list[str], current: str | None = None) -> list[str]:
+        """Hold exactly ``urls`` as prefetched in the cache (starting downloads of new ones).
+
+        Returns the prefetch holds on ``current`` (the file about to be opened) that the caller
+        releases once it is open, so the file cannot be evicted in between.
+        """
+        if self.cache is None or (not urls and not self._prefetching):
+            return []
+        so = self.dataset.storage_options
+        held = set(self._prefetching)
+        for url in urls:
+            if url not in held:
+                self.cache.prefetch(url, so, self._companions)
+        keep = set(urls)
+        later = []
+        for url in self._prefetching:
+            if url not in keep:
+                if url == current:
+                    later.append(url)
+                else:
+                    self.cache.release(url, so)
+        self._prefetching = list(urls)
+        return later
+
+    def _release(self, urls: list[str]) -> None:
+        if self.cache is not None:
+            for url in urls:
+                self.cache.release(url, self.dataset.storage_options)
+
+
+def make_cache(cache: CacheSetting, dataset: DatasetIndex) -> ShardCache | None:
+    """The :class:`~torchdata_ext.remote.ShardCache` a reader of ``dataset`` uses, if any.
+
+    Args:
+        cache: a ``ShardCache`` (used as is; share one between readers); a folder path (a
+            cache there); None or True (a cache in the default folder, when ``dataset`` has
+            remote files); False (no cache: each remote file is read into memory when opened,
+            with retries).
+        dataset: the dataset to read. Local files are always read in place.
+    """
+    if isinstance(cache, ShardCache):
+        return cache
+    if cache is False:
+        return None
+    if cache is None or cache is True:
+        if not any(is_remote(f) for f in dataset.files):
+            return None
+        return ShardCache(storage_options=dataset.storage_options)
+    return ShardCache(cache, storage_options=dataset.storage_options)
+
+
+def _open_range(handler: FileHandler, cache: ShardCache, url: str, so: dict[str, Any]) -> Any:
+    """Open an Arrow IPC file (one document per record batch) or a Parquet file with range
+    requests; None when the file is not of that kind (it is then downloaded instead)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchdata_ext.handlers.arrow import ArrowReader, column_kind
+    from torchdata_ext.handlers.parquet import ParquetReader
+
+    col = handler.col_name
+    source = pa.PythonFile(cache.open_range(url, so), mode="r")
+    reader: Any = None
+    try:
+        if handler.name == "arrow":
+            fr = pa.ipc.open_file(source)
+            index, kind = column_kind(url, fr.schema, col, "Arrow")
+            if kind == "int":  # other layouts read every batch on open: download instead
+                reader = ArrowReader(
+                    url, col, index, fr.schema, "file", "batch", "tokens", file_reader=fr
+                )
+        elif handler.name == "parquet":
+            pf = pq.ParquetFile(source)
+            _, kind = column_kind(url, pf.schema_arrow, col, "Parquet")
+            if kind != "int":
+                reader = ParquetReader(
+                    url,
+                    col,
+                    pf,
+                    "text" if kind == "text" else "tokens",
+                    getattr(handler, "max_cached_row_groups", None),
+                )
+    except (pa.ArrowException, OSError, DataFileError) as exc:
+        if isinstance(exc, RemoteError):
+            raise
+        logger.debug("range reads do not fit %s (%s); downloading it", url, exc)
+        reader = None
+    if reader is not None:
+        reader._range_read = True
+    return reader
