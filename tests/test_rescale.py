@@ -105,7 +105,7 @@ def test_added_dataset_is_refused_unless_accepted(cfg, tmp_path) -> None:
     with pytest.raises(ValueError, match="'web': weight differs"):  # 1.0 alone, now 2 of 3
         load_checkpoint(loader, ckpt, allow_new_datasets=True)
     load_checkpoint(loader, ckpt, allow_new_datasets=True, allow_weight_changes=True)
-    from torchdata_ext.checkpoint.folder import _token_counters
+    from torchdata_ext.state.graph import token_counters as _token_counters
 
     (counters,) = [
         c for st in loader.state_dict()["workers"].values() for c in _token_counters(st).values()
@@ -122,7 +122,7 @@ def _checkpoint_then_finish(cfg, tmp_path, old, new, steps=7) -> tuple[dict, lis
     """Run ``cfg`` at ``old`` ranks x workers for a few items per rank, checkpoint, restore at
     ``new`` and finish the epoch; the coverage of everything delivered, and the pieces the
     rescale handed back to the readers (``[file, doc, start, stop]``)."""
-    from torchdata_ext.checkpoint.folder import _reader_states
+    from torchdata_ext.state.graph import reader_states as _reader_states
 
     coverage: dict = {}
     returned: list = []

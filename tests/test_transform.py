@@ -375,8 +375,9 @@ def build(cfg, world):
 def test_rescale_with_a_length_changing_map_and_a_filter(cfg, tmp_path, old, new) -> None:
     """Save at R x W, restore at R' x W' and finish the epoch: every token of every kept,
     mapped document exactly once, each the right token."""
-    from torchdata_ext.checkpoint.folder import _reader_states, load_checkpoint, save_checkpoint
+    from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint
     from torchdata_ext.loader.token_loader import TokenLoader
+    from torchdata_ext.state.graph import reader_states as _reader_states
 
     want = mapped_reference(cfg)
     names = ["web", "code"]

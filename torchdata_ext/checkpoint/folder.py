@@ -72,12 +72,7 @@ from torchdata_ext.sources.fingerprint import (
     listed_changes,
 )
 from torchdata_ext.sources.index import DatasetIndex
-
-# graph_nodes, _reader_states and _token_counters are imported from here by examples and tests
-from torchdata_ext.state.graph import graph_nodes as graph_nodes
-from torchdata_ext.state.graph import graph_summary, phase_datasets
-from torchdata_ext.state.graph import reader_states as _reader_states  # noqa: F401
-from torchdata_ext.state.graph import token_counters as _token_counters  # noqa: F401
+from torchdata_ext.state.graph import graph_nodes, graph_summary, phase_datasets
 from torchdata_ext.world import World
 
 __all__ = [

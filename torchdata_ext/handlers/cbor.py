@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
-from torchdata_ext.handlers.jsonl import _gunzip, _unzstd
+from torchdata_ext.handlers.jsonl import gunzip, unzstd
 from torchdata_ext.handlers.numpy_tokens import Source, check_index, check_indices, read_source
 
 __all__ = ["CborHandler", "CborReader"]
@@ -93,9 +93,9 @@ class CborHandler(FileHandler):
         raw: Source = read_source(url, self.storage_options)
         lower = url.lower()
         if lower.endswith(".gz"):
-            data = _gunzip(url, raw)
+            data = gunzip(url, raw)
         elif lower.endswith((".zst", ".zstd")):
-            data = _unzstd(url, raw)
+            data = unzstd(url, raw)
         else:
             data = bytes(raw)
         fp = io.BytesIO(data)

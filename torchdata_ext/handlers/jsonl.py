@@ -51,7 +51,7 @@ def _zstandard() -> Any:
     return zstandard
 
 
-def _gunzip(url: str, raw: Source) -> bytes:
+def gunzip(url: str, raw: Source) -> bytes:
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
@@ -60,7 +60,7 @@ def _gunzip(url: str, raw: Source) -> bytes:
         ) from exc
 
 
-def _unzstd(url: str, raw: Source) -> bytes:
+def unzstd(url: str, raw: Source) -> bytes:
     zstandard = _zstandard()
     dctx = zstandard.ZstdDecompressor()
     out: list[bytes] = []
@@ -204,9 +204,9 @@ class JsonlHandler(FileHandler):
         raw = read_source(url, self.storage_options)
         compression = self._compression_of(url, raw)
         if compression == "gzip":
-            data: Source = _gunzip(url, raw)
+            data: Source = gunzip(url, raw)
         elif compression == "zstd":
-            data = _unzstd(url, raw)
+            data = unzstd(url, raw)
         else:
             data = raw
         starts, ends = line_offsets(data)

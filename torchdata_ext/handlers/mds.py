@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
-from torchdata_ext.handlers.jsonl import _gunzip, _unzstd
+from torchdata_ext.handlers.jsonl import gunzip, unzstd
 from torchdata_ext.handlers.numpy_tokens import Source, check_index, check_indices, read_source
 
 __all__ = [
@@ -67,8 +67,8 @@ _DTYPE_CODES = {
     65: "int64",
     66: "float64",
 }
-_CODE_OF = {v: k for k, v in _DTYPE_CODES.items()}
-_SCALARS = {"int": "int64", **{d: d for d in _DTYPE_CODES.values()}}  # fixed-size encodings
+CODE_OF = {v: k for k, v in _DTYPE_CODES.items()}
+SCALARS = {"int": "int64", **{d: d for d in _DTYPE_CODES.values()}}  # fixed-size encodings
 
 
 def _u32_at(u8: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -209,7 +209,7 @@ class MdsHandler(FileHandler):
                         url, f"column {self.col_name!r} mixes dtypes {sorted(names)}"
                     )
                 name = names.pop() if names else "int64"
-            if name not in _CODE_OF or np.dtype(name).kind not in "iu":
+            if name not in CODE_OF or np.dtype(name).kind not in "iu":
                 raise DataFileError(
                     url,
                     f"column {self.col_name!r} holds {name} arrays, not integer token ids; pass "
@@ -264,9 +264,9 @@ def _decompress(url: str, raw: Source) -> Source:
     """A shard's raw bytes: decompressed as its name says (``.zstd``/``.zst``/``.gz``/``.bz2``)."""
     name = url.lower()
     if name.endswith((".zstd", ".zst")):
-        return _unzstd(url, raw)
+        return unzstd(url, raw)
     if name.endswith(".gz"):
-        return _gunzip(url, raw)
+        return gunzip(url, raw)
     if name.endswith(".bz2"):
         try:
             return bz2.decompress(raw)

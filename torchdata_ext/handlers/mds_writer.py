@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from torchdata_ext.handlers.mds import _CODE_OF, _SCALARS, INDEX_FILE
+from torchdata_ext.handlers.mds import CODE_OF, INDEX_FILE, SCALARS
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.remote.urls import filesystem
 
@@ -29,10 +29,10 @@ def _encode_value(encoding: str, value: Any) -> bytes:
         return str(value).encode("utf-8")
     if kind == "bytes":
         return bytes(value)
-    if kind in _SCALARS:
+    if kind in SCALARS:
         return (
-            np.asarray(value, _SCALARS[kind])
-            .astype(np.dtype(_SCALARS[kind]).newbyteorder("<"))
+            np.asarray(value, SCALARS[kind])
+            .astype(np.dtype(SCALARS[kind]).newbyteorder("<"))
             .tobytes()
         )
     if kind != "ndarray":
@@ -41,9 +41,9 @@ def _encode_value(encoding: str, value: Any) -> bytes:
     dtype_name, _, shape = rest.partition(":")
     out = b""
     if not dtype_name:
-        if arr.dtype.name not in _CODE_OF:
+        if arr.dtype.name not in CODE_OF:
             raise TypeError(f"an MDS ndarray cannot hold dtype {arr.dtype}")
-        out += bytes([_CODE_OF[arr.dtype.name]])
+        out += bytes([CODE_OF[arr.dtype.name]])
     elif arr.dtype != np.dtype(dtype_name):
         arr = arr.astype(dtype_name)  # the caller's values, in the column's dtype
     if not shape:
@@ -57,8 +57,8 @@ def _encode_value(encoding: str, value: Any) -> bytes:
 
 def _fixed_size(encoding: str) -> int | None:
     kind, _, rest = encoding.partition(":")
-    if kind in _SCALARS:
-        return np.dtype(_SCALARS[kind]).itemsize
+    if kind in SCALARS:
+        return np.dtype(SCALARS[kind]).itemsize
     dtype_name, _, shape = rest.partition(":")
     if kind == "ndarray" and dtype_name and shape:
         return int(np.prod([int(s) for s in shape.split(",")])) * np.dtype(dtype_name).itemsize

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from torchdata_ext.nodes.packed import PackedSequence, _Layout
-from torchdata_ext.nodes.stream import _Cursor, _Mark, _Part, _Piece, _Stream
+from torchdata_ext.nodes.packed import Layout, PackedSequence
+from torchdata_ext.nodes.stream import ReplayMark, Stream, StreamCursor, StreamPart, StreamPiece
 
 
-class _BestFit:
+class BestFit:
     """The ``best_fit`` packing strategy of :class:`~torchdata_ext.nodes.pack.Pack`.
 
     Args:
@@ -40,13 +40,13 @@ class _BestFit:
         flush: at the end of the source, pack the last, incomplete window, else drop it.
     """
 
-    def __init__(self, cursor: _Cursor, layout: _Layout, *, window: int, flush: bool):
+    def __init__(self, cursor: StreamCursor, layout: Layout, *, window: int, flush: bool):
         self._cursor = cursor
         self._layout = layout
         self._window = window
         self._flush = flush
         self._anchor = cursor.here()  # where the current window starts
-        self._bins: list[list[_Part]] | None = None  # the current window's bins, once built
+        self._bins: list[list[StreamPart]] | None = None  # the current window's bins, once built
         self._bins_done = 0
 
     def reset(self, bins_done: int) -> None:
@@ -54,7 +54,7 @@ class _BestFit:
         self._anchor = self._cursor.here()
         self._bins, self._bins_done = None, bins_done
 
-    def position(self) -> tuple[_Mark, int]:
+    def position(self) -> tuple[ReplayMark, int]:
         """Where the current window starts, and how many of its bins are emitted."""
         return self._anchor, self._bins_done
 
@@ -80,16 +80,16 @@ class _BestFit:
             self._advance_anchor()
         return self._layout.emit(parts)
 
-    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
+    def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The pieces of the window's bins not yet emitted, then the rest of the block the
         window ended in (the window built again first after a restore), and the documents
-        among them whose BOS was delivered (see :meth:`~._stream._Cursor.held`)."""
+        among them whose BOS was delivered (see :meth:`~._stream.StreamCursor.held`)."""
         c = self._cursor
         if self._bins is None and not c.exhausted:  # restored lazily: rebuild the window
             bins = self._build_window()
             if bins:
                 self._bins = bins
-        out: list[_Piece] = []
+        out: list[StreamPiece] = []
         bos_done: list[list[Any]] = []
         ranges = [part for parts in (self._bins or [])[self._bins_done :] for part in parts]
         cur = c.cur
@@ -105,10 +105,10 @@ class _BestFit:
         self._bins_done = 0
         self._anchor = self._cursor.here()
 
-    def _build_window(self) -> list[list[_Part]]:
+    def _build_window(self) -> list[list[StreamPart]]:
         """Read ``window`` pieces from the cursor on and place them into bins."""
         c = self._cursor
-        segments: list[tuple[_Stream, np.ndarray, np.ndarray]] = []  # units of each block
+        segments: list[tuple[Stream, np.ndarray, np.ndarray]] = []  # units of each block
         need = self._window
         while need:
             if c.cur is None or c.pos >= c.cur.n_units:
@@ -127,8 +127,8 @@ class _BestFit:
 
 
 def _best_fit(
-    segments: list[tuple[_Stream, np.ndarray, np.ndarray]], cap: int
-) -> list[list[_Part]]:
+    segments: list[tuple[Stream, np.ndarray, np.ndarray]], cap: int
+) -> list[list[StreamPart]]:
     """Best-fit-decreasing placement of a window's units (stream token ranges ``a .. b`` of
     each segment's stream) into bins of ``cap`` tokens; the bins as lists of parts."""
     if not segments:

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.nodes.drops import DropWatch
-from torchdata_ext.nodes.packed import PackedSequence, _Layout
-from torchdata_ext.nodes.stream import _Cursor, _Mark, _Part, _Piece
+from torchdata_ext.nodes.packed import Layout, PackedSequence
+from torchdata_ext.nodes.stream import ReplayMark, StreamCursor, StreamPart, StreamPiece
 
 
-class _Chunk:
+class Chunk:
     """The ``chunk`` packing strategy of :class:`~torchdata_ext.nodes.pack.Pack`.
 
     Args:
@@ -46,8 +46,8 @@ class _Chunk:
 
     def __init__(
         self,
-        cursor: _Cursor,
-        layout: _Layout,
+        cursor: StreamCursor,
+        layout: Layout,
         *,
         drop_remainder: bool,
         flush: bool,
@@ -62,7 +62,7 @@ class _Chunk:
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor (``bins_done`` is a best-fit key: ignored)."""
 
-    def position(self) -> tuple[_Mark, int]:
+    def position(self) -> tuple[ReplayMark, int]:
         """The clean point to replay from, and 0 sequences of a window emitted."""
         return self._cursor.here(), 0
 
@@ -84,20 +84,20 @@ class _Chunk:
                 raise StopIteration
             self.drops.count(1, 0)  # a remainder dropped
 
-    def _has_document_tokens(self, parts: list[_Part]) -> bool:
+    def _has_document_tokens(self, parts: list[StreamPart]) -> bool:
         return any(self._cursor.pieces(s, a, b) for s, a, b in parts)
 
-    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
+    def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The rest of the current block (pulled again first after a restore)."""
         return self._cursor.rest_of_block()
 
-    def _fill(self, capacity: int) -> tuple[list[_Part], int, bool]:
+    def _fill(self, capacity: int) -> tuple[list[StreamPart], int, bool]:
         """Up to ``capacity`` stream tokens of one document from the cursor on.
 
         Returns the parts, their token count, and whether the source ran out meanwhile.
         """
         c = self._cursor
-        parts: list[_Part] = []
+        parts: list[StreamPart] = []
         filled = 0
         while filled < capacity:
             while c.cur is None or c.pos >= len(c.cur.tokens):

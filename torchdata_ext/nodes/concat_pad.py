@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from torchdata_ext.nodes.packed import PackedSequence, _Layout
-from torchdata_ext.nodes.stream import _Cursor, _Mark, _Part, _Piece
+from torchdata_ext.nodes.packed import Layout, PackedSequence
+from torchdata_ext.nodes.stream import ReplayMark, StreamCursor, StreamPart, StreamPiece
 
 
-class _ConcatPad:
+class ConcatPad:
     """The ``concat`` / ``pad`` packing strategy of :class:`~torchdata_ext.nodes.pack.Pack`.
 
     Args:
@@ -36,7 +36,7 @@ class _ConcatPad:
         flush: at the end of the source, emit the last partial sequence padded, else drop it.
     """
 
-    def __init__(self, cursor: _Cursor, layout: _Layout, *, whole_units: bool, flush: bool):
+    def __init__(self, cursor: StreamCursor, layout: Layout, *, whole_units: bool, flush: bool):
         self._cursor = cursor
         self._layout = layout
         self._whole_units = whole_units
@@ -45,7 +45,7 @@ class _ConcatPad:
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor (``bins_done`` is a best-fit key: ignored)."""
 
-    def position(self) -> tuple[_Mark, int]:
+    def position(self) -> tuple[ReplayMark, int]:
         """The clean point to replay from, and 0 sequences of a window emitted."""
         return self._cursor.here(), 0
 
@@ -56,17 +56,17 @@ class _ConcatPad:
             raise StopIteration
         return self._layout.emit(parts)
 
-    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
+    def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The rest of the current block (pulled again first after a restore)."""
         return self._cursor.rest_of_block()
 
-    def _fill(self, capacity: int) -> tuple[list[_Part], int, bool]:
+    def _fill(self, capacity: int) -> tuple[list[StreamPart], int, bool]:
         """Take up to ``capacity`` stream tokens from the cursor on (whole units in ``pad``).
 
         Returns the parts, their token count, and whether the source ran out meanwhile.
         """
         c = self._cursor
-        parts: list[_Part] = []
+        parts: list[StreamPart] = []
         filled = 0
         while filled < capacity:
             while c.cur is None or c.pos >= len(c.cur.tokens):

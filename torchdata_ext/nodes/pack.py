@@ -34,12 +34,12 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.checks import check_int
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.nodes.best_fit import _BestFit
-from torchdata_ext.nodes.chunk import _Chunk
-from torchdata_ext.nodes.concat_pad import _ConcatPad
+from torchdata_ext.nodes.best_fit import BestFit
+from torchdata_ext.nodes.chunk import Chunk
+from torchdata_ext.nodes.concat_pad import ConcatPad
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
-from torchdata_ext.nodes.packed import PackedSequence, _Layout
-from torchdata_ext.nodes.stream import _Cursor, _Mark, _Piece, _Specials
+from torchdata_ext.nodes.packed import Layout, PackedSequence
+from torchdata_ext.nodes.stream import ReplayMark, Specials, StreamCursor, StreamPiece
 from torchdata_ext.provenance import PROV_COLUMNS, resolve
 
 __all__ = ["Pack", "PackedSequence"]
@@ -55,7 +55,7 @@ class _Strategy(Protocol):
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor, ``bins_done`` sequences of the window already emitted."""
 
-    def position(self) -> tuple[_Mark, int]:
+    def position(self) -> tuple[ReplayMark, int]:
         """The clean point to replay from, and the sequences emitted since it."""
         ...
 
@@ -63,9 +63,9 @@ class _Strategy(Protocol):
         """The next sequence; ``StopIteration`` at the end of the source."""
         ...
 
-    def inflight(self) -> tuple[list[_Piece], list[list[Any]]]:
+    def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The document pieces pulled but not yet emitted, and the documents among them
-        whose BOS was delivered (see :meth:`~._stream._Cursor.held`)."""
+        whose BOS was delivered (see :meth:`~._stream.StreamCursor.held`)."""
         ...
 
 
@@ -227,20 +227,20 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         if drop_remainder and mode != "chunk":
             raise ValueError(f"drop_remainder=True is for mode='chunk' only (got {mode=})")
         self.drop_remainder = bool(drop_remainder)
-        specials = _Specials(
+        specials = Specials(
             self.bos_token, self.eos_token, self.bol_token, self.eol_token, self.pad_token
         )
-        self._layout = _Layout(self.seq_len, self.shift, self.dtype, specials)
+        self._layout = Layout(self.seq_len, self.shift, self.dtype, specials)
         if self._layout.capacity < 1:
             need = 1 + (bol_token is not None) + (eol_token is not None) - int(self.shift)
             raise ValueError(
                 f"seq_len={seq_len} leaves no room for document tokens next to bol_token and "
                 f"eol_token; raise seq_len to at least {need}"
             )
-        self._cursor = _Cursor(source, self.dtype, specials)
+        self._cursor = StreamCursor(source, self.dtype, specials)
         self._strategy: _Strategy
         if mode == "best_fit":
-            self._strategy = _BestFit(
+            self._strategy = BestFit(
                 self._cursor, self._layout, window=self.window, flush=self.flush
             )
         elif mode == "chunk":
@@ -250,7 +250,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                 "the documents are shorter than a sequence: lower seq_len or set "
                 "drop_remainder=False (pad them), or raise max_dropped_documents",
             )
-            self._strategy = _Chunk(
+            self._strategy = Chunk(
                 self._cursor,
                 self._layout,
                 drop_remainder=self.drop_remainder,
@@ -258,7 +258,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                 drops=drops,
             )
         else:
-            self._strategy = _ConcatPad(
+            self._strategy = ConcatPad(
                 self._cursor, self._layout, whole_units=mode == "pad", flush=self.flush
             )
 
@@ -278,7 +278,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             consumed, bins_done = int(initial_state["consumed"]), int(initial_state["bins"])
             carry = [list(k) for k in initial_state["open_docs"]]
             done = [list(k) for k in initial_state.get("bos_done", [])]  # absent before 0.2
-            start = _Mark(initial_state[self.SOURCE_KEY], consumed, carry, done)
+            start = ReplayMark(initial_state[self.SOURCE_KEY], consumed, carry, done)
             saved = [str(n) for n in initial_state["dataset_names"]]
             # provenance ids follow this Pack's dataset_names, whatever order the checkpoint
             # met them in (a config may list its datasets in another order on restore); a node
@@ -286,11 +286,11 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             names = self._fixed_names + [n for n in saved if n not in self._fixed_names]
         else:
             self.source.reset()
-            start, bins_done = _Mark(self.source.state_dict(), 0, []), 0
+            start, bins_done = ReplayMark(self.source.state_dict(), 0, []), 0
             names = list(self._fixed_names)
         self._cursor.reset(start, names)
         self._strategy.reset(bins_done)
-        if isinstance(self._strategy, _Chunk):
+        if isinstance(self._strategy, Chunk):
             endless, cycle = readers_pass(self.source)
             self._strategy.drops.reset(endless=endless, cycle=cycle)
 

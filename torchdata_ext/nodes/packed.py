@@ -1,16 +1,16 @@
 """Pack's output side: a packed line's layout, from parts of streams to the output dict.
 
 Shared by both packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`). A strategy picks
-the parts of a sequence (stream tokens ``a .. b``, see :mod:`._stream`); :meth:`_Layout.emit`
+the parts of a sequence (stream tokens ``a .. b``, see :mod:`._stream`); :meth:`Layout.emit`
 lays them between the line specials, pads, and cuts the line into document runs, giving a
 small :class:`PackedSequence`::
 
     parts   |B a a a E| |b b|        line  |bol B a a a E b b P P eol|
     runs     bol | B a a a E | b b | P P | eol      ids -1 | 0 | 1 | -1 | -1
 
-:meth:`_Layout.materialize` spreads the runs over the tokens (``position_ids`` count from each
-run's start) into the output dict, :meth:`_Layout.materialize_batch_into` does it for a whole
-batch, and :meth:`_Layout.assemble` makes the same dict from tokens and provenance alone (what
+:meth:`Layout.materialize` spreads the runs over the tokens (``position_ids`` count from each
+run's start) into the output dict, :meth:`Layout.materialize_batch_into` does it for a whole
+batch, and :meth:`Layout.assemble` makes the same dict from tokens and provenance alone (what
 ``Pack.rebuild`` uses).
 """
 
@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchdata_ext.batch import layout_runs, loss_mask
-from torchdata_ext.nodes.stream import _Part, _Specials, _Stream
+from torchdata_ext.nodes.stream import Specials, Stream, StreamPart
 from torchdata_ext.provenance import LITERAL, PAD
 
 __all__ = ["PackedSequence"]
@@ -50,7 +50,7 @@ class PackedSequence(NamedTuple):
     pad: tuple[int, int]
 
 
-class _Layout:
+class Layout:
     """How Pack lays out a line of ``seq_len`` tokens (``seq_len + 1`` with ``shift``).
 
     Args:
@@ -66,7 +66,7 @@ class _Layout:
             may be < 1, which Pack refuses).
     """
 
-    def __init__(self, seq_len: int, shift: bool, dtype: np.dtype, specials: _Specials) -> None:
+    def __init__(self, seq_len: int, shift: bool, dtype: np.dtype, specials: Specials) -> None:
         self.seq_len = seq_len
         self.shift = shift
         self.dtype = dtype
@@ -92,7 +92,7 @@ class _Layout:
         return ("input_ids", "position_ids", "document_ids", "loss_mask", "provenance")
 
     # -- packing -------------------------------------------------------------------------------
-    def emit(self, parts: list[_Part]) -> PackedSequence:
+    def emit(self, parts: list[StreamPart]) -> PackedSequence:
         """The sequence made of ``parts`` (then padding and the line specials).
 
         Materialized, equal to :meth:`assemble` ``(tokens, provenance)`` (which ``Pack.rebuild``
@@ -164,7 +164,7 @@ class _Layout:
             return True
         return prev[0] >= 0 and prev[:3] == cur[:3] and cur[3] == prev[3] + prev[4]
 
-    def runs(self, s: _Stream) -> list[int]:
+    def runs(self, s: Stream) -> list[int]:
         """Stream token offsets where the document runs of stream ``s`` start (increasing,
         from 0), with :meth:`layout`'s rule (the stream read as one piece)."""
         if s.run_at is None:

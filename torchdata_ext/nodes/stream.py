@@ -1,16 +1,16 @@
 """Pack's input side: upstream blocks read into streams with the document specials placed.
 
 Shared by the packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`, :mod:`._chunk`). A
-:class:`_Cursor` pulls :class:`~torchdata_ext.document.DocumentBlock` s from Pack's source and
-turns each into a :class:`_Stream`: the block's tokens with the BOS/EOS each piece gets, its
+:class:`StreamCursor` pulls :class:`~torchdata_ext.document.DocumentBlock` s from Pack's source and
+turns each into a :class:`Stream`: the block's tokens with the BOS/EOS each piece gets, its
 provenance rows, and the token offsets of its units (a piece plus its specials)::
 
     block   pieces |a a a| |b b|        a: start of document A, b: end of document B
     stream  units  |B a a a| |b b E|    rows: BOS, A[0:3], B[5:7], EOS (one token each special)
 
 A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and hands them to
-:class:`~._packed._Layout` to make the sequence. The cursor also keeps the clean point a
-restore replays from (:class:`_Mark`).
+:class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
+restore replays from (:class:`ReplayMark`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
 _SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
 
-_Piece = tuple[str, int, int, int, int]  # (dataset, file, doc, start, stop) of a document piece
+StreamPiece = tuple[
+    str, int, int, int, int
+]  # (dataset, file, doc, start, stop) of a document piece
 
 
 @dataclass
-class _Stream:
+class Stream:
     """One upstream block with its document specials placed.
 
     ``tokens`` is the block's tokens with BOS/EOS inserted, ``rows`` its provenance rows in
@@ -45,8 +47,8 @@ class _Stream:
     rows: np.ndarray
     row_off: np.ndarray
     unit_off: np.ndarray
-    # where document runs start (stream token offsets), as _Layout.layout would cut the stream
-    # read in one piece; built on first use by _Layout.runs
+    # where document runs start (stream token offsets), as Layout.layout would cut the stream
+    # read in one piece; built on first use by Layout.runs
     run_at: list[int] | None = None
     _row_off: list[int] | None = None  # row_off as a list, for bisect
     unit_last: np.ndarray | None = None  # whether each unit ends its document (bool)
@@ -59,7 +61,7 @@ class _Stream:
     no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
     bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
     # stream offsets of units a rescale handed back from inside their document: each starts
-    # a row, as a continuation does in an uninterrupted run (see _ConcatPad)
+    # a row, as a continuation does in an uninterrupted run (see ConcatPad)
     pin_at: list[int] | None = None
 
     def doc_ends(self) -> np.ndarray:
@@ -97,10 +99,10 @@ class _Stream:
         return out
 
 
-_Part = tuple[_Stream, int, int]  # stream tokens a .. b
+StreamPart = tuple[Stream, int, int]  # stream tokens a .. b
 
 
-class _Specials(NamedTuple):
+class Specials(NamedTuple):
     """The special token ids Pack places (see :class:`~torchdata_ext.nodes.pack.Pack`)."""
 
     bos: int | None
@@ -120,14 +122,14 @@ class _Specials(NamedTuple):
         return None if self.combined else self.bos
 
 
-class _Mark(NamedTuple):
+class ReplayMark(NamedTuple):
     """A clean point upstream to replay from (Pack's state keys of the same names).
 
     Attributes:
         source: the upstream state from which the next pull gives the block.
         consumed: what of that block is already used (stream tokens or units, by strategy).
         open_docs: ``[dataset, file, doc]`` of documents open at that block that began with
-            the shared BOS/EOS token (the block's :attr:`_Stream.carry_in`).
+            the shared BOS/EOS token (the block's :attr:`Stream.carry_in`).
         bos_done: ``[dataset, file, doc]`` of documents whose BOS was already delivered
             although their first piece is still to come (a rescale handed the piece back
             after a row that ended with the BOS): they get no BOS again.
@@ -139,8 +141,8 @@ class _Mark(NamedTuple):
     bos_done: list[list[Any]] = []
 
 
-class _Cursor:
-    """Where Pack reads upstream: the current :class:`_Stream` and a position in it.
+class StreamCursor:
+    """Where Pack reads upstream: the current :class:`Stream` and a position in it.
 
     Args:
         source: Pack's source node (yielding token ``DocumentBlock`` s).
@@ -154,7 +156,7 @@ class _Cursor:
         dataset_names: the dataset names met so far, indexed by provenance dataset ids.
     """
 
-    def __init__(self, source: BaseNode, dtype: np.dtype, specials: _Specials) -> None:
+    def __init__(self, source: BaseNode, dtype: np.dtype, specials: Specials) -> None:
         self.source = source
         self.dtype = dtype
         self.bos_token, self.eos_token = specials.bos, specials.eos
@@ -166,13 +168,13 @@ class _Cursor:
         self._open: set[tuple[str, int, int]] = set()
         self._no_bos: set[tuple[str, int, int]] = set()
         self._no_bos_list: list[list[Any]] = []  # _no_bos as the state lists it
-        self.cur: _Stream | None = None
+        self.cur: Stream | None = None
         self.pos = 0
         self.exhausted = False
         self._skip = 0
-        self._start = _Mark(None, 0, [])
+        self._start = ReplayMark(None, 0, [])
 
-    def reset(self, start: _Mark, dataset_names: list[str]) -> None:
+    def reset(self, start: ReplayMark, dataset_names: list[str]) -> None:
         """Read again from ``start`` (the source already reset to ``start.source``)."""
         self.cur, self.pos, self.exhausted = None, 0, False
         self._start = start
@@ -183,11 +185,11 @@ class _Cursor:
         self._no_bos_list = start.bos_done
         self._skip = start.consumed
 
-    def here(self) -> _Mark:
+    def here(self) -> ReplayMark:
         """The clean point of the current position: the current block and ``pos`` in it."""
         if self.cur is None:
             return self._start
-        return _Mark(self.cur.pre_state, self.pos, self.cur.carry_in, self.cur.no_bos_in or [])
+        return ReplayMark(self.cur.pre_state, self.pos, self.cur.carry_in, self.cur.no_bos_in or [])
 
     def pull(self) -> bool:
         """Read the next block into ``cur``; False when the source is exhausted."""
@@ -203,7 +205,7 @@ class _Cursor:
         self.pos, self._skip = self._skip, 0
         return True
 
-    def rest_of_block(self) -> tuple[list[_Piece], list[list[Any]]]:
+    def rest_of_block(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """What the current block holds not yet used (the block is pulled again first after a
         restore, skipping what was used): a strategy's pieces in flight, as :meth:`held`."""
         if self.cur is None and not self.exhausted:
@@ -213,7 +215,7 @@ class _Cursor:
             return [], []
         return self.held(cur, self.pos, len(cur.tokens))
 
-    def held(self, s: _Stream, a: int, b: int) -> tuple[list[_Piece], list[list[Any]]]:
+    def held(self, s: Stream, a: int, b: int) -> tuple[list[StreamPiece], list[list[Any]]]:
         """What stream tokens ``a .. b`` hold, for a hand-back that keeps the specials exact.
 
         Returns the pieces ``(dataset, file, doc, start, stop)`` to hand back, and the
@@ -230,7 +232,7 @@ class _Cursor:
         uo = s.unit_off
         u0 = max(int(np.searchsorted(uo, a, "right")) - 1, 0)
         u1 = int(np.searchsorted(uo, b, "left"))
-        pieces: list[_Piece] = []
+        pieces: list[StreamPiece] = []
         bos_done: list[list[Any]] = []
         lengths = blk.lengths
         for u in range(u0, min(u1, s.n_units)):
@@ -259,7 +261,7 @@ class _Cursor:
         """The documents told to get no BOS (``bos_done``) not yet met in a block."""
         return list(self._no_bos_list)  # kept equal to _no_bos, as the state lists it
 
-    def pieces(self, s: _Stream, a: int, b: int) -> list[_Piece]:
+    def pieces(self, s: Stream, a: int, b: int) -> list[StreamPiece]:
         """The document pieces among stream tokens ``a .. b`` (placed specials left out)."""
         if a >= b:
             return []
@@ -276,7 +278,7 @@ class _Cursor:
             self.dataset_names.append(name)
         return i
 
-    def _expand(self, block: DocumentBlock, pre_state: Any) -> _Stream:
+    def _expand(self, block: DocumentBlock, pre_state: Any) -> Stream:
         """Place the block's document specials: its tokens, provenance rows and units."""
         if not isinstance(block, DocumentBlock):
             raise TypeError(
@@ -422,7 +424,7 @@ class _Cursor:
             pin_at = unit_off[np.flatnonzero(inside)].tolist() or None
         if skipped:  # its BOS ended a row before the rescale: the document starts the next
             pin_at = sorted({*(pin_at or []), *unit_off[sorted(skipped)].tolist()})
-        return _Stream(
+        return Stream(
             pre_state,
             carry_in,
             out,

@@ -25,10 +25,10 @@ from typing import Any
 
 from torchdata_ext.remote.retry import (
     RemoteError,
-    _chain,
-    _client_error_info,
-    _unreachable,
+    client_error_info,
+    exception_chain,
     explain_error,
+    unreachable_endpoint,
 )
 
 __all__ = ["PROBE_CONNECT_TIMEOUT_S", "probe_store"]
@@ -119,12 +119,12 @@ def _options_key(storage_options: dict[str, Any]) -> str:
 
 def _permanent(exc: BaseException) -> bool:
     """Whether the probe's failure is about the endpoint, bucket or credentials as a whole."""
-    if _unreachable(exc) is not None:
+    if unreachable_endpoint(exc) is not None:
         return True
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             return True
-        info = _client_error_info(e)
+        info = client_error_info(e)
         if info is not None and info[0] in _PERMANENT_CODES:
             return True
     return False

@@ -212,7 +212,7 @@ def with_retries(
         try:
             out = fn()
         except Exception as exc:
-            down = _unreachable(exc)
+            down = unreachable_endpoint(exc)
             outage = down is not None and down[0] in ("refused", "unknown host")
             if not ((outage and store in _REACHED) or is_transient(exc)):
                 clear = explain_error(url, exc, what)
@@ -253,7 +253,7 @@ def _store(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def exception_chain(exc: BaseException) -> list[BaseException]:
     out: list[BaseException] = []
     cur: BaseException | None = exc
     while cur is not None and len(out) < 12 and all(cur is not x for x in out):
@@ -262,7 +262,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def _client_error_info(exc: BaseException) -> tuple[str, int] | None:
+def client_error_info(exc: BaseException) -> tuple[str, int] | None:
     """(code, HTTP status) of a botocore ``ClientError``-like exception, else None."""
     response = getattr(exc, "response", None)
     if not isinstance(response, dict) or "Error" not in response:
@@ -278,7 +278,7 @@ def _is_transient_one(exc: BaseException) -> bool | None:
         return False
     if isinstance(exc, IncompleteDownload):
         return True
-    info = _client_error_info(exc)
+    info = client_error_info(exc)
     if info is not None:
         code, status = info
         # 501 Not Implemented: the server does not do this request (often not an S3 server)
@@ -330,21 +330,21 @@ def is_transient(exc: BaseException) -> bool:
     TLS handshake, invalid endpoint URL: see :func:`with_retries` for an endpoint that answered
     before), other 4xx, and anything unknown.
     """
-    if _unreachable(exc) is not None:
+    if unreachable_endpoint(exc) is not None:
         return False
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         verdict = _is_transient_one(e)
         if verdict is not None:
             return verdict
     return False
 
 
-def _unreachable(exc: BaseException) -> tuple[str, str, str] | None:
+def unreachable_endpoint(exc: BaseException) -> tuple[str, str, str] | None:
     """``(kind, endpoint, reason)`` when ``exc`` (or what caused it) says the endpoint cannot be
     reached at all; ``kind`` is ``"invalid"`` (not a URL), ``"refused"``, ``"unknown host"`` or
     ``"tls"`` (the handshake failed); ``endpoint`` is ``scheme://host:port`` when the error
     names it, else ``""``."""
-    chain = _chain(exc)
+    chain = exception_chain(exc)
     for e in chain:
         if isinstance(e, ValueError) and str(e).startswith("Invalid endpoint"):
             return "invalid", str(e).partition(":")[2].strip(), "not a URL"
@@ -387,7 +387,7 @@ def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseExcep
     otherwise."""
     if isinstance(exc, RemoteError):
         return exc
-    unreachable = _unreachable(exc)
+    unreachable = unreachable_endpoint(exc)
     if unreachable is not None:
         kind, endpoint, reason = unreachable
         if kind == "invalid":
@@ -407,8 +407,8 @@ def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseExcep
         return RemoteError(
             url, f"{what} failed: cannot connect to {where} ({reason}); check {check}"
         )
-    chain = _chain(exc)
-    codes = {info[0] for e in chain if (info := _client_error_info(e)) is not None}
+    chain = exception_chain(exc)
+    codes = {info[0] for e in chain if (info := client_error_info(e)) is not None}
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     if "NoSuchBucket" in codes or "bucket does not exist" in text:
@@ -429,7 +429,7 @@ def explain_error(url: str, exc: BaseException, what: str = "read") -> BaseExcep
         return RemoteError(
             url, f"{what} failed: access denied ({_describe(exc)}); {_CREDENTIALS_HINT}"
         )
-    if any(info[1] == 501 for e in chain if (info := _client_error_info(e)) is not None):
+    if any(info[1] == 501 for e in chain if (info := client_error_info(e)) is not None):
         return RemoteError(
             url,
             f"{what} failed: the server does not implement this request ({_describe(exc)}); "
