@@ -26,7 +26,8 @@ from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint  # noqa: E402
 from torchdata_ext.loader.token_loader import TokenLoader  # noqa: E402
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.config import PipelineConfig  # noqa: E402
 
 
 def build(cfg: PipelineConfig, datasets, world: World):

@@ -43,7 +43,8 @@ from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
 
 from torchdata_ext import World, batch  # noqa: E402
 from torchdata_ext.loader.token_loader import TokenLoader, _PipelineIterator  # noqa: E402
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.config import PipelineConfig  # noqa: E402
 from torchdata_ext.state.delta import apply  # noqa: E402
 
 

@@ -43,7 +43,8 @@ from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
 from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.config import PipelineConfig  # noqa: E402
 
 
 def raw_limit(files: list[str]) -> tuple[int, float]:

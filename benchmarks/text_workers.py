@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cpu import tree_cpu  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.config import PipelineConfig  # noqa: E402
 from torchdata_ext.testing import write_jsonl  # noqa: E402
 
 SHARES = {"web": 0.6, "code": 0.2, "books": 0.2}

@@ -40,7 +40,8 @@ from _corpus import BAMBA_SHARES, bamba_corpus, jsonl_dataset  # noqa: E402
 
 from torchdata_ext import World  # noqa: E402
 from torchdata_ext.loader.token_loader import TokenLoader  # noqa: E402
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline  # noqa: E402
+from torchdata_ext.pipeline.config import PipelineConfig  # noqa: E402
 
 REPEAT = 3  # first batches (bufferless, fresh, restored): the least of 3 tries
 

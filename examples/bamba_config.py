@@ -2,7 +2,7 @@
 
 Bamba's data is Arrow IPC shards of Llama-3 token ids, one document per record batch in a
 ``tokens`` column, under ``data_path/<dataset>/``. Its dataloader config is the dataclass below
-(fields as in Bamba's release notes); :class:`~torchdata_ext.pipeline.build.PipelineConfig` takes the
+(fields as in Bamba's release notes); :class:`~torchdata_ext.pipeline.config.PipelineConfig` takes the
 same fields with the same meaning, and :func:`~torchdata_ext.pipeline.build.build_pipeline` builds the
 node graph they describe. Run with no arguments::
 

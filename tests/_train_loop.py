@@ -21,7 +21,8 @@ from torchdata.nodes import BaseNode
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 
 
 def build_reader(root: str, world: World) -> ShardReader:

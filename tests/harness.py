@@ -16,7 +16,8 @@ import numpy as np
 from torchdata.nodes import BaseNode, Loader
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets
+from torchdata_ext.pipeline.build import build_datasets
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 

@@ -16,7 +16,8 @@ from typing import Any
 from torchdata_ext import World
 from torchdata_ext.audit.row_check import RowRules, row_problems
 from torchdata_ext.checkpoint.rescale import rescale_worker_states
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 
 Key = tuple[str, int, int]
 

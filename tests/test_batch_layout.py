@@ -17,7 +17,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchdata_ext import World
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.testing import write_arrow_batches
 
 KEYS = ["input_ids", "labels", "position_ids", "document_ids", "loss_mask"]

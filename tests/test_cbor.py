@@ -11,7 +11,8 @@ from harness import check_restore_at_every_step, run
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.handlers import CborHandler, DataFileError, handler_for_url
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_cbor
 

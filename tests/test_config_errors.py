@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from torchdata_ext import World
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.testing import write_arrow_batches, write_jsonl, write_parquet
 
 

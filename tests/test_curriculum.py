@@ -19,7 +19,8 @@ from harness import (
 from torchdata_ext import World
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 
 NAMES = ["web", "code", "math"]

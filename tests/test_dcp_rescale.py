@@ -24,7 +24,8 @@ from harness import check_exactly_once, document_lengths, write_random_arrow_dat
 from torchdata_ext import World
 from torchdata_ext.checkpoint.folder import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.sources.fingerprint import ChangedFilesError
 

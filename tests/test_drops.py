@@ -14,7 +14,8 @@ from torchdata_ext import World
 from torchdata_ext.nodes.drops import NothingKeptError
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.transforms import Map
 

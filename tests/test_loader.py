@@ -236,7 +236,7 @@ def test_a_state_written_by_the_previous_version_still_restores(tmp_path, worker
 
 def _two_datasets(root, seed: int, **kw):
     """A small full-pipeline config over two datasets of random documents under ``root``."""
-    from torchdata_ext.pipeline.build import PipelineConfig
+    from torchdata_ext.pipeline.config import PipelineConfig
 
     rng = np.random.default_rng(seed)
     for name in ("web", "code"):

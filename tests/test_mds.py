@@ -24,7 +24,8 @@ import torchdata_ext
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.handlers import DataFileError, MdsHandler, handler_for_url
 from torchdata_ext.handlers.mds_writer import encode_mds_shard
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl, write_mds
 

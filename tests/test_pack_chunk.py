@@ -25,7 +25,8 @@ from test_pack import ListSource
 from torchdata_ext import World
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_arrow_batches

@@ -11,7 +11,8 @@ import torch
 from harness import check_restore_at_every_step, run
 
 from torchdata_ext import World
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 

@@ -16,7 +16,8 @@ import torchdata_ext
 from torchdata_ext import DatasetIndex, World
 from torchdata_ext.handlers import ArrowHandler, CepedHandler, FlatTokenHandler, NpyHandler
 from torchdata_ext.handlers.base import handler_accepts
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
 

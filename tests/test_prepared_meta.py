@@ -14,7 +14,8 @@ import pytest
 
 import torchdata_ext
 from torchdata_ext.cli import main
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.sources.index import COUNTS_FILE
 from torchdata_ext.sources.prepared_meta import META_FILE
 from torchdata_ext.testing import write_jsonl

@@ -15,7 +15,8 @@ from harness import check_exactly_once, document_lengths, item_key, run, write_r
 
 from torchdata_ext import DatasetIndex, ShardReader, World, merge_reader_states
 from torchdata_ext.checkpoint.rescale import rescale_worker_states
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.state.delta import diff
 from torchdata_ext.state.graph import reader_states, set_at

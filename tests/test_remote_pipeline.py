@@ -12,7 +12,8 @@ from test_rescale import NAMES, cover
 from torchdata_ext import World
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 
 
 def _write_corpus(root: str, storage_options=None) -> None:

@@ -24,7 +24,8 @@ from harness import (
 from torchdata_ext import World
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.state.reader_state import reader_cursors
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rows import check_rows, simulate
 
-from torchdata_ext.pipeline.build import PipelineConfig
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import literal_owner
 
 

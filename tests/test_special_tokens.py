@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import torchdata_ext
 from torchdata_ext.cli import main
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.testing import write_jsonl
 from torchdata_ext.tokenizers.load import ByteTokenizer, check_special_tokens, token_ids
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchdata_ext import World
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.state.delta import PATCH, SET, apply, diff
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 

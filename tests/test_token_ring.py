@@ -17,7 +17,8 @@ from torchdata_ext import World
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.token_loader import TokenLoader, _PipelineIterator, _split
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.state.delta import apply
 from torchdata_ext.testing import write_arrow_batches
 

@@ -22,7 +22,8 @@ def test_byte_tokenizer_with_the_callers_offset(offset: int) -> None:
 def _pipeline_ids(tmp_path: Path, data: str, **kw: Any) -> list[int]:
     """The tokens of the one sequence the pipeline packs from the dataset folder
     ``tmp_path/data`` (one document of exactly 8 tokens, EOS included: no padding)."""
-    from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+    from torchdata_ext.pipeline.build import build_pipeline
+    from torchdata_ext.pipeline.config import PipelineConfig
 
     cfg = PipelineConfig(data_path=str(tmp_path), datasets=[data], seq_length=8, shift=False,
                          logical_shards=1, shuffle_buffer=1, epochs=1, **kw)  # fmt: skip

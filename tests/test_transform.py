@@ -24,7 +24,8 @@ from torchdata_ext import World
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments, TransformDocuments
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.state.reader_state import reader_cursors

@@ -13,7 +13,8 @@ from torchdata_ext import World
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.nodes.transform import FilterDocuments, MapDocuments
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_arrow_batches
 from torchdata_ext.transforms import Filter, Map, TransformError

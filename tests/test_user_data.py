@@ -17,7 +17,8 @@ import pytest
 import torchdata_ext
 from torchdata_ext import World
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_jsonl
 

@@ -34,12 +34,8 @@ from torchdata_ext.nodes import (
 )
 from torchdata_ext.order.split import EvalSplit
 from torchdata_ext.order.walk import RandomWalk, mix_seed
-from torchdata_ext.pipeline.build import (
-    PipelineConfig,
-    build_datasets,
-    build_eval_pipeline,
-    build_pipeline,
-)
+from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline, build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.prepare_data.tokenize_text import prepare
 from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
 from torchdata_ext.sources.index import DatasetIndex

@@ -15,7 +15,7 @@ Use in a torchtitan config (``config_registry`` function)::
     config = llama3_debugmodel()
     config.dataloader = TokenDataLoader.Config(pipeline="pipeline.yaml", num_workers=2)
 
-The pipeline config (a :class:`~torchdata_ext.pipeline.build.PipelineConfig` as YAML/JSON, any fsspec
+The pipeline config (a :class:`~torchdata_ext.pipeline.config.PipelineConfig` as YAML/JSON, any fsspec
 URL, and/or ``fields``) says the datasets, weights, formats and URLs; the trainer's ``seq_len``
 and ``local_batch_size`` replace its ``seq_length`` and ``batch_size``. Each batch is
 ``({"input": input_ids, "positions": position_ids}, labels)``: what torchtitan's training step
@@ -44,7 +44,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from torchdata_ext.checkpoint.folder import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.world import World
 
 __all__ = ["TokenDataLoader", "pipeline_config"]

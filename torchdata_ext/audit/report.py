@@ -87,7 +87,8 @@ from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.order.shard_walk import walked_documents
 from torchdata_ext.order.shards import file_offsets, shard_bounds
 from torchdata_ext.order.split import EvalSplit, SplitFilter
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.sources.fingerprint import check_data_files, compared
 from torchdata_ext.sources.index import DatasetIndex

@@ -61,7 +61,7 @@ class RowRules:
 
     @classmethod
     def of(cls, cfg: Any) -> RowRules:
-        """The rules of a :class:`~torchdata_ext.pipeline.build.PipelineConfig`."""
+        """The rules of a :class:`~torchdata_ext.pipeline.config.PipelineConfig`."""
         cap = cfg.seq_length + int(cfg.shift) - (cfg.bol_token is not None)
         cap -= cfg.eol_token is not None
         return cls(

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.pipeline.build import PipelineConfig, build_datasets, build_eval_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.world import World

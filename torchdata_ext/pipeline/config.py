@@ -1,0 +1,379 @@
+"""The pipeline's config: :class:`PipelineConfig`, one validated dataclass, and its loading
+from a mapping or a YAML/JSON file.
+
+Every field of IBM Bamba's data config (``data_path``, ``file_type``, ``col_name``,
+``datasets``, ``weights``, ``seq_length``, ``bos_token``, ``eos_token``, ``bol_token``,
+``eol_token``, ``strip_tokens``, ``logical_shards``, ``num_workers``, ``batch_size``, ``seed``)
+means what it means there; the rest select the tokenizer, packing mode and shuffle buffer.
+Its checks (special ids, eval split, transforms, budgets) each need the other fields; the
+per-feature rules live apart (``curriculum.py``, ``transforms.py``, ``split.py``,
+``prepared_meta.py``). :mod:`torchdata_ext.pipeline.build` builds the graph from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from torchdata_ext.batch import ALL_KEYS, HF_KEYS
+from torchdata_ext.checks import check_int, split_list
+from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED
+from torchdata_ext.order.split import EvalSplit
+from torchdata_ext.pipeline.curriculum import check_budget, check_phases
+from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.tokenizers.load import (
+    DEFAULT_BYTE_OFFSET,
+    ByteTokenizer,
+    check_special_tokens,
+    token_ids,
+)
+from torchdata_ext.transforms import On, Transform, from_spec
+
+__all__ = ["PipelineConfig"]
+
+
+@dataclass
+class PipelineConfig:
+    """Everything needed to build the standard pipeline.
+
+    Attributes:
+        data_path: folder (fsspec URL) holding one sub-folder per dataset.
+        datasets: dataset sub-folder names, a list or a comma-separated string
+            (Bamba: ``"web,code"``); empty means ``data_path`` itself is one dataset.
+        weights: relative weight of each dataset in tokens (need not sum to 1); list or
+            comma-separated string; default: equal.
+        file_type: a registered format name (``"arrow"``, ``"parquet"``, ``"npy"``, ``"flat"``,
+            ``"ceped"``, ``"jsonl"``), or None to choose by file suffix.
+        col_name: the token column (or text field for text data).
+        seq_length: tokens per output sequence (per ``input_ids`` row).
+        shift: output ``input_ids``/``labels`` shifted by one (packs ``seq_length + 1``
+            tokens; Bamba's behaviour); False outputs ``seq_length``-token ``input_ids`` only.
+        bos_token / eos_token: added at each document's start / end where missing (None: none).
+        bol_token / eol_token: added at the start / end of every output sequence (None: none).
+        strip_tokens: token ids stripped from both ends of every document before the above
+            (list or comma-separated string, Bamba's format).
+        logical_shards: logical shards per dataset (>= ranks x workers; e.g. 1024-30720).
+        num_workers: dataloader worker processes per rank (used by the loader helpers).
+        batch_size: sequences per batch.
+        seed: seed of shuffling, interleaving and the shuffle buffer.
+        tokenizer: None for tokenized data; ``"byte"`` for the byte tokenizer; or a path to a
+            Hugging Face ``tokenizer.json``. Data that ``prepare`` wrote carries how it was
+            tokenized (``meta/torchdata_ext_meta.json``): a tokenizer, ``byte_offset``,
+            ``bos_token``/``eos_token`` or ``dtype`` that disagrees with it is refused.
+        byte_offset: the byte tokenizer maps byte ``b`` to id ``b + byte_offset`` (default 1,
+            as in ``prepare`` and ``inspect``: id 0, the default EOS and pad, is never a byte).
+            BOS/EOS/BOL/EOL/pad ids the tokenizer emits for ordinary text are refused.
+        pack_mode: ``"concat"``, ``"pad"``, ``"best_fit"`` or ``"chunk"`` (each document cut
+            into ``seq_length`` pieces, never two documents in one sequence).
+        drop_remainder: ``chunk`` mode: drop each document's last, partial piece instead of
+            padding it.
+        best_fit_window: documents considered at once in ``best_fit`` mode.
+        shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
+        shuffle_fill: ``"stream"`` (default): the buffer delivers from the first batch and
+            grows by one sequence per draw until full (as fms-fsdp's); ``"full"``: it fills
+            before the first batch (which waits for ``shuffle_buffer`` sequences). See
+            ``docs/time-to-data.md``.
+        interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
+            ``"samples"`` (random by weight).
+        mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
+            next one's share before the mix switches (0: document by document). The default
+            (16 sequences of 4,096) keeps per-block overhead low; each share stays within
+            ``(mix_quantum_tokens + longest document) / tokens delivered`` of its target, and
+            after the shuffle buffer the order is mixed anyway.
+        epochs: None for an endless stream; 1 for validation data.
+        min_length: skip documents shorter than this many tokens.
+        max_chunksize: cut token documents longer than this many tokens in the reader (bounds
+            memory; None keeps them whole).
+        block_docs: documents per block moving through the pipeline.
+        pad_token: token id of padding (pad mode, best-fit mode and the final flush).
+        storage_options: fsspec options (credentials, endpoint) for ``data_path``.
+        dtype: ``"int64"`` or ``"int32"`` for the output tensors.
+        phases: a curriculum (``Concat``): a list of phases, each a mapping with ``datasets``
+            (names, list or comma-separated string), optional ``weights`` (as ``weights``) and
+            an optional stop rule ``max_tokens`` / ``max_documents`` (for the whole run, all
+            ranks x workers together). A phase without one ends when its datasets are
+            exhausted (needs ``epochs``). Each dataset belongs to one phase; ``datasets`` may be
+            left empty (it becomes all phases' datasets) and ``weights`` must be. Empty: no
+            phases, ``datasets`` mixed at ``weights``.
+        max_tokens: a token budget (``Take``): an int ends the run after exactly that many
+            document tokens over all ranks x workers (each worker delivers its share, then
+            Pack flushes and the shuffle buffer drains); a mapping dataset -> int caps each
+            named dataset's tokens for the run. None: no budget.
+        max_documents: the same in documents (whole documents; counted at their start).
+        output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
+            ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
+            Default: what a Hugging Face causal LM with packed-sequence attention consumes
+            (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
+            tokens and document runs cross; these keys are built in the training process.
+        eval_fraction: the share of each dataset's documents held out for evaluation (a
+            number for all datasets, or ``{dataset: fraction}``; 0, the default, holds out
+            nothing). Held-out documents are chosen by a seeded hash of (dataset, file name,
+            document index) (:mod:`torchdata_ext.order.split`): the same ones in every run, topology
+            and after files are added. The training stream never delivers them;
+            :func:`build_eval_pipeline` / :class:`~torchdata_ext.loader.evaluation.EvalLoader`
+            deliver exactly them.
+        eval_seed: the seed of the held-out split (independent of ``seed``; keep it fixed).
+        transforms: document transforms (maps and filters, :mod:`torchdata_ext.transforms`)
+            run on every dataset's documents before interleave: a list for all datasets, or a
+            mapping dataset name -> list (``"*"``: all datasets, applied first). Entries are
+            ``Map``/``Filter`` objects, callables (per-document maps ``fn(data, meta)``, on
+            text for text datasets) or built-in specs: ``{"min_length": 32}``,
+            ``{"max_length": 8192}``, ``{"drop_tokens": [7]}``, ``{"truncate": 2048}`` (token
+            counts). Functions must be deterministic and picklable.
+        max_dropped_documents: on an endless stream (``epochs=None``), a reader or a transform
+            node that read this many documents in a row and kept none (``min_length``, the
+            split, ``on_error``, filters, maps emptying documents) fails naming its counts
+            instead of waiting for a batch forever (default 1,000,000; also after a whole pass
+            over a worker's documents with none kept); None: only after that pass. See
+            ``docs/first-hour.md``.
+    """
+
+    data_path: str = ""
+    datasets: list[str] | str = field(default_factory=list)
+    weights: list[float] | str = field(default_factory=list)
+    file_type: str | None = "arrow"
+    col_name: str = "tokens"
+    seq_length: int = 4096
+    shift: bool = True
+    bos_token: int | None = None
+    eos_token: int | None = 0
+    bol_token: int | None = None
+    eol_token: int | None = None
+    strip_tokens: list[int] | str = ""
+    logical_shards: int = 1024
+    num_workers: int = 1
+    batch_size: int = 8
+    seed: int = 42
+    tokenizer: str | None = None
+    byte_offset: int = DEFAULT_BYTE_OFFSET
+    pack_mode: Literal["concat", "pad", "best_fit", "chunk"] = "concat"
+    best_fit_window: int = 1000
+    shuffle_buffer: int = 10_000
+    shuffle_fill: Literal["stream", "full"] = "stream"
+    interleave_mode: Literal["tokens", "samples"] = "tokens"
+    mix_quantum_tokens: int = 65_536
+    epochs: int | None = None
+    min_length: int = 1
+    max_chunksize: int | None = None
+    block_docs: int = 64
+    pad_token: int = 0
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    dtype: Literal["int64", "int32"] = "int64"
+    output_keys: list[str] | str = field(default_factory=lambda: list(HF_KEYS))
+    eval_fraction: float | dict[str, float] = 0.0
+    eval_seed: int = 0
+    transforms: list[Any] | dict[str, list[Any]] = field(default_factory=list)
+    drop_remainder: bool = False
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    max_tokens: int | dict[str, int] | None = None
+    max_documents: int | dict[str, int] | None = None
+    max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
+
+    def __post_init__(self) -> None:
+        self._check_phases()
+        self.datasets = split_list(self.datasets, "datasets")
+        raw_weights = split_list(self.weights, "weights")
+        try:
+            self.weights = [float(w) for w in raw_weights]
+        except ValueError:
+            raise ValueError(f"weights={raw_weights!r} must be numbers") from None
+        strip = split_list(self.strip_tokens, "strip_tokens")
+        try:
+            self.strip_tokens = [int(t) for t in strip]
+        except ValueError:
+            raise ValueError(f"strip_tokens={strip!r} must be token ids (integers)") from None
+        if not self.data_path:
+            raise ValueError("data_path is empty; set it to the folder (URL) holding the data")
+        if self.weights and len(self.weights) != max(1, len(self.datasets)):
+            raise ValueError(
+                f"{len(self.weights)} weights for {len(self.datasets)} datasets "
+                f"({self.datasets}); give one weight per dataset"
+            )
+        if any(w <= 0 for w in self.weights):
+            raise ValueError(f"weights={self.weights} must all be > 0")
+        for name in ("seq_length", "logical_shards", "batch_size", "block_docs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.dtype not in ("int64", "int32"):
+            raise ValueError(f"dtype={self.dtype!r} must be 'int64' or 'int32'")
+        if self.shuffle_fill not in ("stream", "full"):
+            raise ValueError(f"shuffle_fill={self.shuffle_fill!r} must be 'stream' or 'full'")
+        self._check_eval_split()
+        check_int("byte_offset", self.byte_offset, 0)
+        if self.max_dropped_documents is not None:
+            check_int("max_dropped_documents", self.max_dropped_documents, 1)
+        # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
+        byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
+        self.check_special_ids(byte)
+        self.output_keys = split_list(self.output_keys, "output_keys")
+        known = (*ALL_KEYS, "provenance")
+        unknown = [k for k in self.output_keys if k not in known]
+        if unknown or not self.output_keys:
+            raise ValueError(
+                f"output_keys={self.output_keys!r}: unknown {unknown or 'none given'}; "
+                f"choose from {list(known)}"
+            )
+        if self.drop_remainder and self.pack_mode != "chunk":
+            raise ValueError(
+                f"drop_remainder=True is for pack_mode='chunk' only (got "
+                f"pack_mode={self.pack_mode!r}); set pack_mode: chunk or drop drop_remainder"
+            )
+        for name in self.dataset_weights:  # checked now: a bad spec names itself early
+            self.transforms_for(name)
+        names = list(self.dataset_weights)
+        for budget in ("max_tokens", "max_documents"):
+            setattr(self, budget, check_budget(budget, getattr(self, budget), names))
+
+    def transforms_for(self, dataset: str) -> list[Transform]:
+        """The transform steps of ``dataset``, in order (bare callables work on text when
+        the config has a tokenizer, else on tokens).
+
+        Raises:
+            TypeError / ValueError: a bad ``transforms`` entry, naming it.
+        """
+        specs: Any = self.transforms
+        if isinstance(specs, Mapping):
+            unknown = sorted(set(specs) - {"*", *self.dataset_weights})
+            if unknown:
+                raise ValueError(
+                    f"transforms names datasets {unknown} that are not in the config "
+                    f"(datasets: {list(self.dataset_weights)}; '*' means all)"
+                )
+            specs = [*(specs.get("*") or []), *(specs.get(dataset) or [])]
+        if not isinstance(specs, Sequence) or isinstance(specs, str):
+            raise TypeError(
+                f"transforms={specs!r} must be a list of transforms or a mapping dataset -> list"
+            )
+        on: On = "text" if self.tokenizer is not None else "tokens"
+        return [from_spec(spec, on) for spec in specs]
+
+    def _check_eval_split(self) -> None:
+        fr = self.eval_fraction
+        values = fr.values() if isinstance(fr, Mapping) else [fr]
+        check_int("eval_seed", self.eval_seed, None)  # (EvalSplit would call it seed)
+        for v in values:
+            EvalSplit(v, self.eval_seed)  # its checks name the value
+        if isinstance(fr, Mapping):
+            unknown = sorted(set(fr) - set(self.dataset_weights))
+            if unknown:
+                raise ValueError(
+                    f"eval_fraction names datasets {unknown} that are not in datasets "
+                    f"{list(self.dataset_weights)}; use their names"
+                )
+
+    def eval_split(self, dataset: str) -> EvalSplit | None:
+        """The held-out split of ``dataset`` (None: nothing held out)."""
+        fr = self.eval_fraction
+        f = fr.get(dataset, 0.0) if isinstance(fr, Mapping) else fr
+        return EvalSplit(float(f), self.eval_seed) if f else None
+
+    def _check_phases(self) -> None:
+        if self.phases:
+            self.phases, self.datasets = check_phases(
+                self.phases, weights=self.weights, datasets=self.datasets, epochs=self.epochs
+            )
+        else:
+            self.phases = []
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PipelineConfig:
+        """Build from a mapping; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_file(cls, url: str, storage_options: dict[str, Any] | None = None) -> PipelineConfig:
+        """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL).
+
+        Raises:
+            ValueError: the file is not valid YAML/JSON (naming the file, line and column), or
+                not a mapping of known keys.
+        """
+        fs, path = filesystem(url, storage_options)
+        with fs.open(path, "rt") as f:
+            text = f.read()
+        if url.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml") from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ValueError(
+                    f"{url}: not valid YAML{_yaml_where(exc)}; fix the config file"
+                ) from None
+        elif url.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{url}: not valid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
+                    "fix the config file"
+                ) from None
+        else:
+            raise ValueError(f"{url}: config files must end in .yaml, .yml or .json")
+        if not isinstance(data, dict):
+            raise ValueError(f"{url}: the config must be a mapping of keys to values")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def special_tokens(self) -> dict[str, int | None]:
+        """The special token ids by field name (BOS, EOS, BOL, EOL, pad)."""
+        names = ("bos_token", "eos_token", "bol_token", "eol_token", "pad_token")
+        return {name: getattr(self, name) for name in names}
+
+    def check_special_ids(self, tokenizer: Any | None = None) -> None:
+        """Refuse special ids outside ``dtype`` or that ``tokenizer`` (this config's, loaded)
+        emits for ordinary text.
+
+        Raises:
+            ValueError: naming the field, its value, the reason and the ids allowed.
+        """
+        ids = None if tokenizer is None else token_ids(tokenizer, self.tokenizer)
+        if ids is not None and ids.vocab_size - 1 > np.iinfo(self.dtype).max:
+            raise ValueError(
+                f"dtype={self.dtype!r} cannot hold the ids of tokenizer={self.tokenizer!r} "
+                f"(vocab_size {ids.vocab_size}); set dtype='int64'"
+            )
+        check_special_tokens(self.special_tokens, dtype=self.dtype, ids=ids)
+
+    @property
+    def dataset_weights(self) -> dict[str, float]:
+        names = list(self.datasets) or [self._single_name()]
+        weights = list(self.weights) or [1.0] * len(names)
+        return dict(zip(names, weights))  # type: ignore[arg-type]
+
+    def _single_name(self) -> str:
+        return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+def _yaml_where(exc: Exception) -> str:
+    """Where and what a PyYAML error is, in the file's lines (PyYAML names the text it was
+    given, ``"<unicode string>"``, not the file)."""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f" ({exc})"
+    out = f" at {at(mark)} ({problem}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        out += f", {context} that starts at {at(context_mark)}"
+    return out + ")"
