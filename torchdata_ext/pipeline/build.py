@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -33,6 +33,9 @@ from torchdata_ext.sources.index_file import load_index_file, shared_by_rank0, w
 from torchdata_ext.sources.prepared_meta import check_config, read_meta
 from torchdata_ext.tokenizers.load import load_tokenizer, worker_threads
 from torchdata_ext.world import World
+
+if TYPE_CHECKING:
+    from torchdata_ext.nodes.reader import ShardReader
 
 __all__ = ["build_datasets", "build_eval_pipeline", "build_pipeline"]
 
@@ -157,28 +160,57 @@ def _build(
     collate: bool,
     subset: Subset,
 ) -> BaseNode:
-    import torch
+    """The stages of the module docstring, in order, for ``subset`` (``"eval"``: one epoch of
+    the held-out documents, no budgets, no shuffle buffer)."""
+    evaluating = subset == "eval"
+    indexes = _indexes_to_read(cfg, world, datasets, evaluating)
+    tokenizer = _checked_tokenizer(cfg, indexes)
+    sources: dict[str, BaseNode] = {}
+    readers: list[ShardReader] = []
+    for name, index in indexes.items():
+        reader = _reader(cfg, name, index, world, tokenizer, subset)
+        readers.append(reader)
+        node = _document_stages(cfg, name, reader, tokenizer, world)
+        sources[name] = (
+            node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
+        )
+    node = _mix(cfg, sources, world, evaluating)
+    node = _pack(cfg, node, list(indexes))
+    if cfg.shuffle_buffer > 1 and not evaluating:
+        node = _shuffle_buffer(cfg, node, list(indexes.values()), readers)
+    if collate:
+        node = _collate(cfg, node)
+    return node
 
-    from torchdata_ext.nodes.collate import Collate
-    from torchdata_ext.nodes.concat import Concat
-    from torchdata_ext.nodes.interleave import Interleave
-    from torchdata_ext.nodes.pack import Pack
-    from torchdata_ext.nodes.reader import ShardReader
-    from torchdata_ext.nodes.shuffle import ShuffleBuffer
-    from torchdata_ext.nodes.tokenize import Tokenize
-    from torchdata_ext.nodes.transform import TransformDocuments
 
+def _indexes_to_read(
+    cfg: PipelineConfig,
+    world: World | None,
+    datasets: Mapping[str, DatasetIndex] | None,
+    evaluating: bool,
+) -> dict[str, DatasetIndex]:
+    """``datasets`` (default: built here); to evaluate, only those with a held-out share.
+
+    Raises:
+        ValueError: evaluating, and ``cfg.eval_fraction`` holds out nothing.
+    """
     if datasets is None:  # never a collective here: a build may run on one rank alone
         datasets = _datasets_here(cfg, _checks_index_files(world))
-    datasets = dict(datasets)
-    evaluating = subset == "eval"
+    indexes = dict(datasets)
     if evaluating:
-        datasets = {n: ix for n, ix in datasets.items() if cfg.eval_split(n) is not None}
-        if not datasets:
+        indexes = {n: ix for n, ix in indexes.items() if cfg.eval_split(n) is not None}
+        if not indexes:
             raise ValueError(
                 f"eval_fraction={cfg.eval_fraction!r} holds out no documents: set eval_fraction "
                 "(e.g. 0.01) to evaluate on a held-out share of the data"
             )
+    return indexes
+
+
+def _checked_tokenizer(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]) -> Any | None:
+    """The config's tokenizer, loaded (None for token data), once the data agrees with it:
+    no text without a tokenizer (:func:`_check_tokens`), no special id it emits for text, and
+    data that ``prepare`` wrote tokenized as the config says."""
     if cfg.tokenizer is None:
         _check_tokens(cfg, datasets)
     tokenizer = None
@@ -196,49 +228,87 @@ def _build(
                 specials=cfg.special_tokens,
                 dtype=cfg.dtype,
             )
-    sources: dict[str, BaseNode] = {}
-    readers: list[ShardReader] = []
-    for name, index in datasets.items():
-        node: BaseNode = ShardReader(
-            index,
-            cfg.logical_shards,
-            seed=cfg.seed,
-            world=world,
-            epochs=1 if evaluating else cfg.epochs,
-            block_docs=cfg.block_docs,
-            min_length=cfg.min_length,
-            strip_tokens=cfg.strip_tokens,  # type: ignore[arg-type]
-            max_chunksize=cfg.max_chunksize if tokenizer is None else None,
-            dtype=np.int32,
-            split=cfg.eval_split(name),
-            subset=subset,
-            max_dropped=cfg.max_dropped_documents,
-        )
-        readers.append(node)
-        steps = cfg.transforms_for(name)
-        text_steps = [t for t in steps if t.on == "text"]
-        token_steps = [t for t in steps if t.on == "tokens"]
-        if text_steps:
-            if tokenizer is None:
-                raise ValueError(
-                    f"transforms for dataset {name!r} include text steps {text_steps}, but the "
-                    "config has no tokenizer (the data is tokens): use token transforms"
-                )
-            node = TransformDocuments(node, text_steps, max_dropped=cfg.max_dropped_documents)
-        if tokenizer is not None:
-            # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
-            node = Tokenize(
-                node,
-                tokenizer,
-                cut_handed_back=not token_steps,
-                # 2 encoding threads (each a batch encode), 1 when a worker has one core
-                num_threads=min(2, worker_threads(world.num_workers if world else 1)),
+    return tokenizer
+
+
+def _reader(
+    cfg: PipelineConfig,
+    name: str,
+    index: DatasetIndex,
+    world: World | None,
+    tokenizer: Any | None,
+    subset: Subset,
+) -> ShardReader:
+    """The ``ShardReader`` of dataset ``name``: its logical shards' documents, in blocks,
+    skipping (``"train"``) or keeping only (``"eval"``, one epoch) the held-out ones."""
+    from torchdata_ext.nodes.reader import ShardReader
+
+    return ShardReader(
+        index,
+        cfg.logical_shards,
+        seed=cfg.seed,
+        world=world,
+        epochs=1 if subset == "eval" else cfg.epochs,
+        block_docs=cfg.block_docs,
+        min_length=cfg.min_length,
+        strip_tokens=cfg.strip_tokens,  # type: ignore[arg-type]
+        max_chunksize=cfg.max_chunksize if tokenizer is None else None,
+        dtype=np.int32,
+        split=cfg.eval_split(name),
+        subset=subset,
+        max_dropped=cfg.max_dropped_documents,
+    )
+
+
+def _document_stages(
+    cfg: PipelineConfig,
+    name: str,
+    reader: BaseNode,
+    tokenizer: Any | None,
+    world: World | None,
+) -> BaseNode:
+    """``reader``'s documents through dataset ``name``'s text transforms, ``Tokenize`` (with a
+    tokenizer) and its token transforms.
+
+    Raises:
+        ValueError: text transforms on token data (no tokenizer).
+    """
+    from torchdata_ext.nodes.tokenize import Tokenize
+    from torchdata_ext.nodes.transform import TransformDocuments
+
+    node = reader
+    steps = cfg.transforms_for(name)
+    text_steps = [t for t in steps if t.on == "text"]
+    token_steps = [t for t in steps if t.on == "tokens"]
+    if text_steps:
+        if tokenizer is None:
+            raise ValueError(
+                f"transforms for dataset {name!r} include text steps {text_steps}, but the "
+                "config has no tokenizer (the data is tokens): use token transforms"
             )
-        if token_steps:
-            node = TransformDocuments(node, token_steps, max_dropped=cfg.max_dropped_documents)
-        sources[name] = (
-            node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
+        node = TransformDocuments(node, text_steps, max_dropped=cfg.max_dropped_documents)
+    if tokenizer is not None:
+        # a transform after Tokenize cuts handed-back pieces itself (its coordinates)
+        node = Tokenize(
+            node,
+            tokenizer,
+            cut_handed_back=not token_steps,
+            # 2 encoding threads (each a batch encode), 1 when a worker has one core
+            num_threads=min(2, worker_threads(world.num_workers if world else 1)),
         )
+    if token_steps:
+        node = TransformDocuments(node, token_steps, max_dropped=cfg.max_dropped_documents)
+    return node
+
+
+def _mix(
+    cfg: PipelineConfig, sources: Mapping[str, BaseNode], world: World | None, evaluating: bool
+) -> BaseNode:
+    """The datasets' ``Interleave`` at ``cfg``'s weights; with ``phases`` (training) a
+    ``Concat`` of one mix per phase, each ending at its budget or when exhausted. Training puts
+    the run's budget over it (held-out data is evaluated whole)."""
+    from torchdata_ext.nodes.concat import Concat
+    from torchdata_ext.nodes.interleave import Interleave
 
     def mix(weights: Mapping[str, float]) -> BaseNode:
         return Interleave(
@@ -249,9 +319,10 @@ def _build(
             quantum_tokens=cfg.mix_quantum_tokens,
         )
 
-    # a curriculum: each phase a mix, ending at its budget or when exhausted
-    if cfg.phases and not evaluating:
-        node = Concat(
+    if evaluating:
+        return mix(cfg.dataset_weights)
+    if cfg.phases:
+        node: BaseNode = Concat(
             [
                 with_budget(
                     mix(dict(zip(p["datasets"], p["weights"]))), p, None, f"phase{i}", world
@@ -261,9 +332,14 @@ def _build(
         )
     else:
         node = mix(cfg.dataset_weights)
-    if not evaluating:  # held-out data is evaluated whole: no budgets
-        node = with_budget(node, cfg, None, "run", world)
-    node = Pack(
+    return with_budget(node, cfg, None, "run", world)
+
+
+def _pack(cfg: PipelineConfig, node: BaseNode, dataset_names: list[str]) -> BaseNode:
+    """Documents packed into ``cfg.seq_length``-token sequences, the ``pack_mode`` way."""
+    from torchdata_ext.nodes.pack import Pack
+
+    return Pack(
         node,
         cfg.seq_length,
         mode=cfg.pack_mode,
@@ -275,18 +351,36 @@ def _build(
         shift=cfg.shift,
         window=cfg.best_fit_window,
         drop_remainder=cfg.drop_remainder,
-        dataset_names=list(datasets),
+        dataset_names=dataset_names,
         max_dropped=cfg.max_dropped_documents,
     )
-    if cfg.shuffle_buffer > 1 and not evaluating:
-        share = functools.partial(_worker_share, cfg, list(datasets.values()), readers)
-        node = ShuffleBuffer(
-            node, cfg.shuffle_buffer, seed=cfg.seed, worker_share=share, fill=cfg.shuffle_fill
-        )
-    if collate:
-        dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
-        node = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
-    return node
+
+
+def _shuffle_buffer(
+    cfg: PipelineConfig,
+    node: BaseNode,
+    datasets: list[DatasetIndex],
+    readers: list[ShardReader],
+) -> BaseNode:
+    """The packed sequences through a ``cfg.shuffle_buffer``-sequence ``ShuffleBuffer``, told
+    one worker's share of a pass (:func:`_worker_share`) once the readers know their world."""
+    from torchdata_ext.nodes.shuffle import ShuffleBuffer
+
+    share = functools.partial(_worker_share, cfg, datasets, readers)
+    return ShuffleBuffer(
+        node, cfg.shuffle_buffer, seed=cfg.seed, worker_share=share, fill=cfg.shuffle_fill
+    )
+
+
+def _collate(cfg: PipelineConfig, node: BaseNode) -> BaseNode:
+    """Batches of ``cfg.batch_size`` sequences as torch tensors of ``cfg.dtype``, with the
+    keys ``cfg.output_keys``."""
+    import torch
+
+    from torchdata_ext.nodes.collate import Collate
+
+    dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
+    return Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
 
 
 def _worker_share(
