@@ -301,7 +301,7 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
     """Counted from a cursor in the middle of a document (``max_chunksize``; the audit of a
     checkpoint without replay meets them): the tokens of the pieces handed out, exactly."""
     from torchdata_ext import ShardReader, World
-    from torchdata_ext.audit.report import _audit_dataset, _Held
+    from torchdata_ext.audit.consumption import Held, audit_dataset
 
     index = build_datasets(cfg)["code"]
     reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, max_chunksize=4)
@@ -317,8 +317,8 @@ def test_a_document_begun_counts_the_tokens_handed_out(cfg) -> None:
     else:
         raise AssertionError("no cursor stopped inside a document: the test would test nothing")
     lengths = index.doc_lengths()
-    _, audit = _audit_dataset(
-        index, state, _Held(index, lengths), lengths, None,
+    _, audit = audit_dataset(
+        index, state, Held(index, lengths), lengths, None,
         weight=None, target_share=None,
     )  # fmt: skip
     assert audit.current.tokens == sum(got.values())
@@ -516,7 +516,7 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     """A reader with ``epochs=1`` read to its end has every shard waiting at epoch 1: the
     current epoch is the finished one, 100% consumed, every document listed."""
     from torchdata_ext import ShardReader, World
-    from torchdata_ext.audit.report import _audit_dataset, _document_rows, _Held
+    from torchdata_ext.audit.consumption import Held, audit_dataset, document_rows
 
     index = build_datasets(cfg)["code"]
     reader = ShardReader(index, 24, seed=5, world=World(0, 1, 0, 1), block_docs=3, epochs=1)
@@ -525,13 +525,13 @@ def test_a_finished_epoch_is_shown_whole_not_the_next_one_at_zero(cfg) -> None:
     state = reader.state_dict()
     assert set(reader_cursors(state).epoch.tolist()) == {1}
     lengths = index.doc_lengths()
-    cursors, audit = _audit_dataset(
-        index, state, _Held(index, lengths), lengths, None,
+    cursors, audit = audit_dataset(
+        index, state, Held(index, lengths), lengths, None,
         weight=None, target_share=None,
     )  # fmt: skip
     assert (audit.epoch_min, audit.current.epoch, audit.current.documents) == (1, 0, 80)
     assert audit.current.tokens == int(lengths.sum()) and len(audit.epochs) == 1
-    file, doc, epoch, flight = _document_rows(cursors)
+    file, doc, epoch, flight = document_rows(cursors)
     assert len(file) == 80 and set(epoch.tolist()) == {0} and not flight.any()
 
 

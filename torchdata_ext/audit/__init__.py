@@ -2,17 +2,13 @@
 (:func:`inspect_dataset`), and what every delivered row must look like.
 """
 
+from torchdata_ext.audit.consumption import DatasetAudit, EpochConsumption
 from torchdata_ext.audit.inspect_data import (
     histogram,
     inspect_dataset,
     open_index,
 )
-from torchdata_ext.audit.report import (
-    AuditReport,
-    DatasetAudit,
-    EpochConsumption,
-    audit_checkpoint,
-)
+from torchdata_ext.audit.report import AuditReport, audit_checkpoint
 
 __all__ = [
     "AuditReport",

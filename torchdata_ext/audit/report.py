@@ -61,9 +61,9 @@ reads nothing but the checkpoint and the counts: documents are then counted up t
 recorded replay points, and what tokenize / interleave / pack hold is not known
 (``AuditReport.replayed`` is False and the report says so).
 
-At ~580 lines this module is over the style's ~500: the report types and the counting that
-fills them (cursors -> documents and tokens per epoch, in-flight pieces -> documents) are one
-piece; the table and the picture are in ``render.py``.
+This module reads the checkpoint and gathers each dataset's reader states and in-flight
+pieces; the counting that turns them into documents and tokens per epoch (and the per-dataset
+types) is in ``consumption.py``, the table and the picture in ``render.py``.
 """
 
 from __future__ import annotations
@@ -79,14 +79,19 @@ import numpy as np
 import pyarrow as pa
 
 from torchdata_ext.audit import render as _audit_render
-from torchdata_ext.audit.render import HOLDERS
+from torchdata_ext.audit.consumption import (
+    Cursors,
+    DatasetAudit,
+    EpochConsumption,
+    Held,
+    audit_dataset,
+    document_rows,
+    training_side,
+)
 from torchdata_ext.checkpoint.folder import dataset_differs, read_manifest, read_worker_states
 from torchdata_ext.checkpoint.rescale import live_cut
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
-from torchdata_ext.order.shard_walk import walked_documents
-from torchdata_ext.order.shards import file_offsets, shard_bounds
-from torchdata_ext.order.split import EvalSplit, SplitFilter
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.remote import write_bytes_atomic
@@ -102,133 +107,6 @@ from torchdata_ext.state.reader_state import merge_reader_states, reader_cursors
 from torchdata_ext.world import World
 
 __all__ = ["AuditReport", "DatasetAudit", "EpochConsumption", "audit_checkpoint"]
-
-
-@dataclass(frozen=True)
-class EpochConsumption:
-    """What a dataset consumed in one epoch.
-
-    Attributes:
-        epoch: the epoch number (0 is the first).
-        documents: documents consumed in it.
-        tokens: their tokens (a document cut by ``max_chunksize`` counts the tokens handed
-            out); None when unknown (text data).
-        percent_documents: ``documents`` over the dataset's documents, in percent.
-        percent_tokens: ``tokens`` over the dataset's tokens, in percent (None if unknown).
-    """
-
-    epoch: int
-    documents: int
-    tokens: int | None
-    percent_documents: float
-    percent_tokens: float | None
-
-
-@dataclass(frozen=True)
-class DatasetAudit:
-    """One dataset's part of an :class:`AuditReport`.
-
-    Attributes:
-        name: the dataset name.
-        files: its number of files.
-        documents: its documents (all files), without those held out for evaluation.
-        held_out_documents: documents held out for evaluation (``eval_fraction``): the walk
-            passes them, the training pipeline never delivers them; left out of every count.
-        tokens: its tokens (counts files; held-out documents' excluded), None when unknown
-            (text).
-        logical_shards: its logical shard count.
-        epoch_min: the lowest epoch a logical shard is in (the epoch its cursor reads next):
-            the dataset's current epoch.
-        epoch_max: the highest (a shard that finished epoch ``e`` is in ``e + 1``).
-        shards_done: logical shards that finished ``epoch_min`` (now in a later epoch).
-        epochs: consumption per epoch, from the current one to the last one any document
-            was consumed in. The current epoch is ``epoch_min``, or the one before it when
-            that one is complete and no shard has begun ``epoch_min`` yet (an epoch boundary,
-            or a finished ``epochs=N`` run: 100%) or some of its documents are still in
-            flight.
-        in_flight_documents: consumed documents with tokens not yet delivered.
-        in_flight_tokens: tokens in flight (None when unknown).
-        in_flight_by_holder: in-flight documents by where they are held: ``pipeline``
-            (tokenize / interleave / pack), ``shuffle_buffer``, ``handed_back`` (by a rescale);
-            a document held in two places counts in both.
-        skipped_documents: documents skipped by ``on_error="skip"`` (all epochs).
-        weight: its target weight (None without a mix).
-        target_share: the weight over the sum of the weights.
-        tokens_delivered: the tokens of the documents consumed in every epoch so far less
-            those in flight: what the trainer received (plus what the pipeline dropped: see
-            the module docstring), from the same cut as the other counts; None when tokens are
-            unknown (text).
-        token_share: ``tokens_delivered`` over all datasets' (None if nothing delivered yet).
-        documents_delivered: the documents consumed in every epoch so far less those in
-            flight: all of whose tokens the trainer received (or dropped).
-    """
-
-    name: str
-    files: int
-    documents: int
-    held_out_documents: int
-    tokens: int | None
-    logical_shards: int
-    epoch_min: int
-    epoch_max: int
-    shards_done: int
-    epochs: list[EpochConsumption]
-    in_flight_documents: int
-    in_flight_tokens: int | None
-    in_flight_by_holder: dict[str, int]
-    skipped_documents: int
-    weight: float | None
-    target_share: float | None
-    tokens_delivered: int | None
-    token_share: float | None
-    documents_delivered: int | None = None
-
-    @property
-    def current(self) -> EpochConsumption:
-        """The consumption of the current epoch: ``epochs[0]`` (see ``epochs``)."""
-        return self.epochs[0]
-
-
-@dataclass(frozen=True)
-class _Cursors:
-    """A dataset's live cursors and in-flight pieces, kept to list documents on demand."""
-
-    index: DatasetIndex
-    n_logical_shards: int
-    seed: int
-    shard: np.ndarray
-    epoch: np.ndarray
-    pos: np.ndarray
-    offset: np.ndarray
-    in_flight: np.ndarray  # global document ids with a piece in flight, unique
-    kept: np.ndarray | None  # per global document: on the training side (None: all are)
-    first: int  # the first epoch listed (_first_epoch)
-
-
-class _Held:
-    """One dataset's pieces in flight, by holder, reduced as each worker's are read: the
-    documents holding them (global ids) and their tokens (None when lengths are unknown)."""
-
-    def __init__(self, index: DatasetIndex, lengths: np.ndarray | None) -> None:
-        self._offsets = file_offsets(index.doc_counts)
-        self._lengths = lengths
-        self._ids: dict[str, list[np.ndarray]] = {h: [] for h in HOLDERS}
-        self.tokens: int | None = None if lengths is None else 0
-
-    def add(self, holder: str, pieces: Any) -> None:
-        """Pieces ``(file, doc, start, stop)`` (stop -1: to the document's end) held by
-        ``holder``."""
-        arr = np.asarray(pieces, np.int64).reshape(-1, 4)
-        ids = self._offsets[arr[:, 0]] + arr[:, 1]
-        self._ids[holder].append(np.unique(ids))
-        if self._lengths is not None and self.tokens is not None:
-            stop = np.where(arr[:, 3] < 0, self._lengths[ids], arr[:, 3])
-            self.tokens += int((stop - arr[:, 2]).sum())
-
-    def documents(self, holder: str | None = None) -> np.ndarray:
-        """The documents holding pieces (of ``holder``, or of any), unique."""
-        parts = self._ids[holder] if holder else [a for h in HOLDERS for a in self._ids[h]]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True)
@@ -263,7 +141,7 @@ class AuditReport:
     lagging_batches: int
     changed_files: list[str] | None = None
     verified: str | None = None
-    _cursors: dict[str, _Cursors] = field(default_factory=dict, repr=False, compare=False)
+    _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (what :meth:`to_json` writes)."""
@@ -284,7 +162,7 @@ class AuditReport:
         row of the latest epoch that consumed it). Rows are sorted by dataset (config order),
         epoch, file and document. Computed from the cursors on each call (vectorised).
         """
-        parts = [_document_rows(c) for c in self._cursors.values()]
+        parts = [document_rows(c) for c in self._cursors.values()]
         names = list(self._cursors)
         ds = np.concatenate([np.full(len(p[0]), i, np.int32) for i, p in enumerate(parts)])
         urls: list[str] = []
@@ -399,20 +277,65 @@ def audit_checkpoint(
     changed: list[str] | None = None
     verified: str | None = None
     if verify:
-        recorded = manifest.get("file_fingerprints")
-        if recorded is None:
-            raise ValueError(
-                f"checkpoint {url} records no data file fingerprints (saved by an earlier "
-                "version): it cannot be verified; audit it without verify"
-            )
-        changes = check_data_files(
-            recorded, datasets, allow_changed_files=allow_changed_files, where=f"checkpoint {url}"
-        )
-        changed = [f"{n}/{c.file}: {', '.join(c.what)}" for n, cs in changes.items() for c in cs]
-        verified = compared(recorded, datasets)
-    live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
+        changed, verified = _changed_files(url, manifest, datasets, allow_changed_files)
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
-    held = {name: _Held(ix, lengths[name]) for name, ix in datasets.items()}
+    held = {name: Held(ix, lengths[name]) for name, ix in datasets.items()}
+    live, lagging = _read_workers(url, storage_options, cfg, datasets, held, replay=replay)
+    cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
+    return AuditReport(
+        checkpoint=url,
+        world_size=int(manifest["world_size"]),
+        num_workers=int(manifest["num_workers"]),
+        seed=cfg.seed,
+        datasets=_with_token_shares(audits),
+        replayed=replay,
+        lagging_batches=lagging,
+        changed_files=changed,
+        verified=verified,
+        _cursors=cursors,
+    )
+
+
+def _changed_files(
+    url: str,
+    manifest: dict[str, Any],
+    datasets: dict[str, DatasetIndex],
+    allow_changed_files: bool,
+) -> tuple[list[str], str]:
+    """The data files changed since the checkpoint (``dataset/file: what differs``) and what
+    was compared, from the fingerprints the checkpoint recorded.
+
+    Raises:
+        ValueError: the checkpoint records no fingerprints.
+        ChangedFilesError: files changed and not ``allow_changed_files``.
+    """
+    recorded = manifest.get("file_fingerprints")
+    if recorded is None:
+        raise ValueError(
+            f"checkpoint {url} records no data file fingerprints (saved by an earlier "
+            "version): it cannot be verified; audit it without verify"
+        )
+    changes = check_data_files(
+        recorded, datasets, allow_changed_files=allow_changed_files, where=f"checkpoint {url}"
+    )
+    changed = [f"{n}/{c.file}: {', '.join(c.what)}" for n, cs in changes.items() for c in cs]
+    return changed, compared(recorded, datasets)
+
+
+def _read_workers(
+    url: str,
+    storage_options: dict[str, Any] | None,
+    cfg: PipelineConfig,
+    datasets: dict[str, DatasetIndex],
+    held: dict[str, Held],
+    *,
+    replay: bool,
+) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """Every worker's state in the checkpoint read: the pieces its shuffle buffer and (with
+    ``replay``) its pipeline hold go into ``held``. Returns each dataset's reader states, one
+    per worker (live with ``replay``, else as recorded), and the batches delivered after the
+    workers' last snapshots (summed once per rank)."""
+    live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lagging = 0
     counted_ranks: set[int] = set()
     for world, meta, graph in read_worker_states(url, storage_options):
@@ -424,66 +347,101 @@ def audit_checkpoint(
         shuffle_state = next(iter(shuffle_states(graph).values()), None)
         names = list(pack_state["dataset_names"]) if pack_state else list(datasets)
         if shuffle_state is not None:
-            _, rows = buffered_provenance(shuffle_state)
-            rows = rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)]
-            for i, name in enumerate(names):
-                mine = rows[rows[:, 0] == i]
-                stop = mine[:, 3] + mine[:, 4]
-                held[name].add("shuffle_buffer", np.column_stack([mine[:, 1:4], stop]))
+            _hold_buffered(shuffle_state, names, held)
         if replay and pack_state is not None:
-            root = build_pipeline(cfg, world, datasets, collate=False)
-            pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
-            if int(pack_state["consumed"]) or int(pack_state["bins"]):
-                readers, cut, _ = live_cut(pack, pack_state)
-            else:  # the pack holds nothing: its replay would only pull a block it never used
-                readers, cut, _ = live_cut(pack.source, pack_state[Pack.SOURCE_KEY])
-            for name in datasets:
-                held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
-        else:  # the outermost state of each reader (a curriculum's phases repeat it)
-            readers = {}
-            for st in reader_states({"graph": graph}).values():
-                readers.setdefault(st["dataset"], st)
+            readers = _replayed_readers(cfg, world, datasets, pack_state, held)
+        else:
+            readers = _recorded_readers(graph)
         for name, st in readers.items():
             live[name].append(st)
+    return live, lagging
+
+
+def _hold_buffered(shuffle_state: dict[str, Any], names: list[str], held: dict[str, Held]) -> None:
+    """The pieces of the sequences in a shuffle buffer's state, as held by it (``names``: the
+    pack's datasets, by the numbers its provenance rows use)."""
+    _, rows = buffered_provenance(shuffle_state)
+    rows = rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)]
+    for i, name in enumerate(names):
+        mine = rows[rows[:, 0] == i]
+        stop = mine[:, 3] + mine[:, 4]
+        held[name].add("shuffle_buffer", np.column_stack([mine[:, 1:4], stop]))
+
+
+def _replayed_readers(
+    cfg: PipelineConfig,
+    world: World,
+    datasets: dict[str, DatasetIndex],
+    pack_state: dict[str, Any],
+    held: dict[str, Held],
+) -> dict[str, dict[str, Any]]:
+    """The live reader states of one worker, by dataset, from restoring its pack (or, when
+    the pack holds nothing, what feeds it) and taking a consistent cut; the pieces held above
+    the readers go into ``held``."""
+    root = build_pipeline(cfg, world, datasets, collate=False)
+    pack = next(n for n in graph_nodes(root) if isinstance(n, Pack))
+    if int(pack_state["consumed"]) or int(pack_state["bins"]):
+        readers, cut, _ = live_cut(pack, pack_state)
+    else:  # the pack holds nothing: its replay would only pull a block it never used
+        readers, cut, _ = live_cut(pack.source, pack_state[Pack.SOURCE_KEY])
+    for name in datasets:
+        held[name].add("pipeline", [p[1:] for p in cut if p[0] == name])
+    return readers
+
+
+def _recorded_readers(graph: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The outermost state of each reader in one worker's graph state, by dataset (a
+    curriculum's phases repeat it)."""
+    readers: dict[str, dict[str, Any]] = {}
+    for st in reader_states({"graph": graph}).values():
+        readers.setdefault(st["dataset"], st)
+    return readers
+
+
+def _audit_datasets(
+    manifest: dict[str, Any],
+    cfg: PipelineConfig,
+    datasets: dict[str, DatasetIndex],
+    live: dict[str, list[dict[str, Any]]],
+    held: dict[str, Held],
+    lengths: dict[str, np.ndarray | None],
+) -> tuple[dict[str, Cursors], list[DatasetAudit]]:
+    """Each dataset's workers' reader states merged and counted (:func:`audit_dataset`),
+    with the pieces a rescale handed back and its target share of the weights the checkpoint
+    recorded; in the config's order."""
     weights = {name: manifest["datasets"][name].get("weight") for name in datasets}
     total_w = sum(w for w in weights.values() if w is not None)
     audits: list[DatasetAudit] = []
-    cursors: dict[str, _Cursors] = {}
+    cursors: dict[str, Cursors] = {}
     for name, index in datasets.items():
         merged = merge_reader_states(live[name])
         back = [p for ex in reader_cursors(merged).extras.values() for p in ex.get("returned", [])]
         held[name].add("handed_back", back)
         w = weights[name]
-        c, audit = _audit_dataset(
+        c, audit = audit_dataset(
             index,
             merged,
             held[name],
             lengths[name],
-            _training_side(index, cfg.eval_split(name)),
+            training_side(index, cfg.eval_split(name)),
             weight=w,
             target_share=None if w is None or not total_w else w / total_w,
         )
         cursors[name] = c
         audits.append(audit)
+    return cursors, audits
+
+
+def _with_token_shares(audits: list[DatasetAudit]) -> list[DatasetAudit]:
+    """``audits`` with each dataset's share of all the tokens delivered (unchanged while
+    nothing is delivered or some dataset's tokens are unknown)."""
     got = [a.tokens_delivered for a in audits]
     total = sum(t for t in got if t is not None)
     if total and None not in got:
-        audits = [replace(a, token_share=(a.tokens_delivered or 0) / total) for a in audits]
-    return AuditReport(
-        checkpoint=url,
-        world_size=int(manifest["world_size"]),
-        num_workers=int(manifest["num_workers"]),
-        seed=cfg.seed,
-        datasets=audits,
-        replayed=replay,
-        lagging_batches=lagging,
-        changed_files=changed,
-        verified=verified,
-        _cursors=cursors,
-    )
+        return [replace(a, token_share=(a.tokens_delivered or 0) / total) for a in audits]
+    return audits
 
 
-# -- helpers -------------------------------------------------------------------------------------
 def _as_config(cfg: Any) -> PipelineConfig:
     if isinstance(cfg, PipelineConfig):
         return cfg
@@ -533,165 +491,3 @@ def _check_matches(
                     f"{key}={s[key]!r}, config/data {key}={mine!r}); audit with the config and "
                     "data the run used"
                 )
-
-
-def _training_side(index: DatasetIndex, split: EvalSplit | None) -> np.ndarray | None:
-    """Per document of ``index`` (files in order): whether the training pipeline delivers it
-    (not held out by ``split``, decided as the reader decides: :class:`SplitFilter`); None
-    without a split."""
-    if split is None:
-        return None
-    keep = SplitFilter(split, "train", index.name, index.files)
-    offsets = file_offsets(index.doc_counts)
-    out = np.ones(int(offsets[-1]), bool)
-    for f, n in enumerate(index.doc_counts.tolist()):
-        out[offsets[f] : offsets[f + 1]] = keep.keep(f, np.arange(n))
-    return out
-
-
-def _audit_dataset(
-    index: DatasetIndex,
-    merged: dict[str, Any],
-    held: _Held,
-    lengths: np.ndarray | None,
-    kept: np.ndarray | None,
-    *,
-    weight: float | None,
-    target_share: float | None,
-) -> tuple[_Cursors, DatasetAudit]:
-    n = int(merged["n_logical_shards"])
-    view = reader_cursors(merged)
-    shard, epoch, pos, offset = view.ids, view.epoch, view.pos, view.offset
-    skips = int(view.skips.sum())
-    offsets = file_offsets(index.doc_counts)
-    bounds = shard_bounds(int(offsets[-1]), n)
-    size = bounds[shard + 1] - bounds[shard]
-    # the documents each cursor has passed in its own epoch (one more: a document begun)
-    entry, file, doc = walked_documents(
-        offsets, n, int(merged["seed"]), shard, epoch, pos + (offset > 0)
-    )
-    walked = offsets[file] + doc
-    doc_tokens = None
-    if lengths is not None:
-        doc_tokens = lengths[walked].copy()
-        begun = np.flatnonzero(offset > 0)  # the last walked document of these: in part
-        last = np.cumsum(np.bincount(entry, minlength=len(shard))) - 1
-        doc_tokens[last[begun]] = offset[begun]
-        if kept is not None:
-            lengths = np.where(kept, lengths, 0)
-        cum = np.concatenate([[0], np.cumsum(lengths)])
-        shard_tokens = cum[bounds[shard + 1]] - cum[bounds[shard]]
-    total_tokens = None if lengths is None else int(lengths.sum())
-    if kept is not None:  # held-out documents are passed by the walk, never delivered
-        ck = np.concatenate([[0], np.cumsum(kept)])
-        size = ck[bounds[shard + 1]] - ck[bounds[shard]]
-        mine = kept[walked]
-        entry, walked = entry[mine], walked[mine]
-        if doc_tokens is not None:
-            doc_tokens = doc_tokens[mine]
-    walked_docs = np.bincount(entry, minlength=len(shard))
-    total_docs = int(offsets[-1]) if kept is None else int(kept.sum())
-    in_flight = held.documents()
-    first = _first_epoch(epoch, pos, offset, walked, in_flight)
-    epochs: list[EpochConsumption] = []
-    for e in range(first, int(epoch.max()) + 1):
-        docs = int(size[epoch > e].sum() + walked_docs[epoch == e].sum())
-        if epochs and not docs:
-            break  # shards that finished an epoch wait at the next one, not begun
-        tok = None
-        if doc_tokens is not None:
-            tok = int(shard_tokens[epoch > e].sum() + doc_tokens[epoch[entry] == e].sum())
-        epochs.append(
-            EpochConsumption(
-                e,
-                docs,
-                tok,
-                100.0 * docs / total_docs,
-                None if tok is None or not total_tokens else 100.0 * tok / total_tokens,
-            )
-        )
-    by_holder = {h: len(held.documents(h)) for h in HOLDERS}
-    # every epoch so far: a shard in epoch e has passed all of epochs 0 .. e - 1 whole
-    documents_all = int((epoch * size).sum() + walked_docs.sum())
-    tokens_delivered = None
-    if doc_tokens is not None and held.tokens is not None:
-        tokens_delivered = int((epoch * shard_tokens).sum() + doc_tokens.sum()) - held.tokens
-    cursors = _Cursors(
-        index, n, int(merged["seed"]), shard, epoch, pos, offset, in_flight, kept, first
-    )
-    audit = DatasetAudit(
-        name=index.name,
-        files=len(index.files),
-        documents=total_docs,
-        held_out_documents=int(offsets[-1]) - total_docs,
-        tokens=total_tokens if kept is not None or index.total_tokens < 0 else index.total_tokens,
-        logical_shards=n,
-        epoch_min=int(epoch.min()),
-        epoch_max=int(epoch.max()),
-        shards_done=int((epoch > epoch.min()).sum()),
-        epochs=epochs,
-        in_flight_documents=len(in_flight),
-        in_flight_tokens=held.tokens,
-        in_flight_by_holder=by_holder,
-        skipped_documents=skips,
-        weight=weight,
-        target_share=target_share,
-        tokens_delivered=tokens_delivered,
-        token_share=None,  # set by audit_checkpoint, over all datasets
-        documents_delivered=documents_all - len(in_flight),
-    )
-    return cursors, audit
-
-
-def _first_epoch(
-    epoch: np.ndarray,
-    pos: np.ndarray,
-    offset: np.ndarray,
-    walked: np.ndarray,
-    in_flight: np.ndarray,
-) -> int:
-    """The first epoch to list: the lowest a shard is in, or the one before it when that one
-    is complete (every shard is past it) and either no shard has begun the next (a finished
-    run, or an epoch boundary) or documents of it are still in flight (not consumed since)."""
-    low = int(epoch.min())
-    if low == 0:
-        return 0
-    at_low = epoch == low
-    if not ((pos > 0) | (offset > 0))[at_low].any():
-        return low - 1
-    if len(in_flight) and not np.isin(in_flight, walked).all():
-        return low - 1
-    return low
-
-
-def _document_rows(c: _Cursors) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(file, doc, epoch, in_flight)`` of every document ``c`` consumed, sorted by epoch,
-    file and document."""
-    offsets = file_offsets(c.index.doc_counts)
-    bounds = shard_bounds(int(offsets[-1]), c.n_logical_shards)
-    lo, hi = bounds[c.shard], bounds[c.shard + 1]
-    entry, file, doc = walked_documents(
-        offsets, c.n_logical_shards, c.seed, c.shard, c.epoch, c.pos + (c.offset > 0)
-    )
-    ids = [offsets[file] + doc]
-    eps = [c.epoch[entry]]
-    for e in range(c.first, int(c.epoch.max())):
-        done = np.flatnonzero(c.epoch > e)  # whole shards consumed in epoch e
-        n = hi[done] - lo[done]
-        first = np.cumsum(n) - n
-        ids.append(np.repeat(lo[done] - first, n) + np.arange(int(n.sum()), dtype=np.int64))
-        eps.append(np.full(int(n.sum()), e, np.int64))
-    g = np.concatenate(ids)
-    epoch = np.concatenate(eps)
-    if c.kept is not None:  # held-out documents are never delivered: no row
-        mine = c.kept[g]
-        g, epoch = g[mine], epoch[mine]
-    latest = np.full(int(offsets[-1]), -1, np.int64)
-    np.maximum.at(latest, g, epoch)
-    flight = np.zeros(len(g), bool)
-    if len(c.in_flight):
-        flight = np.isin(g, c.in_flight) & (epoch == latest[g])
-    order = np.lexsort((g, epoch))
-    g, epoch, flight = g[order], epoch[order], flight[order]
-    f = np.searchsorted(offsets, g, side="right") - 1
-    return f, g - offsets[f], epoch, flight
