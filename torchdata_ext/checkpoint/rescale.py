@@ -285,6 +285,30 @@ def rescale_worker_states(
     """
     old_ranks, old_workers = old_topology
     old_total = old_ranks * old_workers
+    root, box, targets, n = _fresh_state(build, new_world)
+    needed = old_workers_needed(n, old_total, new_world)
+    missing = [g for g in needed if g not in old_graphs]
+    if missing:
+        raise ValueError(f"rescaling needs the states of old workers {missing}")
+    in_checkpoint = {name for g in needed for name in graph_summary(old_graphs[g])}
+    split = _Split.of(n, old_total, new_world, needed)
+    old = _cut_old_workers(old_graphs, old_topology, build, needed, in_checkpoint, split)
+    no_bos = _set_reader_states(box, root, targets, old, allow_new_datasets)
+    _hand_on(box, old.rows, sorted(no_bos))
+    _split_token_counters(box, old_graphs, needed, in_checkpoint, split)
+    _split_budgets(box, old.budgets, needed, split)
+    return box["graph"]
+
+
+def _fresh_state(
+    build: Callable[[World], BaseNode], new_world: World
+) -> tuple[BaseNode, dict[str, Any], dict[tuple, dict[str, Any]], int]:
+    """The new worker's fresh graph, its state in a box (so even the root state can be
+    replaced), its reader states by path, and their logical shard count.
+
+    Raises:
+        ValueError: the graph has no reader, or its datasets use different shard counts.
+    """
     root = build(new_world)
     root.reset(None)
     box = {"graph": root.state_dict()}  # a container, so even the root state can be replaced
@@ -296,57 +320,123 @@ def rescale_worker_states(
         raise ValueError(
             f"all datasets must use the same n_logical_shards to rescale, got {n_shards}"
         )
-    n = n_shards.pop()
-    needed = old_workers_needed(n, old_total, new_world)
-    missing = [g for g in needed if g not in old_graphs]
-    if missing:
-        raise ValueError(f"rescaling needs the states of old workers {missing}")
-    in_checkpoint = {name for g in needed for name in graph_summary(old_graphs[g])}
-    new_total = new_world.total_workers
-    # (O(1) each: a pass over every new worker's needs is hours at 4,096 ranks x 8 workers)
-    readers_of = {g: count_new_readers(n, old_total, new_total, g) for g in needed}
-    # this worker's place among an old worker's readers: the first (v % readers) get one more
-    first_reader = {
-        g: shard_owner(n, new_total, worker_shards(n, old_total, g).start) for g in needed
-    }
-    by_dataset: dict[str, list[dict[str, Any]]] = {}
-    returned: dict[str, list[tuple[int, int, int, int]]] = {}
-    budgets: dict[int, dict[str, Budget]] = {}
-    rows: list[tuple[list[str], np.ndarray]] = []  # the buffered rows this worker delivers
-    bos_done: set[tuple[str, int, int]] = set()
+    return root, box, targets, n_shards.pop()
+
+
+class _Split(NamedTuple):
+    """This new worker's part of what each needed old worker ``g`` holds, split exactly among
+    the ``readers_of[g]`` new workers that read ``g``: it is their ``place(g)``-th."""
+
+    readers_of: dict[int, int]
+    first_reader: dict[int, int]
+    global_worker: int
+
+    @classmethod
+    def of(cls, n: int, old_total: int, new_world: World, needed: list[int]) -> _Split:
+        new_total = new_world.total_workers
+        # (O(1) each: a pass over every new worker's needs is hours at 4,096 ranks x 8 workers)
+        readers_of = {g: count_new_readers(n, old_total, new_total, g) for g in needed}
+        first_reader = {
+            g: shard_owner(n, new_total, worker_shards(n, old_total, g).start) for g in needed
+        }
+        return cls(readers_of, first_reader, new_world.global_worker)
+
+    def place(self, g: int) -> int:
+        """This worker's place among ``g``'s readers."""
+        return self.global_worker - self.first_reader[g]
+
+    def share(self, g: int, value: int) -> int:
+        """This worker's part of ``value``: the parts add up to ``value`` (the first
+        ``value % readers`` get one more)."""
+        parts, i = self.readers_of[g], self.place(g)
+        return value // parts + (i < value % parts)
+
+
+class _OldCuts(NamedTuple):
+    """What the needed old workers' cuts give this new worker (see :func:`_cut_old_workers`)."""
+
+    by_dataset: dict[str, list[dict[str, Any]]]
+    returned: dict[str, list[tuple[int, int, int, int]]]
+    budgets: dict[int, dict[str, Budget]]
+    rows: list[tuple[list[str], np.ndarray]]
+    bos_done: set[tuple[str, int, int]]
+
+
+def _cut_old_workers(
+    old_graphs: dict[int, dict[str, Any]],
+    old_topology: tuple[int, int],
+    build: Callable[[World], BaseNode],
+    needed: list[int],
+    in_checkpoint: set[str],
+    split: _Split,
+) -> _OldCuts:
+    """Restore each needed old worker's graph and take its cut: the reader states by dataset
+    (of datasets in the checkpoint), the pieces held in flight by dataset, each worker's
+    budgets left, the buffered rows this worker delivers (its every ``readers``-th) and the
+    documents whose BOS was delivered."""
+    old_ranks, old_workers = old_topology
+    out = _OldCuts({}, {}, {}, [], set())
     for g in needed:
         old_world = World(g // old_workers, old_ranks, g % old_workers, old_workers)
         got = _live_cut(old_graphs[g], old_world, build)
-        budgets[g] = got.budgets
+        out.budgets[g] = got.budgets
         for name, st in got.readers.items():
             if name not in in_checkpoint:
                 continue  # an added dataset: its reader state stays fresh
-            by_dataset.setdefault(name, []).append(st)
+            out.by_dataset.setdefault(name, []).append(st)
         for ds, file, doc, start, stop in got.pieces:
-            returned.setdefault(ds, []).append((file, doc, start, stop))
-        bos_done.update(got.bos_done)
+            out.returned.setdefault(ds, []).append((file, doc, start, stop))
+        out.bos_done.update(got.bos_done)
         names, tables = got.rows
-        mine = new_world.global_worker - first_reader[g]
-        rows.extend((names, t) for t in tables[mine :: readers_of[g]])
+        out.rows.extend((names, t) for t in tables[split.place(g) :: split.readers_of[g]])
+    return out
+
+
+def _set_reader_states(
+    box: dict[str, Any],
+    root: BaseNode,
+    targets: dict[tuple, dict[str, Any]],
+    old: _OldCuts,
+    allow_new_datasets: bool,
+) -> list[list[Any]]:
+    """Set each reader's state in ``box`` to the merged old cursors of its dataset with the
+    pieces held in flight handed back; returns the handed-back documents whose BOS was
+    delivered (``[dataset, file, doc]``).
+
+    Raises:
+        ValueError: a dataset has no state in the checkpoint (unless ``allow_new_datasets``:
+            it starts fresh).
+    """
     live = {r.dataset.name: r for r in graph_nodes(root) if isinstance(r, ShardReader)}
     no_bos: list[list[Any]] = []  # this worker's handed-back documents whose BOS was delivered
     for path, st in targets.items():
         name = st["dataset"]
-        old = by_dataset.get(name)
-        if not old:
+        states = old.by_dataset.get(name)
+        if not states:
             if allow_new_datasets:
                 continue  # an added dataset starts fresh
             raise ValueError(f"the checkpoint has no state for dataset {name!r}")
-        merged = merge_reader_states(old, complete=False)
-        if returned.get(name):
-            merged = live[name].with_returned(merged, returned[name])
+        merged = merge_reader_states(states, complete=False)
+        if old.returned.get(name):
+            merged = live[name].with_returned(merged, old.returned[name])
             for extras in reader_cursors(merged).extras.values():
                 for file, doc, start, _stop in extras.get("returned", []):
-                    if start == 0 and (name, int(file), int(doc)) in bos_done:
+                    if start == 0 and (name, int(file), int(doc)) in old.bos_done:
                         no_bos.append([name, int(file), int(doc)])
         set_at(box, path, merged)
-    _hand_on(box, rows, sorted(no_bos))
-    # token counters: each old worker's share split among the new workers that read it
+    return no_bos
+
+
+def _split_token_counters(
+    box: dict[str, Any],
+    old_graphs: dict[int, dict[str, Any]],
+    needed: list[int],
+    in_checkpoint: set[str],
+    split: _Split,
+) -> None:
+    """Set each interleave's token counters in ``box``: every old worker's share split among
+    the new workers that read it; a dataset added since the checkpoint starts at its target
+    share of the tokens so far, so the mix does not lurch to it."""
     for path, counters in token_counters(box).items():
         summed = dict.fromkeys(counters, 0)
         for g in needed:
@@ -355,8 +445,7 @@ def rescale_worker_states(
                 continue
             for name, v in counted.items():
                 if name in summed:  # split exactly: the parts add up to v
-                    parts, i = readers_of[g], new_world.global_worker - first_reader[g]
-                    summed[name] += int(v) // parts + (i < int(v) % parts)
+                    summed[name] += split.share(g, int(v))
         new = [k for k in summed if k not in in_checkpoint]
         if new:  # an added dataset starts at its target share, so the mix does not lurch to it
             weights = _weights_at(box, path)
@@ -366,7 +455,18 @@ def rescale_worker_states(
             for k in new:
                 summed[k] = int(total / old_w * weights.get(k, 0.0)) if total_w else 0
         set_at(box, path, summed)
-    for path, st in budget_states(box).items():  # budgets: the same exact split
+
+
+def _split_budgets(
+    box: dict[str, Any], budgets: dict[int, dict[str, Budget]], needed: list[int], split: _Split
+) -> None:
+    """Set each budget's share in ``box``: every old worker's budget left split exactly among
+    the new workers that read it.
+
+    Raises:
+        ValueError: a budget of this pipeline is not in the checkpoint.
+    """
+    for path, st in budget_states(box).items():
         for idx, key in enumerate((Take.TOKENS_KEY, Take.DOCUMENTS_KEY)):
             if st[key] is None:
                 continue
@@ -379,10 +479,8 @@ def rescale_worker_states(
                         f"budget {st[Take.NAME_KEY]!r} ({key}) is in this pipeline but not in "
                         "the checkpoint; a budget cannot be added across a checkpoint"
                     )
-                parts, i = readers_of[g], new_world.global_worker - first_reader[g]
-                share += left // parts + (i < left % parts)
+                share += split.share(g, left)
             set_at(box, (*path, key), share)
-    return box["graph"]
 
 
 def _hand_on(
