@@ -20,7 +20,7 @@ import pytest
 from test_remote_pipeline import _cfg, _write_corpus, build
 
 import torchdata_ext.checkpoint.folder as checkpoint_module
-import torchdata_ext.prepare_data.tokenize_text as prepare_data
+import torchdata_ext.prepare_data.output_files as output_files
 from torchdata_ext import prepare
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
@@ -193,12 +193,12 @@ def test_disk_full_while_prepare_writes_the_counts_leaves_no_temporary(
     inputs = str(tmp_path / "in")
     write_jsonl(f"{inputs}/t.jsonl", _texts(50))
     out = small_disk("prepare_disk", 64)
-    finalize = prepare_data._finalize
+    finalize = output_files.write_listings
 
     def finalize_on_a_full_disk(*args):
         _fill(out, leave_pages=0)
         return finalize(*args)
 
-    monkeypatch.setattr(prepare_data, "_finalize", finalize_on_a_full_disk)
+    monkeypatch.setattr(output_files, "write_listings", finalize_on_a_full_disk)
     prepare(inputs, out, progress=False)
     assert _hidden(out) == []

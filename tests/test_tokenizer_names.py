@@ -52,9 +52,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty local Hugging Face cache in use, offline (and no tokenizer loaded before)."""
     from huggingface_hub import constants
 
-    import torchdata_ext.prepare_data.tokenize_text as prepare_data
+    import torchdata_ext.prepare_data.tokenize_inputs as tokenize_inputs
 
-    monkeypatch.setattr(prepare_data, "_TOKENIZERS", {})  # prepare loads a spec once per process
+    monkeypatch.setattr(tokenize_inputs, "_TOKENIZERS", {})  # prepare loads a spec once per process
 
     root = tmp_path / "hf-cache"
     root.mkdir()

@@ -11,6 +11,11 @@ provenance rows, and the token offsets of its units (a piece plus its specials):
 A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and hands them to
 :class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`).
+
+At ~540 lines this module is over the ~500 of the style guide: turning a block into a stream
+(:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
+stream tokens, the provenance rows, the units that start a row) that share the cursor's
+open-document state; :class:`Stream` and the types above it are the next cut.
 """
 
 from __future__ import annotations
@@ -280,162 +285,259 @@ class StreamCursor:
 
     def _expand(self, block: DocumentBlock, pre_state: Any) -> Stream:
         """Place the block's document specials: its tokens, provenance rows and units."""
-        if not isinstance(block, DocumentBlock):
-            raise TypeError(
-                f"Pack needs DocumentBlocks from its source, got {type(block).__name__}; "
-                "put Pack right after the reader, tokenize or interleave node"
-            )
-        if block.tokens is None:
-            raise TypeError(
-                f"Pack got a text block from dataset {block.dataset!r}; tokenize first (put a "
-                "tokenize node between the reader and Pack)"
-            )
+        _check_block(block)
         carry_in = sorted([list(k) for k in self._open]) if self._combined else []
         no_bos_in = self._no_bos_list
         ds_id = self._dataset_id(block.dataset)
         tokens = np.asarray(block.tokens)
         if tokens.dtype != self.dtype:
             tokens = tokens.astype(self.dtype)
-        off = np.asarray(block.offsets, np.int64)
-        n = len(off) - 1
-        lengths = off[1:] - off[:-1]
-        last = np.asarray(block.last, bool)
-        nonempty = lengths > 0
-        all_nonempty = bool(nonempty.all())
-        first = np.asarray(block.start) == 0
-        # empty whole documents are dropped (they get no specials)
-        keep = None if all_nonempty else nonempty | ~(first & last)
-        safe = tokens.size - 1 if tokens.size else 0
-        if self._combined or self.bos_token is not None:
-            head = tokens[np.minimum(off[:-1], safe)] if tokens.size else np.zeros(n, self.dtype)
-        if self._combined or self.eos_token is not None:
-            tail = tokens[np.maximum(off[1:] - 1, 0)] if tokens.size else np.zeros(n, self.dtype)
-        addbos = addeos = None
-        if self._combined:
-            sep = self.eos_token
-            head_s, tail_s = nonempty & (head == sep), nonempty & (tail == sep)
-            addeos = last & ~tail_s & ~(first & head_s)
-            for i in np.flatnonzero(first ^ last).tolist():  # chunked documents' ends only
-                key = (block.dataset, int(block.file[i]), int(block.doc[i]))
-                if first[i]:
-                    if head_s[i]:
-                        self._open.add(key)
-                    else:
-                        self._open.discard(key)
-                elif key in self._open:
-                    self._open.discard(key)
-                    addeos[i] = False
-        else:
-            if self.bos_token is not None:
-                ends_bos = head == self.bos_token
-                addbos = first & ~(ends_bos if all_nonempty else nonempty & ends_bos)
-            if self.eos_token is not None:
-                ends_eos = tail == self.eos_token
-                addeos = last & ~(ends_eos if all_nonempty else nonempty & ends_eos)
-        if keep is not None:
-            addbos = None if addbos is None else addbos & keep
-            addeos = None if addeos is None else addeos & keep
+        pieces = _Pieces.of(block)
+        addbos, addeos = self._specials_to_add(block, tokens, pieces)
         skipped: set[int] = set()
         if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
-            for i in np.flatnonzero(addbos).tolist():
-                key = (block.dataset, int(block.file[i]), int(block.doc[i]))
-                if key in self._no_bos:
-                    self._no_bos.discard(key)
-                    addbos[i] = False
-                    skipped.add(i)
-            self._no_bos_list = sorted([list(k) for k in self._no_bos])
-        n_bos = 0 if addbos is None else int(np.count_nonzero(addbos))
-        n_eos = 0 if addeos is None else int(np.count_nonzero(addeos))
-        if not n_bos:
-            addbos = None
-        if not n_eos:
-            addeos = None
-        unit_len = lengths
-        if addbos is not None:
-            unit_len = unit_len + addbos
-        if addeos is not None:
-            unit_len = unit_len + addeos
-        unit_off = np.empty(n + 1, np.int64)
-        unit_off[0] = 0
-        np.cumsum(unit_len, out=unit_off[1:])
-        if n_bos or n_eos:
-            out = np.empty(int(unit_off[-1]), self.dtype)
-            at_bos = None if addbos is None else unit_off[:-1][addbos]
-            at_eos = None if addeos is None else unit_off[1:][addeos] - 1
-            if n <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
-                dest = unit_off[:-1] if addbos is None else unit_off[:-1] + addbos
-                for d, a, b in zip(dest.tolist(), off[:-1].tolist(), off[1:].tolist()):
-                    out[d : d + b - a] = tokens[a:b]
-            else:
-                mask = np.ones(len(out), bool)
-                if at_bos is not None:
-                    mask[at_bos] = False
-                if at_eos is not None:
-                    mask[at_eos] = False
-                out[mask] = tokens[: off[-1]]
-            if at_bos is not None:
-                out[at_bos] = self.bos_token
-            if at_eos is not None:
-                out[at_eos] = self.eos_token
-        else:
-            out = tokens[: off[-1]]
-        # provenance rows: [BOS] [document piece] [EOS] per piece, the ones present
-        mid = np.empty((n, PROV_COLUMNS), np.int64)
-        mid[:, 0] = ds_id
-        mid[:, 1] = block.file
-        mid[:, 2] = block.doc
-        mid[:, 3] = block.start
-        mid[:, 4] = lengths
-        if addbos is None and all_nonempty and addeos is None:
-            rows = mid
-        elif addbos is None and all_nonempty and n_eos == n:  # rows alternate piece, EOS
-            rows = np.empty((2 * n, PROV_COLUMNS), np.int64)
-            rows[0::2] = mid
-            rows[1::2] = self._eos_row
-            rows[1::2, 2] = mid[:, 2]
-            rows[1::2, 3] = literal_code(ds_id, mid[:, 1])
-        else:
-            no = np.zeros(n, bool)
-            which = np.flatnonzero(
-                np.stack(
-                    [no if addbos is None else addbos, nonempty, no if addeos is None else addeos],
-                    1,
-                ).ravel()
-            )
-            rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
-            rows3[:, 0] = self._bos_row
-            rows3[:, 1] = mid
-            rows3[:, 2] = self._eos_row
-            rows3[:, 0::2, 2] = mid[:, None, 2]  # the specials name their document
-            rows3[:, 0::2, 3] = literal_code(ds_id, mid[:, None, 1])
-            rows = rows3.reshape(-1, PROV_COLUMNS)[which]
+            skipped = self._skip_delivered_bos(block, addbos)
+        addbos, addeos = _marks_any(addbos), _marks_any(addeos)
+        unit_off = _unit_offsets(pieces.lengths, addbos, addeos)
+        rows = self._provenance_rows(block, ds_id, pieces, addbos, addeos)
         row_off = np.empty(len(rows) + 1, np.int64)
         row_off[0] = 0
         np.cumsum(rows[:, 4], out=row_off[1:])
-        pin_at = None
-        if block.stop is not None:  # handed back by a rescale: a continuation starts a row
-            start = np.asarray(block.start)
-            inside = (start > 0) & nonempty
-            inside[1:] &= ~(  # not right after its own previous piece
-                (block.doc[1:] == block.doc[:-1])
-                & (block.file[1:] == block.file[:-1])
-                & (start[1:] == start[:-1] + lengths[:-1])
-            )
-            pin_at = unit_off[np.flatnonzero(inside)].tolist() or None
-        if skipped:  # its BOS ended a row before the rescale: the document starts the next
-            pin_at = sorted({*(pin_at or []), *unit_off[sorted(skipped)].tolist()})
         return Stream(
             pre_state,
             carry_in,
-            out,
+            self._place_specials(tokens, pieces.off, unit_off, addbos, addeos),
             rows,
             row_off,
             unit_off,
-            unit_last=last,
+            unit_last=pieces.last,
             block=block,
             unit_bos=addbos,
             unit_eos=addeos,
             no_bos_in=no_bos_in,
             bos_skipped=frozenset(skipped),
-            pin_at=pin_at,
+            pin_at=_pinned_units(block, pieces, unit_off, skipped),
         )
+
+    def _specials_to_add(
+        self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Which pieces get a BOS and which an EOS placed (bool masks; None: that special is
+        never placed): a document's first piece a BOS and its last an EOS, unless the piece
+        already begins / ends with that token; empty whole documents get none."""
+        p = pieces
+        addbos = addeos = None
+        if self._combined:
+            addeos = self._combined_eos(block, tokens, p)
+        else:
+            if self.bos_token is not None:
+                ends_bos = _first_tokens(tokens, p.off, self.dtype) == self.bos_token
+                addbos = p.first & ~(ends_bos if p.all_nonempty else p.nonempty & ends_bos)
+            if self.eos_token is not None:
+                ends_eos = _last_tokens(tokens, p.off, self.dtype) == self.eos_token
+                addeos = p.last & ~(ends_eos if p.all_nonempty else p.nonempty & ends_eos)
+        if not p.all_nonempty:  # empty whole documents are dropped (they get no specials)
+            keep = p.nonempty | ~(p.first & p.last)
+            addbos = None if addbos is None else addbos & keep
+            addeos = None if addeos is None else addeos & keep
+        return addbos, addeos
+
+    def _combined_eos(self, block: DocumentBlock, tokens: np.ndarray, p: _Pieces) -> np.ndarray:
+        """Which pieces get the shared BOS/EOS token (epochraft) placed after them: a
+        document's last piece, unless it ends with the token or began with it (a document
+        chunked over blocks is followed in the open documents)."""
+        sep = self.eos_token
+        head_s = p.nonempty & (_first_tokens(tokens, p.off, self.dtype) == sep)
+        tail_s = p.nonempty & (_last_tokens(tokens, p.off, self.dtype) == sep)
+        first, last = p.first, p.last
+        addeos = last & ~tail_s & ~(first & head_s)
+        for i in np.flatnonzero(first ^ last).tolist():  # chunked documents' ends only
+            key = (block.dataset, int(block.file[i]), int(block.doc[i]))
+            if first[i]:
+                if head_s[i]:
+                    self._open.add(key)
+                else:
+                    self._open.discard(key)
+            elif key in self._open:
+                self._open.discard(key)
+                addeos[i] = False
+        return addeos
+
+    def _skip_delivered_bos(self, block: DocumentBlock, addbos: np.ndarray) -> set[int]:
+        """Clear ``addbos`` (in place) for the documents whose BOS was already delivered
+        before a rescale, forget them, and return those pieces' indexes."""
+        skipped: set[int] = set()
+        for i in np.flatnonzero(addbos).tolist():
+            key = (block.dataset, int(block.file[i]), int(block.doc[i]))
+            if key in self._no_bos:
+                self._no_bos.discard(key)
+                addbos[i] = False
+                skipped.add(i)
+        self._no_bos_list = sorted([list(k) for k in self._no_bos])
+        return skipped
+
+    def _place_specials(
+        self,
+        tokens: np.ndarray,
+        off: np.ndarray,
+        unit_off: np.ndarray,
+        addbos: np.ndarray | None,
+        addeos: np.ndarray | None,
+    ) -> np.ndarray:
+        """The stream tokens: the block's tokens with the BOS/EOS marked in ``addbos`` /
+        ``addeos`` inserted (the block's tokens themselves when there are none)."""
+        if addbos is None and addeos is None:
+            return tokens[: off[-1]]
+        out = np.empty(int(unit_off[-1]), self.dtype)
+        at_bos = None if addbos is None else unit_off[:-1][addbos]
+        at_eos = None if addeos is None else unit_off[1:][addeos] - 1
+        if len(off) - 1 <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
+            dest = unit_off[:-1] if addbos is None else unit_off[:-1] + addbos
+            for d, a, b in zip(dest.tolist(), off[:-1].tolist(), off[1:].tolist()):
+                out[d : d + b - a] = tokens[a:b]
+        else:
+            mask = np.ones(len(out), bool)
+            if at_bos is not None:
+                mask[at_bos] = False
+            if at_eos is not None:
+                mask[at_eos] = False
+            out[mask] = tokens[: off[-1]]
+        if at_bos is not None:
+            out[at_bos] = self.bos_token
+        if at_eos is not None:
+            out[at_eos] = self.eos_token
+        return out
+
+    def _provenance_rows(
+        self,
+        block: DocumentBlock,
+        ds_id: int,
+        p: _Pieces,
+        addbos: np.ndarray | None,
+        addeos: np.ndarray | None,
+    ) -> np.ndarray:
+        """Provenance rows: [BOS] [document piece] [EOS] per piece, the ones present."""
+        n = len(p.lengths)
+        mid = np.empty((n, PROV_COLUMNS), np.int64)
+        mid[:, 0] = ds_id
+        mid[:, 1] = block.file
+        mid[:, 2] = block.doc
+        mid[:, 3] = block.start
+        mid[:, 4] = p.lengths
+        if addbos is None and p.all_nonempty and addeos is None:
+            return mid
+        if addbos is None and p.all_nonempty and addeos is not None and addeos.all():
+            rows = np.empty((2 * n, PROV_COLUMNS), np.int64)  # rows alternate piece, EOS
+            rows[0::2] = mid
+            rows[1::2] = self._eos_row
+            rows[1::2, 2] = mid[:, 2]
+            rows[1::2, 3] = literal_code(ds_id, mid[:, 1])
+            return rows
+        no = np.zeros(n, bool)
+        which = np.flatnonzero(
+            np.stack(
+                [no if addbos is None else addbos, p.nonempty, no if addeos is None else addeos],
+                1,
+            ).ravel()
+        )
+        rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
+        rows3[:, 0] = self._bos_row
+        rows3[:, 1] = mid
+        rows3[:, 2] = self._eos_row
+        rows3[:, 0::2, 2] = mid[:, None, 2]  # the specials name their document
+        rows3[:, 0::2, 3] = literal_code(ds_id, mid[:, None, 1])
+        return rows3.reshape(-1, PROV_COLUMNS)[which]
+
+
+class _Pieces(NamedTuple):
+    """A block's pieces as arrays: their token offsets and which are first, last, non-empty."""
+
+    off: np.ndarray  # token offsets of the pieces in the block (len(block) + 1)
+    lengths: np.ndarray
+    first: np.ndarray  # the piece starts its document (bool)
+    last: np.ndarray  # the piece ends its document (bool)
+    nonempty: np.ndarray
+    all_nonempty: bool
+
+    @classmethod
+    def of(cls, block: DocumentBlock) -> _Pieces:
+        """The pieces of ``block``."""
+        off = np.asarray(block.offsets, np.int64)
+        lengths = off[1:] - off[:-1]
+        nonempty = lengths > 0
+        return cls(
+            off,
+            lengths,
+            np.asarray(block.start) == 0,
+            np.asarray(block.last, bool),
+            nonempty,
+            bool(nonempty.all()),
+        )
+
+
+def _check_block(block: Any) -> None:
+    """Raise ``TypeError`` unless ``block`` is a token ``DocumentBlock``, saying where Pack goes."""
+    if not isinstance(block, DocumentBlock):
+        raise TypeError(
+            f"Pack needs DocumentBlocks from its source, got {type(block).__name__}; "
+            "put Pack right after the reader, tokenize or interleave node"
+        )
+    if block.tokens is None:
+        raise TypeError(
+            f"Pack got a text block from dataset {block.dataset!r}; tokenize first (put a "
+            "tokenize node between the reader and Pack)"
+        )
+
+
+def _first_tokens(tokens: np.ndarray, off: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Each piece's first token (an empty piece's is a neighbour's: callers mask it out)."""
+    if not tokens.size:
+        return np.zeros(len(off) - 1, dtype)
+    return tokens[np.minimum(off[:-1], tokens.size - 1)]
+
+
+def _last_tokens(tokens: np.ndarray, off: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Each piece's last token (an empty piece's is a neighbour's: callers mask it out)."""
+    if not tokens.size:
+        return np.zeros(len(off) - 1, dtype)
+    return tokens[np.maximum(off[1:] - 1, 0)]
+
+
+def _marks_any(mask: np.ndarray | None) -> np.ndarray | None:
+    """``mask``, or None when it marks no piece."""
+    return None if mask is None or not np.count_nonzero(mask) else mask
+
+
+def _unit_offsets(
+    lengths: np.ndarray, addbos: np.ndarray | None, addeos: np.ndarray | None
+) -> np.ndarray:
+    """The token offsets of each piece's unit: the piece plus the specials placed with it."""
+    unit_len = lengths
+    if addbos is not None:
+        unit_len = unit_len + addbos
+    if addeos is not None:
+        unit_len = unit_len + addeos
+    unit_off = np.empty(len(lengths) + 1, np.int64)
+    unit_off[0] = 0
+    np.cumsum(unit_len, out=unit_off[1:])
+    return unit_off
+
+
+def _pinned_units(
+    block: DocumentBlock, p: _Pieces, unit_off: np.ndarray, skipped: set[int]
+) -> list[int] | None:
+    """The stream offsets of units that must start a row (None: none): in a block a rescale
+    handed back, each continuation of a document, and each unit whose BOS was delivered."""
+    pin_at = None
+    if block.stop is not None:  # handed back by a rescale: a continuation starts a row
+        start = np.asarray(block.start)
+        inside = (start > 0) & p.nonempty
+        inside[1:] &= ~(  # not right after its own previous piece
+            (block.doc[1:] == block.doc[:-1])
+            & (block.file[1:] == block.file[:-1])
+            & (start[1:] == start[:-1] + p.lengths[:-1])
+        )
+        pin_at = unit_off[np.flatnonzero(inside)].tolist() or None
+    if skipped:  # its BOS ended a row before the rescale: the document starts the next
+        pin_at = sorted({*(pin_at or []), *unit_off[sorted(skipped)].tolist()})
+    return pin_at

@@ -161,10 +161,17 @@ def left_out_summary(sampled_out: int, too_short: int, too_long: int) -> str:
 
 
 def warn_nothing_kept(
-    doc_filter: DocFilter, seen: int, files: int, sampled_out: int, too_short: int, too_long: int
+    doc_filter: DocFilter,
+    seen: int,
+    files: int,
+    sampled_out: int,
+    too_short: int,
+    too_long: int,
+    stacklevel: int = 3,
 ) -> None:
     """Warn (for the caller of ``prepare``) that a part's inputs held ``seen`` documents but
-    the filters kept none of them."""
+    the filters kept none of them; ``stacklevel`` as ``warnings.warn``'s, counted from here
+    (3: the caller of the function that calls this one)."""
     f = doc_filter
     warnings.warn(
         f"none of the {seen} documents of this part's {files} input file(s) was kept "
@@ -173,5 +180,5 @@ def warn_nothing_kept(
         "the part wrote no file. Raise data_fraction or widen the length range if that is not "
         "what you meant",
         UserWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )

@@ -40,10 +40,13 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``num_proc=P`` tokenizes P input files at a time in a process pool; results are consumed in
   input order, so the output does not depend on P.
 
-At ~640 lines this module is over the ~500 of the style guide: it is one resumable state machine
-(progress files, parts, the output writers per format) whose pieces share the progress record;
-sampling and length filters already live in ``prepare_filter.py``, and the output writers
-(Arrow, npy, MDS) are the next cut.
+At ~570 lines this module is over the ~500 of the style guide: it is one resumable state machine
+(the progress record, parts, the outputs) whose stages share the run's state (:class:`_PartRun`).
+Sampling and length filters live in :mod:`~torchdata_ext.prepare_data.filter`, reading and
+tokenizing the inputs in :mod:`~torchdata_ext.prepare_data.tokenize_inputs`, the progress
+record's settings and reading in :mod:`~torchdata_ext.prepare_data.progress_record`, and the
+output files' bytes, stale temporaries and listings in
+:mod:`~torchdata_ext.prepare_data.output_files`.
 
 Kills and restarts: each output file is written atomically
 (:func:`torchdata_ext.remote.write_bytes_atomic`), then ``_progress_part{K:05d}.json`` (also
@@ -57,42 +60,47 @@ rewrites ``data_sources.txt`` and the counts file from every complete output in 
 from __future__ import annotations
 
 import codecs
-import functools
-import hashlib
-import io
-import json
 import logging
-import os
 import posixpath
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from torchdata_ext.handlers.base import get_handler, registered_formats
+from torchdata_ext.prepare_data import output_files
 from torchdata_ext.prepare_data.filter import (
-    FILTER_DEFAULTS,
     DocFilter,
     check_same_filter,
     left_out_summary,
     warn_nothing_kept,
 )
+from torchdata_ext.prepare_data.progress_record import (
+    new_progress,
+    other_parts_configs,
+    progress_bytes,
+    progress_config,
+    progress_path,
+    saved_progress,
+)
+from torchdata_ext.prepare_data.tokenize_inputs import (
+    PARQUET_SUFFIXES,
+    FileDocs,
+    TokenizeSettings,
+    cached_tokenizer,
+    tokenized_files,
+)
 from torchdata_ext.progress import DELAY_S, Progress
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.remote.urls import expand_urls, filesystem, is_local, unstrip
-from torchdata_ext.sources.index import DatasetIndex
-from torchdata_ext.sources.index_file import write_index_file
+from torchdata_ext.remote.urls import expand_urls, filesystem, unstrip
 from torchdata_ext.sources.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.tokenizers.load import (
     DEFAULT_BYTE_OFFSET,
-    Encoder,
-    as_encoder,
     check_special_tokens,
-    load_tokenizer,
     token_ids,
     tokenizer_location,
 )
@@ -101,19 +109,8 @@ __all__ = ["INPUT_SUFFIXES", "PrepareResult", "prepare", "split_inputs"]
 
 # what prepare reads: the text formats' own suffixes (from the registry, which imports no
 # handler module, so no pyarrow), and .txt (one document per file)
-_PARQUET_SUFFIXES = tuple(registered_formats()["parquet"])
-INPUT_SUFFIXES = (*registered_formats()["jsonl"], *_PARQUET_SUFFIXES, ".txt")
-PROGRESS_VERSION = 1
-# settings added after PROGRESS_VERSION 1, at the values every earlier run used
-_PROGRESS_DEFAULTS = {"encoding": "utf-8", "compression": "infer", "dtype": "uint32"}
-_PROGRESS_DEFAULTS.update(FILTER_DEFAULTS)  # data_fraction, seed, min_length, max_length
-_TOKENIZE_BATCH = 256  # texts per encode_batch call
+INPUT_SUFFIXES = (*registered_formats()["jsonl"], *PARQUET_SUFFIXES, ".txt")
 _UINT32_MAX = int(np.iinfo(np.uint32).max)
-_SUFFIX = {"arrow": ".arrow", "npy": ".npy", "mds": ".mds"}
-
-
-def _mds_columns(dtype: str) -> dict[str, str]:
-    return {"tokens": f"ndarray:{dtype}"}
 
 
 @dataclass
@@ -243,11 +240,40 @@ def prepare(
     if format == "npy" and eos_token is None:
         eos_token = 0
     storage_options = dict(storage_options or {})
+    fs, out_path = _output_folder(out, storage_options)
+    mine = _part_inputs(inputs, storage_options, shard_id, num_shards)
+    # a bad tokenizer or an eos_token it can emit fails here, before anything is written
+    meta = _describe_tokens(tokenizer, byte_offset, eos_token, dtype, format)
+    how = TokenizeSettings(
+        tokenizer, byte_offset, text_field, encoding, compression, storage_options, doc_filter
+    )
+    config = progress_config(how, mine, format, eos_token, max_tokens_per_file, shard_id,
+                              num_shards, meta.dtype)  # fmt: skip
+    run = _open_part(fs, out, out_path, mine, config, meta, storage_options)
+    if run.state["done"]:
+        run.result.skipped = True
+    else:
+        _write_part(run, how, num_proc, progress, slow_for_tests)
+    write_meta(out, meta, storage_options)
+    output_files.write_listings(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
+    return run.result
+
+
+def _output_folder(out: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """The filesystem and path of the output folder ``out``; refuses a file."""
     fs, out_path = filesystem(out, storage_options)
     if fs.isfile(out_path):
         raise ValueError(
             f"{out=} is a file, not a folder; pass a new folder, or one an earlier prepare wrote"
         )
+    return fs, out_path
+
+
+def _part_inputs(
+    inputs: str | Sequence[str], storage_options: dict[str, Any], shard_id: int, num_shards: int
+) -> list[str]:
+    """This part's input files: ``inputs`` expanded, sorted and sliced (:func:`split_inputs`);
+    refuses token files, and warns (for the caller of :func:`prepare`) when none is left."""
     raw = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_urls(raw, storage_options, suffixes=INPUT_SUFFIXES)
     _refuse_token_files(files)
@@ -257,12 +283,19 @@ def prepare(
             f"part {shard_id} of {num_shards} got no input file: the {len(files)} input "
             f"file(s) are split among the parts by file, so parts beyond them have nothing to "
             f"do; use num_shards={len(files)} or fewer, or split the inputs into more files",
-            stacklevel=2,
+            stacklevel=3,  # prepare's caller
         )
-    # a bad tokenizer or an eos_token it can emit fails here, before anything is written
-    tok = _tokenizer(tokenizer, byte_offset)
+    return mine
+
+
+def _describe_tokens(
+    tokenizer: str, byte_offset: int, eos_token: int | None, dtype: str | None, format: str
+) -> PreparedMeta:
+    """Load the tokenizer, refuse an ``eos_token`` it can emit, and describe the tokens the
+    part writes (the metadata file's content, with the stored dtype chosen)."""
+    tok = cached_tokenizer(tokenizer, byte_offset)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
-    meta = PreparedMeta.describe(
+    return PreparedMeta.describe(
         tok,
         tokenizer_location(tokenizer),
         bos_token=None,
@@ -270,117 +303,157 @@ def prepare(
         dtype=dtype,
         format=format,
     )
-    config = {
-        "version": PROGRESS_VERSION,
-        "inputs": hashlib.sha256("\n".join(mine).encode()).hexdigest()[:16],
-        "num_inputs": len(mine),
-        "format": format,
-        "tokenizer": tokenizer,
-        "byte_offset": byte_offset if tokenizer == "byte" else None,
-        "text_field": text_field,
-        "eos_token": eos_token,
-        "max_tokens_per_file": max_tokens_per_file,
-        "shard_id": shard_id,
-        "num_shards": num_shards,
-        "encoding": codecs.lookup(encoding).name,
-        "compression": compression,
-        "dtype": meta.dtype,
-    }
-    config.update(doc_filter.as_config())
-    ppath = posixpath.join(out_path, f"_progress_part{shard_id:05d}.json")
-    result = PrepareResult(out=out)
-    state = _saved_progress(fs, ppath, config, out, shard_id)
-    if state is None:
-        state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
-    else:
-        result.resumed = True
-    check_same_settings(out, meta, storage_options)
-    check_same_filter(_other_parts_configs(fs, out_path, shard_id), config, out)
-    _remove_stale_temps(fs, out_path, shard_id)
-    suffix = _SUFFIX[format]
 
-    def out_url(n: int) -> str:
-        return unstrip(fs, posixpath.join(out_path, f"part{shard_id:05d}_{n:05d}{suffix}"))
 
-    def put(url: str, data: bytes) -> None:
-        write_bytes_atomic(url, data, storage_options)
+@dataclass
+class _PartRun:
+    """One part's run: where it writes, its progress record, the documents of the next output
+    and what it counted. The state :func:`prepare`'s stages share, held in one place."""
 
-    result.outputs = [out_url(n) for n in range(int(state["next_output"]))]
-    if state["done"]:
-        result.skipped = True
-        write_meta(out, meta, storage_options)
-        _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
-        return result
+    fs: Any
+    out_path: str
+    files: list[str]  # this part's inputs
+    config: dict[str, Any]  # as progress_config gives it
+    state: dict[str, Any]  # the progress record: config, next_output, input, doc, done
+    result: PrepareResult
+    storage_options: dict[str, Any]
+    encode: Callable[[Sequence[np.ndarray]], bytes]  # documents -> one output's bytes
+    buf: list[np.ndarray] = field(default_factory=list)  # the next output's documents
+    buf_tokens: int = 0
+    seen: int = 0  # non-empty texts read, kept or not
+    undecodable_files: list[str] = field(default_factory=list)
 
-    encoder = {"npy": _npy_bytes, "arrow": _arrow_bytes, "mds": _mds_bytes}[format]
-    encode = functools.partial(encoder, dtype=np.dtype(meta.dtype))
-    eos = None if eos_token is None else np.array([eos_token], np.uint32)
-    buf: list[np.ndarray] = []
-    buf_tokens = 0
-    sizes = _input_sizes(fs, mine)
-    bar = _progress_of(progress, shard_id, num_shards, sum(sizes[int(state["input"]) :]))
+    @property
+    def shard_id(self) -> int:
+        """Which part of the inputs this is."""
+        return int(self.config["shard_id"])
 
-    def flush(next_pos: tuple[int, int]) -> None:
-        nonlocal buf, buf_tokens
-        n_out = int(state["next_output"])
-        put(out_url(n_out), encode(buf))
-        result.outputs.append(out_url(n_out))
-        buf, buf_tokens = [], 0
-        state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
-        put(unstrip(fs, ppath), json.dumps(state, indent=1, sort_keys=True).encode())
+    def output_url(self, n: int) -> str:
+        """The URL of this part's output number ``n``."""
+        suffix = output_files.SHARD_SUFFIXES[self.config["format"]]
+        name = f"part{self.shard_id:05d}_{n:05d}{suffix}"
+        return unstrip(self.fs, posixpath.join(self.out_path, name))
 
-    t0 = time.perf_counter()
-    first_file, first_doc = int(state["input"]), int(state["doc"])
-    tokenize = _Tokenize(
-        tokenizer, byte_offset, text_field, encoding, compression, storage_options, doc_filter
-    )
-    undecodable_files: list[str] = []
-    seen = 0  # non-empty texts read, kept or not
-    for i, got in enumerate(
-        _tokenized(mine, first_file, first_doc, tokenize, num_proc), start=first_file
-    ):
+    def save_progress(self) -> None:
+        """Write the progress record (atomically)."""
+        url = unstrip(self.fs, progress_path(self.out_path, self.shard_id))
+        write_bytes_atomic(url, progress_bytes(self.state), self.storage_options)
+
+    def add_file(self, i: int, got: FileDocs) -> None:
+        """Count what input file ``i`` held and left out, and add the documents it keeps (each
+        with ``eos_token`` appended) to the outputs, writing an output when one is full."""
+        url, result, eos_token = self.files[i], self.result, self.config["eos_token"]
         if got.undecodable:
             result.undecodable_documents += got.undecodable
-            undecodable_files.append(mine[i])
-        seen += got.seen
+            self.undecodable_files.append(url)
+        self.seen += got.seen
         result.sampled_out += got.sampled_out
         result.too_short += got.too_short
         result.too_long += got.too_long
+        eos = None if eos_token is None else np.array([eos_token], np.uint32)
         for doc, pos in zip(got.docs, got.positions.tolist()):
             if eos is not None:
                 if eos_token in doc:
                     raise ValueError(
-                        f"{mine[i]}: document {pos} contains eos_token={eos_token} (the "
+                        f"{url}: document {pos} contains eos_token={eos_token} (the "
                         "tokenizer added it), which would split it when read back; choose "
                         "another eos_token"
                     )
                 doc = np.concatenate([doc, eos])
-            if buf and buf_tokens + doc.size > max_tokens_per_file:
-                flush((i, pos))
-            buf.append(doc)
-            buf_tokens += doc.size
+            if self.buf and self.buf_tokens + doc.size > self.config["max_tokens_per_file"]:
+                self.write_output((i, pos))
+            self.buf.append(doc)
+            self.buf_tokens += doc.size
             result.documents += 1
             result.tokens += doc.size
+
+    def write_output(self, next_pos: tuple[int, int]) -> None:
+        """Write the buffered documents as the next output, then the progress record: the
+        output after it starts at input position ``next_pos`` (file, document)."""
+        n_out = int(self.state["next_output"])
+        data = self.encode(self.buf)
+        write_bytes_atomic(self.output_url(n_out), data, self.storage_options)
+        self.result.outputs.append(self.output_url(n_out))
+        self.buf, self.buf_tokens = [], 0
+        self.state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
+        self.save_progress()
+
+    def wrote_nothing(self) -> bool:
+        """Whether the part has no output, written or buffered."""
+        return not self.buf and int(self.state["next_output"]) == 0
+
+    def finish(self) -> None:
+        """Write the buffered documents as the last output and record the part as done."""
+        if self.buf:
+            self.write_output((len(self.files), 0))
+        self.state.update(done=True, input=len(self.files), doc=0)
+        self.save_progress()
+
+
+def _open_part(
+    fs: Any,
+    out: str,
+    out_path: str,
+    files: list[str],
+    config: dict[str, Any],
+    meta: PreparedMeta,
+    storage_options: dict[str, Any],
+) -> _PartRun:
+    """Start the part, or resume it from its progress record; refuses an ``out`` whose
+    metadata or other parts say other settings, and deletes the temporaries a killed run of
+    the part left behind."""
+    shard_id = int(config["shard_id"])
+    result = PrepareResult(out=out)
+    state = saved_progress(fs, progress_path(out_path, shard_id), config, out, shard_id)
+    if state is None:
+        state = new_progress(config)
+    else:
+        result.resumed = True
+    check_same_settings(out, meta, storage_options)
+    check_same_filter(other_parts_configs(fs, out_path, shard_id), config, out)
+    output_files.remove_stale_temps(fs, out_path, shard_id)
+    encode = output_files.shard_encoder(config["format"], meta.dtype)
+    run = _PartRun(fs, out_path, files, config, state, result, storage_options, encode)
+    result.outputs = [run.output_url(n) for n in range(int(state["next_output"]))]
+    return run
+
+
+def _write_part(
+    run: _PartRun,
+    how: TokenizeSettings,
+    num_proc: int,
+    progress: bool | None,
+    slow_for_tests: float,
+) -> None:
+    """Tokenize the part's inputs from where its progress record says, write them into
+    outputs, record the part as done and report (progress, summary line, warnings)."""
+    files, shard_id, num_shards = run.files, run.shard_id, int(run.config["num_shards"])
+    sizes = _input_sizes(run.fs, files)
+    bar = _progress_of(progress, shard_id, num_shards, sum(sizes[int(run.state["input"]) :]))
+    t0 = time.perf_counter()
+    first_file, first_doc = int(run.state["input"]), int(run.state["doc"])
+    for i, got in enumerate(
+        tokenized_files(files, first_file, first_doc, how, num_proc), start=first_file
+    ):
+        run.add_file(i, got)
         if bar is not None:
             bar.update(sizes[i])
         if slow_for_tests:
             time.sleep(slow_for_tests)
-    if seen and not buf and int(state["next_output"]) == 0:
-        warn_nothing_kept(doc_filter, seen, len(mine), result.sampled_out, result.too_short,
-                          result.too_long)  # fmt: skip
-    elif mine and not buf and int(state["next_output"]) == 0:
+    result = run.result
+    if run.seen and run.wrote_nothing():
+        warn_nothing_kept(how.doc_filter, run.seen, len(files), result.sampled_out,
+                          result.too_short, result.too_long, stacklevel=4)  # fmt: skip
+    elif files and run.wrote_nothing():
         if bar is not None:
             bar.close(ok=False)
-        many = len(mine) > 1
+        many = len(files) > 1
         raise ValueError(
-            f"no documents: the {len(mine)} input file{'s' if many else ''} ({mine[0]}"
-            f"{', ...) hold' if many else ') holds'} no non-empty text under {text_field=}; check that the inputs are not empty, and "
+            f"no documents: the {len(files)} input file{'s' if many else ''} ({files[0]}"
+            f"{', ...) hold' if many else ') holds'} no non-empty text under text_field={how.text_field!r}; check that the inputs are not empty, and "
             "pass the field that holds the text as text_field=..."
         )
-    if buf:
-        flush((len(mine), 0))
-    state.update(done=True, input=len(mine), doc=0)
-    put(unstrip(fs, ppath), json.dumps(state, indent=1, sort_keys=True).encode())
+    run.finish()
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t0
@@ -392,20 +465,24 @@ def prepare(
             f"{left_out_summary(result.sampled_out, result.too_short, result.too_long)}",
             file=sys.stderr,
         )
-    if undecodable_files:
-        n, k = result.undecodable_documents, len(undecodable_files)
-        where = f"in {k} files, the first {undecodable_files[0]}" if k > 1 else undecodable_files[0]
-        warnings.warn(
-            f"{n} of {result.documents} documents ({where}) {'are' if n > 1 else 'is'} not valid "
-            f"{encoding}: {'their' if n > 1 else 'its'} undecodable bytes became U+FFFD; if the "
-            "files use another encoding, prepare them into a new folder with encoding=... "
-            "(e.g. encoding='latin-1' or encoding='cp1252')",
-            UnicodeWarning,
-            stacklevel=2,
-        )
-    write_meta(out, meta, storage_options)
-    _finalize(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
-    return result
+    if run.undecodable_files:
+        _warn_undecodable(run, how.encoding)
+
+
+def _warn_undecodable(run: _PartRun, encoding: str) -> None:
+    """Warn (for the caller of :func:`prepare`) that some documents were not valid
+    ``encoding``, naming the first file."""
+    n, k = run.result.undecodable_documents, len(run.undecodable_files)
+    first = run.undecodable_files[0]
+    where = f"in {k} files, the first {first}" if k > 1 else first
+    warnings.warn(
+        f"{n} of {run.result.documents} documents ({where}) {'are' if n > 1 else 'is'} not valid "
+        f"{encoding}: {'their' if n > 1 else 'its'} undecodable bytes became U+FFFD; if the "
+        "files use another encoding, prepare them into a new folder with encoding=... "
+        "(e.g. encoding='latin-1' or encoding='cp1252')",
+        UnicodeWarning,
+        stacklevel=4,  # prepare's caller (this, _write_part, prepare)
+    )
 
 
 def _input_sizes(fs: Any, urls: Sequence[str]) -> list[int]:
@@ -458,7 +535,7 @@ def _check_arguments(
     format: str, shard_id: int, num_shards: int, max_tokens_per_file: int, num_proc: int
 ) -> None:
     """Raise ``ValueError`` naming the first bad argument of :func:`prepare`."""
-    if format not in _SUFFIX:
+    if format not in output_files.SHARD_SUFFIXES:
         raise ValueError(f"{format=} must be 'arrow', 'npy' or 'mds'")
     if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise ValueError(f"{shard_id=} must be in 0..{num_shards=}-1 and num_shards >= 1")
@@ -488,265 +565,3 @@ def _check_tokens(
             f"{encoding=} is not a known text encoding; e.g. 'utf-8', 'latin-1', 'cp1252'"
         ) from None
     get_handler("jsonl", compression=compression)  # raises naming compression
-
-
-def _other_parts_configs(fs: Any, out_path: str, shard_id: int) -> dict[str, dict[str, Any]]:
-    """The settings the other parts' progress files in ``out`` record, by file name."""
-    try:
-        names = fs.glob(posixpath.join(out_path, "_progress_part*.json"))
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for p in names:
-        name = posixpath.basename(p)
-        if name != f"_progress_part{shard_id:05d}.json":
-            out[name] = {**_PROGRESS_DEFAULTS, **json.loads(fs.cat_file(p)).get("config", {})}
-    return out
-
-
-def _saved_progress(
-    fs: Any, ppath: str, config: dict[str, Any], out: str, shard_id: int
-) -> dict[str, Any] | None:
-    """The progress an earlier run of this part saved, or None; refuses other settings."""
-    if not fs.exists(ppath):
-        return None
-    saved = json.loads(fs.cat_file(ppath))
-    if "config" in saved:
-        saved["config"] = {**_PROGRESS_DEFAULTS, **saved["config"]}
-    if saved.get("config") != config:
-        diff = sorted(k for k in config if saved.get("config", {}).get(k) != config[k])
-        raise ValueError(
-            f"{out} holds an earlier prepare of part {shard_id} with different settings "
-            f"({', '.join(diff)}); use another out folder, or delete "
-            f"{posixpath.basename(ppath)} and its part{shard_id:05d}_* files to start over"
-        )
-    return dict(saved)
-
-
-# -- reading and tokenizing inputs -----------------------------------------------------------------
-@dataclass(frozen=True)
-class _Tokenize:
-    """How to read and tokenize an input file (sent to the tokenizing processes)."""
-
-    tokenizer: str
-    byte_offset: int
-    text_field: str
-    encoding: str
-    compression: str | None
-    storage_options: dict[str, Any]
-    doc_filter: DocFilter = DocFilter()
-
-
-def _read_texts(url: str, how: _Tokenize) -> tuple[list[str], set[int]]:
-    """All texts of one input file, in order, and which of them had bytes that are not valid
-    ``how.encoding`` (replaced by U+FFFD)."""
-    lower = url.lower()
-    if lower.endswith(".txt"):
-        fs, path = filesystem(url, how.storage_options)
-        with fs.open(path, "rb") as f:
-            data = f.read()
-        try:
-            return [data.decode(how.encoding)], set()
-        except UnicodeDecodeError:
-            return [data.decode(how.encoding, errors="replace")], {0}
-    kind = "parquet" if lower.endswith(_PARQUET_SUFFIXES) else "jsonl"
-    options: dict[str, Any] = {"compression": how.compression} if kind == "jsonl" else {}
-    handler = get_handler(
-        kind, col_name=how.text_field, storage_options=how.storage_options, **options
-    )
-    reader = handler.open(url)
-    try:
-        if handler.produces_for(reader) != "text":
-            raise ValueError(
-                f"{url}: column {how.text_field!r} holds tokens, not text; it is already "
-                "tokenized (read it directly) or pass text_field=... naming the text column"
-            )
-        return [str(handler.get(reader, i)) for i in range(handler.length(reader))], set()
-    finally:
-        handler.close(reader)
-
-
-_TOKENIZERS: dict[tuple[str, int], Any] = {}  # per process (pool workers too)
-
-
-def _tokenizer(spec: str, byte_offset: int) -> Any:
-    """The tokenizer ``spec``, loaded once per process."""
-    key = (spec, byte_offset)
-    if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = load_tokenizer(spec, byte_offset=byte_offset)
-    return _TOKENIZERS[key]
-
-
-def _encoder(spec: str, byte_offset: int) -> Encoder:
-    """The tokenizer ``spec`` as an :class:`~torchdata_ext.tokenizers.load.Encoder`."""
-    return as_encoder(_tokenizer(spec, byte_offset))
-
-
-@dataclass
-class _FileDocs:
-    """The documents of one input file that :func:`prepare` keeps, and what it left out."""
-
-    docs: list[np.ndarray]  # kept documents (uint32), in order
-    positions: np.ndarray  # each one's position among the file's non-empty texts (progress "doc")
-    undecodable: int  # kept documents with bytes that were not valid ``encoding``
-    seen: int  # non-empty texts read (from ``start``), kept or not
-    sampled_out: int = 0
-    too_short: int = 0
-    too_long: int = 0
-
-
-def _tokenize_file(task: tuple[str, int, _Tokenize]) -> _FileDocs:
-    """Tokens (``uint32``) of the non-empty texts of one input file, from non-empty text
-    ``start`` on, that ``how.doc_filter`` keeps (the sample is drawn before tokenizing)."""
-    url, start, how = task
-    encoder = _encoder(how.tokenizer, how.byte_offset)
-    all_texts, undecodable = _read_texts(url, how)
-    nonempty = np.flatnonzero([bool(t) for t in all_texts])[start:]  # record indexes
-    in_sample = how.doc_filter.sampled(url, nonempty)
-    records = nonempty[in_sample]
-    positions = np.arange(start, start + nonempty.size)[in_sample]
-    texts = [all_texts[i] for i in records.tolist()]
-    tokenized = []
-    for lo in range(0, len(texts), _TOKENIZE_BATCH):
-        for ids in encoder.encode_batch(texts[lo : lo + _TOKENIZE_BATCH]):
-            arr = np.asarray(ids)
-            if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint32).max):
-                raise ValueError(f"{url}: token ids out of the uint32 range")
-            tokenized.append(arr.astype(np.uint32))
-    lengths = np.fromiter(map(len, tokenized), dtype=np.int64, count=len(tokenized))
-    short, long = how.doc_filter.too_short(lengths), how.doc_filter.too_long(lengths)
-    ok = ~(short | long)
-    return _FileDocs(
-        docs=[d for d, keep in zip(tokenized, ok.tolist()) if keep],
-        positions=positions[ok],
-        undecodable=len(undecodable.intersection(records[ok].tolist())),
-        seen=int(nonempty.size),
-        sampled_out=int(nonempty.size - records.size),
-        too_short=int(short.sum()),
-        too_long=int(long.sum()),
-    )
-
-
-def _tokenized(
-    files: Sequence[str],
-    first_file: int,
-    first_doc: int,
-    tokenize: _Tokenize,
-    num_proc: int,
-) -> Iterator[_FileDocs]:
-    """Each input file's kept documents (from ``first_file``, non-empty text ``first_doc``),
-    in order (:class:`_FileDocs`)."""
-    tasks = [
-        (files[i], first_doc if i == first_file else 0, tokenize)
-        for i in range(first_file, len(files))
-    ]
-    if num_proc <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            yield _tokenize_file(task)
-        return
-    import multiprocessing as mp
-
-    with mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(num_proc) as pool:
-        yield from pool.imap(_tokenize_file, tasks)
-
-
-# -- writing outputs -------------------------------------------------------------------------------
-def _arrow_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
-    """An Arrow IPC file: one record batch per document, one ``dtype`` column ``tokens``."""
-    import pyarrow as pa
-
-    kind = pa.from_numpy_dtype(dtype)
-    schema = pa.schema([("tokens", kind)])
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema) as writer:
-        for doc in docs:
-            column = pa.array(doc.astype(dtype, copy=False), type=kind)
-            writer.write_batch(pa.record_batch([column], schema=schema))
-    return bytes(sink.getvalue())
-
-
-def _npy_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
-    """A ``.npy`` file: the documents concatenated into one flat ``dtype`` array."""
-    buf = io.BytesIO()
-    flat = np.concatenate(list(docs)) if docs else np.zeros(0, dtype)
-    np.save(buf, flat.astype(dtype), allow_pickle=False)
-    return buf.getvalue()
-
-
-def _mds_bytes(docs: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
-    """An MDS shard: one sample per document, one ``ndarray:<dtype>`` column ``tokens``."""
-    from torchdata_ext.handlers.mds_writer import encode_mds_shard
-
-    columns = _mds_columns(dtype.name)
-    return encode_mds_shard([{"tokens": d.astype(dtype, copy=False)} for d in docs], columns)
-
-
-def _is_stale_temp(name: str, shard_id: int) -> bool:
-    """Whether ``name`` is a temporary file a killed run of part ``shard_id`` left behind:
-    ``write_bytes_atomic``'s ``.<name>.tmp-<hex>`` or the ``.tmp-<name>-<hex>`` of earlier
-    versions, for this part's outputs or progress file."""
-    ours = (f"part{shard_id:05d}_", f"_progress_part{shard_id:05d}.")
-    if name.startswith(".tmp-"):
-        return name[len(".tmp-") :].startswith(ours)
-    return name.startswith(".") and ".tmp-" in name and name[1:].startswith(ours)
-
-
-def _remove_stale_temps(fs: Any, out_path: str, shard_id: int) -> None:
-    """Delete temporary files a killed run of this part left behind."""
-    try:
-        names = fs.ls(out_path, detail=False)
-    except FileNotFoundError:
-        return
-    for p in names:
-        if _is_stale_temp(posixpath.basename(p), shard_id):
-            fs.rm(p)
-
-
-def _finalize(
-    fs: Any,
-    out: str,
-    out_path: str,
-    format: str,
-    eos_token: int | None,
-    storage_options: dict[str, Any],
-    dtype: str,
-) -> None:
-    """Write ``data_sources.txt`` (npy) or ``index.json`` (mds) and the counts file from every
-    complete output (of tokens of ``dtype``)."""
-    suffix = _SUFFIX[format]
-    names = sorted(
-        p
-        for p in fs.ls(out_path, detail=False)
-        if posixpath.basename(p).startswith("part") and p.endswith(suffix)
-    )
-    if not names:
-        return
-    if format == "npy":
-        listed = [os.path.abspath(p) if is_local(fs) else unstrip(fs, p) for p in names]
-        data = ("\n".join(listed) + "\n").encode()
-        write_bytes_atomic(
-            unstrip(fs, posixpath.join(out_path, "data_sources.txt")), data, storage_options
-        )
-        index = DatasetIndex.build(
-            out,
-            file_type="flat",
-            storage_options=storage_options,
-            handler_options={"eos_token": eos_token},
-            write_counts="data",  # prepare's own output: the counts go next to it
-        )
-    else:
-        if format == "mds":
-            from torchdata_ext.handlers.mds_writer import write_mds_index
-
-            write_mds_index(
-                out, [unstrip(fs, p) for p in names], _mds_columns(dtype), storage_options
-            )
-        index = DatasetIndex.build(
-            out, file_type=format, storage_options=storage_options, write_counts="data"
-        )
-    try:  # a job's ranks then start without a LIST; without it they list, as before
-        write_index_file(out, index)
-    except OSError as exc:
-        logging.getLogger(__name__).warning(
-            "could not write the index file of %s (%s); ranks will list it", out, exc
-        )
