@@ -73,3 +73,22 @@ def test_prepare_reports_to_a_pipe_in_bytes_with_the_time_left(tmp_path, monkeyp
 
     torchdata_ext.prepare(str(tmp_path / "in"), str(tmp_path / "o2"), progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_prepare_reports_through_the_logger_the_docs_name(tmp_path, monkeypatch, caplog):
+    """docs/command-line.md tells users to configure ``torchdata_ext.prepare_data.progress``;
+    the lines go through that logger whatever module the code lives in."""
+    import torchdata_ext
+    from torchdata_ext.testing import write_jsonl
+
+    write_jsonl(str(tmp_path / "in" / "a.jsonl"), [f"text {j}" for j in range(20)])
+    monkeypatch.setattr(_progress, "_terminal", lambda: False)
+    logger = logging.getLogger("torchdata_ext.prepare_data.progress")
+    logger.addHandler(caplog.handler)  # the application configures that logger
+    try:
+        caplog.set_level(logging.INFO, logger=logger.name)
+        torchdata_ext.prepare(str(tmp_path / "in"), str(tmp_path / "out"), progress=True)
+    finally:
+        logger.removeHandler(caplog.handler)
+    names = {r.name for r in caplog.records if "part 0/1" in r.getMessage()}
+    assert names == {"torchdata_ext.prepare_data.progress"}

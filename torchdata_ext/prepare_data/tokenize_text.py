@@ -511,11 +511,12 @@ def _progress_of(
     """The report of this part's work, in input bytes (so with a total and an estimate of the
     time left): a tqdm bar on a terminal, else a line on stderr every ``INTERVAL_S``; from the
     start with ``progress=True``, after ``DELAY_S`` seconds with None; nothing with False.
-    The lines go through the logger ``torchdata_ext.prepare_data.tokenize_text.progress`` (to stderr unless
+    The lines go through the logger ``torchdata_ext.prepare_data.progress`` (to stderr unless
     the application configured that logger)."""
     if progress is False:
         return None
-    log = logging.getLogger(f"{__name__}.progress")
+    # the name users configure (docs/command-line.md), whatever module this code lives in
+    log = logging.getLogger("torchdata_ext.prepare_data.progress")
     if not log.handlers:
         handler = _Stderr()
         handler.setFormatter(logging.Formatter("prepare: %(message)s"))
