@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ra
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint.folder import DCPLoaderState
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import PipelineConfig, build_pipeline
 from torchdata_ext.provenance import LITERAL, PAD

@@ -80,8 +80,9 @@ import pyarrow as pa
 
 from torchdata_ext.audit import render as _audit_render
 from torchdata_ext.audit.render import HOLDERS
-from torchdata_ext.checkpoint.folder import dataset_differs, read_manifest, read_worker_states
+from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
 from torchdata_ext.checkpoint.rescale import live_cut
+from torchdata_ext.checkpoint.restore import dataset_differs
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.order.shard_walk import walked_documents

@@ -1,5 +1,5 @@
 """How a loader's state lies in a ``torch.distributed.checkpoint`` (DCP), and which entries a
-rank reads back: the pure part of :class:`~torchdata_ext.checkpoint.folder.DCPLoaderState`.
+rank reads back: the pure part of :class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`.
 
 Entries under the loader's key (``"data"`` in ``dcp.save({"data": DCPLoaderState(loader)})``)::
 
