@@ -60,8 +60,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
 from torchdata_ext.audit.report import audit_checkpoint
-from torchdata_ext.checkpoint.dcp import DCPLoaderState
-from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.checkpoint import DCPLoaderState, load_checkpoint, save_checkpoint
 from torchdata_ext.cli import prepare
 from torchdata_ext.nodes.collate import DEFAULT_KEYS, Collate
 from torchdata_ext.nodes.pack import Pack
