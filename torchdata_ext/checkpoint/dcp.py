@@ -9,9 +9,14 @@ use (:func:`~torchdata_ext.checkpoint.restore.restore_loader`: the same checks, 
 from __future__ import annotations
 
 import io
+import logging
+import os
 import pickle
 from collections.abc import Iterator
 from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
 
 from torchdata_ext.checkpoint import dcp_entries
 from torchdata_ext.checkpoint.restore import (
@@ -24,6 +29,8 @@ from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.sources.fingerprint import SAMPLE_BYTES, check_share, fingerprint_share
 
 __all__ = ["DCPLoaderState"]
+
+logger = logging.getLogger(__name__)
 
 
 class DCPLoaderState:
@@ -49,10 +56,25 @@ class DCPLoaderState:
     recorded loads unchecked; one saved before entries per worker (one ``rank_*`` entry per
     rank) restores on the same topology only.
 
+    To know which entries to ask ``dcp.load`` for, a rank needs the checkpoint's list of keys
+    (its old topology). By default it takes it from the storage reader of the ``dcp.load`` in
+    progress, found up the stack (:func:`~torchdata_ext.checkpoint.dcp_entries.loading_from`),
+    so the call stays the one users and torchtitan write. Given ``checkpoint_id`` or
+    ``storage_reader``, it reads the list from there instead, before ``dcp.load`` reads the
+    entries, with no look at torch's frames:
+    ``dcp.load({"data": DCPLoaderState(loader, checkpoint_id=path)}, checkpoint_id=path)``.
+    Such an object is for loading only (its :meth:`state_dict` is the load template).
+
     Args:
         loader: the loader whose state is saved and restored (restore before iterating).
         allow_weight_changes / allow_new_datasets / allow_changed_files: as for
             :func:`~torchdata_ext.checkpoint.folder.load_checkpoint`.
+        checkpoint_id: the checkpoint ``dcp.load`` reads (a path or an fsspec URL): list its
+            keys from there (``FileSystemReader`` / ``FsspecReader``, as ``dcp.load`` picks).
+        storage_reader: the same with a reader of your own (S3 credentials...); the one given
+            to ``dcp.load`` may be passed.
+        key: this object's key in the state dict given to ``dcp.load``; default: the one key
+            under which the checkpoint holds a loader state (needed when it holds several).
     """
 
     def __init__(
@@ -62,24 +84,59 @@ class DCPLoaderState:
         allow_weight_changes: bool = False,
         allow_new_datasets: bool = False,
         allow_changed_files: bool = False,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        storage_reader: dcp.StorageReader | None = None,
+        key: str | None = None,
     ) -> None:
         self.loader = loader
         self.allow_weight_changes = allow_weight_changes
         self.allow_new_datasets = allow_new_datasets
         self.allow_changed_files = allow_changed_files
+        self.key = key
+        self.reader = (
+            dcp_entries.reader_for(checkpoint_id, storage_reader)
+            if checkpoint_id is not None or storage_reader is not None
+            else None
+        )
+        self._listed = False  # the last state_dict() listed the checkpoint's keys
 
     def state_dict(self, owner: object | None = None) -> dict[str, Any]:
-        """The entries to save (each a ``BytesIO`` of a pickle, which DCP stores as is); inside
-        ``dcp.load``, the entries this rank reads (see the class).
+        """What DCP stores, or fills in, by who asks: the load template (:meth:`load_template`)
+        when this object was given its checkpoint (``checkpoint_id`` / ``storage_reader``) or
+        is asked from inside ``dcp.load`` (found by
+        :func:`~torchdata_ext.checkpoint.dcp_entries.loading_from`); else the save payload
+        (:meth:`save_payload`). A ``dcp.load`` whose storage reader the lookup cannot find
+        gets this rank's own entries, with a warning: they restore on the same topology, and
+        :meth:`load_state_dict` refuses another one, saying so.
 
         Args:
             owner: the object the user's state dict holds, when this one works for it (the
                 torchtitan data loader); default: this object.
         """
+        if self.reader is not None:
+            return self.load_template(self.reader, self.key)
         found = dcp_entries.loading_from(self if owner is None else owner)
-        if found is not None:
-            reader, prefix = found
-            return dict.fromkeys(self._entries_to_read(reader, prefix), io.BytesIO())
+        if found is None:
+            return self.save_payload()
+        if found.reader is not None and found.key is not None:
+            return self.load_template(found.reader, found.key)
+        logger.warning("%s", self._no_reader(None))
+        self._listed = False
+        W = self.loader.logical_workers
+        own = range(self.loader.rank * W, (self.loader.rank + 1) * W)
+        return dict.fromkeys(
+            [
+                dcp_entries.MANIFEST,
+                dcp_entries.rank_key(self.loader.rank),
+                *map(dcp_entries.worker_key, own),
+            ],
+            io.BytesIO(),
+        )
+
+    def save_payload(self) -> dict[str, Any]:
+        """The entries ``dcp.save`` stores for this rank, each a ``BytesIO`` of a pickle (which
+        DCP stores as is): the manifest, this rank's entry and one per worker of this rank."""
+        self._listed = False
         loader = self.loader
         state = loader.state_dict()
         datasets, summary = loader_config(loader)
@@ -105,16 +162,52 @@ class DCPLoaderState:
             out[dcp_entries.worker_key(int(g))] = _pickled(st)
         return out
 
-    def _entries_to_read(self, reader: Any, prefix: str) -> list[str]:
-        """The keys this rank asks ``dcp.load`` for, from the checkpoint's list of keys."""
+    def load_template(self, reader: dcp.StorageReader, key: str | None) -> dict[str, Any]:
+        """The entries this rank asks ``dcp.load`` for (empty ``BytesIO`` values it fills in),
+        from the list of keys of the checkpoint ``reader`` reads, under ``key`` (None: the one
+        key holding a loader state): on the same topology its own, else the manifest, the old
+        workers that owned its logical shards and the rank entries it checks."""
         loader = self.loader
-        keys = dcp_entries.keys_under(reader.read_metadata(), prefix)
+        metadata = reader.read_metadata()
+        if key is None:
+            held = dcp_entries.loader_keys(metadata)
+            if len(held) != 1:
+                raise ValueError(
+                    f"the DCP checkpoint holds {len(held)} loader states (under {held}): pass "
+                    "DCPLoaderState(loader, ..., key=...), the key it has in dcp.load's state dict"
+                )
+            key = held[0]
+        keys = dcp_entries.keys_under(metadata, key)
         old = dcp_entries.topology_of(keys)
+        self._listed = True
         if old is None:  # saved before entries per worker: this rank's entry, same topology
-            return [dcp_entries.rank_key(loader.rank)]
+            return {dcp_entries.rank_key(loader.rank): io.BytesIO()}
         shards = {d["n_logical_shards"] for d in loader_config(loader)[1].values()}
-        return dcp_entries.entries_to_read(
+        entries = dcp_entries.entries_to_read(
             old, min(shards), loader.rank, loader.world_size, loader.logical_workers
+        )
+        return dict.fromkeys(entries, io.BytesIO())
+
+    def _no_reader(self, saved: tuple[int, int] | None) -> str:
+        """Why this rank cannot list the checkpoint's keys, and the way out."""
+        loader = self.loader
+        now = f"{loader.world_size} ranks x {loader.logical_workers} workers"
+        what = (
+            f"cannot restore the loader state saved at {saved[0]} ranks x {saved[1]} workers "
+            f"on {now}: that needs the entries of the old workers this rank succeeds"
+            if saved is not None
+            else f"dcp.load is loading the loader state on {now}"
+        )
+        return (
+            f"{what}, but DCPLoaderState found no storage reader of a dcp.load in progress to "
+            "list the checkpoint's keys (the lookup reads the local variables of torch's "
+            f"dcp.load frame, which torch {torch.__version__} may no longer lay out as "
+            "torchdata_ext.checkpoint.dcp_entries.loading_from expects; or its state_dict() was "
+            "not called by dcp.load, or not as a top-level value of its state dict), so it "
+            "asked for this rank's own entries, which restore on the same topology only. "
+            "Pass the checkpoint explicitly: dcp.load({..., key: DCPLoaderState(loader, "
+            "checkpoint_id=...)}, checkpoint_id=...), or storage_reader=... for a reader of "
+            "your own"
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,8 +215,10 @@ class DCPLoaderState:
 
         Raises:
             ChangedFilesError: a data file changed since the save (see the class).
-            ValueError: a checkpoint of other data, seed or logical shards (saying which), or
-                entries this rank needs are missing.
+            ValueError: a checkpoint of other data, seed or logical shards (saying which),
+                entries this rank needs are missing, or a checkpoint of another topology whose
+                keys :meth:`state_dict` could not list (no storage reader found: the message
+                names the installed torch and the way out, ``checkpoint_id=``).
         """
         if dcp_entries.MANIFEST not in state:
             self._load_single(state)
@@ -131,6 +226,10 @@ class DCPLoaderState:
         entries = {k: _unpickled(v) for k, v in state.items()}
         where = "the loader state in the DCP checkpoint"
         loader = self.loader
+        manifest = entries[dcp_entries.MANIFEST]
+        saved = (int(manifest["world_size"]), int(manifest["num_workers"]))
+        if not self._listed and saved != (loader.world_size, loader.logical_workers):
+            raise ValueError(self._no_reader(saved))
 
         def entry(key: str) -> dict[str, Any]:
             try:
