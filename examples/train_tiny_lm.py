@@ -60,17 +60,13 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
 from torchdata_ext.audit.report import audit_checkpoint
-from torchdata_ext.checkpoint.folder import (
-    DCPLoaderState,
-    graph_nodes,
-    load_checkpoint,
-    save_checkpoint,
-)
+from torchdata_ext.checkpoint import DCPLoaderState, load_checkpoint, save_checkpoint
 from torchdata_ext.cli import prepare
 from torchdata_ext.nodes.collate import DEFAULT_KEYS, Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.pipeline.build import build_datasets
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.testing import write_jsonl
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -287,7 +287,7 @@ RESCALE_CFG = {
 def test_a_rescale_keeps_documents_whole_in_each_new_stream(
     corpus, mode, pack, old, new, steps
 ) -> None:
-    from torchdata_ext.checkpoint.folder import rescale_worker_states
+    from torchdata_ext.checkpoint.rescale import rescale_worker_states
 
     indexes, lengths = corpus
     names = list(indexes)

@@ -18,7 +18,8 @@ import pytest
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 
 from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
-from torchdata_ext.checkpoint.folder import DCPLoaderState, load_checkpoint, save_checkpoint
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.provenance import remap_ids
 from torchdata_ext.state.graph import graph_nodes

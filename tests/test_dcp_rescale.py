@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import socket
 import warnings
 from pathlib import Path
@@ -17,12 +18,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
+from torch.distributed.checkpoint.stateful import Stateful
 
 from torchdata_ext import World
-from torchdata_ext.checkpoint.folder import DCPLoaderState
+from torchdata_ext.checkpoint import dcp_entries
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
+from torchdata_ext.checkpoint.dcp_entries import LoadInProgress
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -246,3 +251,191 @@ def test_a_rescale_from_1x1_to_1x0_and_1x2_finishes_the_epoch_exactly_once(
         for ds, f, d, start, stop in _pieces(head + rest):
             coverage.setdefault((NAMES[ds], f, d), []).append((start, stop))
         check_exactly_once(coverage, document_lengths(cfg))
+
+
+# -- how a load lists the checkpoint's keys: the frame lookup, or the checkpoint given --------
+def _stream(items: list[dict]) -> list[tuple[list[int], list[list[int]]]]:
+    """Each delivered sequence's tokens and provenance, to compare streams exactly."""
+    return [
+        (np.asarray(s["input_ids"]).tolist(), np.asarray(s["provenance"]).tolist()) for s in items
+    ]
+
+
+def _save_at(root: str, folder: Path, workers: int, steps: int = 5) -> list[dict]:
+    """Save a loader of ``workers`` workers after ``steps`` sequences, next to a model tensor;
+    return what it delivered."""
+    loader = TokenLoader(functools.partial(_build, _config(root)), num_workers=workers)
+    it = iter(loader)
+    head = [next(it) for _ in range(steps)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": {"w": torch.arange(4.0)}, "data": DCPLoaderState(loader)},
+            checkpoint_id=str(folder),
+        )
+    loader.close()
+    return head
+
+
+def _restore(root: str, reader: Any, workers: int, **kw: Any) -> TokenLoader:
+    loader = TokenLoader(functools.partial(_build, _config(root)), num_workers=workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(
+            {"model": {"w": torch.zeros(4)}, "data": DCPLoaderState(loader, **kw)},
+            storage_reader=reader,
+        )
+    return loader
+
+
+@pytest.fixture(scope="module")
+def saved_at_2(data: str, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A DCP checkpoint of 1 rank x 2 workers after 5 sequences, and those 5."""
+    folder = tmp_path_factory.mktemp("dcp_2_workers") / "c"
+    return folder, _save_at(data, folder, workers=2)
+
+
+def test_the_frame_lookup_finds_the_storage_reader_of_dcp_load_under_this_torch(
+    tmp_path: Path,
+) -> None:
+    """loading_from reads torch's dcp.load frame: this fails when a torch release moves what
+    it reads (then loads at another topology need DCPLoaderState(loader, checkpoint_id=...))."""
+
+    class Probe(Stateful):
+        def __init__(self) -> None:
+            self.found: list[LoadInProgress | None] = []
+
+        def state_dict(self) -> dict[str, Any]:
+            self.found.append(dcp_entries.loading_from(self))
+            return {}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass
+
+    folder = str(tmp_path / "c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(3.0)}, checkpoint_id=folder)
+        probe, reader = Probe(), dcp.FileSystemReader(folder)
+        dcp.load({"w": torch.zeros(3), "probe": probe}, storage_reader=reader)
+        dcp.load({"w": torch.zeros(3), "probe": probe}, checkpoint_id=folder)
+        dcp.save({"w": torch.arange(3.0), "probe": probe}, checkpoint_id=str(tmp_path / "d"))
+    by_reader, by_id, saving = probe.found
+    assert by_reader is not None and by_reader.reader is reader and by_reader.key == "probe"
+    assert by_id is not None and by_id.key == "probe"  # the reader dcp.load made for the path
+    assert isinstance(by_id.reader, dcp.FileSystemReader) and str(by_id.reader.path) == folder
+    assert saving is None and dcp_entries.loading_from(probe) is None
+
+
+@pytest.mark.slow
+def test_a_restore_at_3_workers_through_the_checkpoint_given_delivers_the_same_stream(
+    data: str, saved_at_2: tuple[Path, list[dict]], monkeypatch
+) -> None:
+    """Saved at 2 workers, restored at 3 through the frame lookup (which must find the reader
+    dcp.load was given), then through checkpoint_id= and storage_reader= (which must not walk
+    the frames): the same entries read, the same stream delivered, each document once."""
+    folder, head = saved_at_2
+    found: list[LoadInProgress | None] = []
+    lookup = dcp_entries.loading_from
+
+    def recorded(owner: object) -> LoadInProgress | None:
+        found.append(lookup(owner))
+        return found[-1]
+
+    monkeypatch.setattr(dcp_entries, "loading_from", recorded)
+    reader = _recording(dcp.FileSystemReader)(str(folder))
+    implicit = _stream(list(_restore(data, reader, workers=3)))
+    assert found == [LoadInProgress(reader, "data")]
+    data_keys = ["data.manifest", "data.rank_00000", "data.worker_000000", "data.worker_000001"]
+    assert sorted(k for k in type(reader).read if k.startswith("data.")) == data_keys
+
+    def no_walk(owner: object) -> None:
+        raise AssertionError("the checkpoint was given: no frame walk")
+
+    monkeypatch.setattr(dcp_entries, "loading_from", no_walk)
+    for given in ("checkpoint_id", "storage_reader"):
+        reader = _recording(dcp.FileSystemReader)(str(folder))
+        kw = (
+            {"checkpoint_id": str(folder)}
+            if given == "checkpoint_id"
+            else {"storage_reader": reader}
+        )
+        assert _stream(list(_restore(data, reader, workers=3, **kw))) == implicit, given
+        assert sorted(k for k in type(reader).read if k.startswith("data.")) == data_keys
+    coverage: dict = {}
+    for ds, f, d, start, stop in _pieces(head) + [
+        [ds, f, d, start, start + n]
+        for _, prov in implicit
+        for ds, f, d, start, n in prov
+        if ds not in (LITERAL, PAD)
+    ]:
+        coverage.setdefault((NAMES[ds], f, d), []).append((start, stop))
+    check_exactly_once(coverage, document_lengths(_config(data)))
+
+
+def test_a_load_at_another_topology_without_the_reader_says_so_and_the_way_out(
+    data: str, saved_at_2: tuple[Path, list[dict]], monkeypatch, caplog
+) -> None:
+    """Saved at 1 x 2, loaded at 1 x 0 (one graph in this process) while the lookup finds no
+    dcp.load, or finds one without its reader: refused naming the installed torch and the
+    explicit way, not restored from this rank's own entries."""
+    folder = str(saved_at_2[0])
+    message = (
+        r"saved at 1 ranks x 2 workers on 1 ranks x 1 workers.*"
+        rf"torch {re.escape(torch.__version__)}.*"
+        r"DCPLoaderState\(loader, checkpoint_id=\.\.\.\)"
+    )
+    monkeypatch.setattr(dcp_entries, "loading_from", lambda owner: None)
+    with pytest.raises(ValueError, match=message):
+        _restore(data, dcp.FileSystemReader(folder), workers=0)
+    monkeypatch.setattr(dcp_entries, "loading_from", lambda owner: LoadInProgress(None, "data"))
+    with (
+        caplog.at_level("WARNING", logger="torchdata_ext.checkpoint.dcp"),
+        pytest.raises(ValueError, match=message),
+    ):
+        _restore(data, dcp.FileSystemReader(folder), workers=0)
+    assert "found no storage reader of a dcp.load in progress" in caplog.text
+    assert f"torch {torch.__version__}" in caplog.text
+    # the explicit way restores there
+    monkeypatch.undo()
+    loader = _restore(data, dcp.FileSystemReader(folder), workers=0, checkpoint_id=folder)
+    assert len(list(loader)) > 0
+
+
+def test_a_load_on_the_same_topology_without_the_reader_still_restores(
+    data: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The lookup failing costs nothing on the same topology (1 x 0 here): this rank's own
+    entries are all it reads, the same stream as with the lookup."""
+    _save_at(data, tmp_path / "c", workers=0)
+    with_lookup = _stream(list(_restore(data, dcp.FileSystemReader(str(tmp_path / "c")), 0)))
+    for lookup in (lambda owner: None, lambda owner: LoadInProgress(None, None)):
+        monkeypatch.setattr(dcp_entries, "loading_from", lookup)
+        loader = _restore(data, dcp.FileSystemReader(str(tmp_path / "c")), 0)
+        assert _stream(list(loader)) == with_lookup
+
+
+def test_the_key_of_the_loader_state_is_found_or_asked_for(data: str, tmp_path: Path) -> None:
+    """Given the checkpoint, the state's key in dcp.load's state dict is the one key holding a
+    loader state; with two (a train and an eval loader), key= says which."""
+    train = TokenLoader(functools.partial(_build, _config(data)))
+    other = TokenLoader(functools.partial(_build, _config(data, seed=6)))
+    it = iter(train)
+    head = [next(it) for _ in range(3)]
+    folder = str(tmp_path / "c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"train": DCPLoaderState(train), "eval": DCPLoaderState(other)}, checkpoint_id=folder
+        )
+        expected = _stream(list(it))
+        fresh = TokenLoader(functools.partial(_build, _config(data)))
+        with pytest.raises(
+            ValueError, match=r"holds 2 loader states \(under \['eval', 'train'\]\)"
+        ):
+            dcp.load({"train": DCPLoaderState(fresh, checkpoint_id=folder)}, checkpoint_id=folder)
+        dcp.load(
+            {"train": DCPLoaderState(fresh, checkpoint_id=folder, key="train")},
+            checkpoint_id=folder,
+        )
+    assert len(head) == 3 and _stream(list(fresh)) == expected

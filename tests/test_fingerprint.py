@@ -351,7 +351,7 @@ def _dcp_saved(root: str, folder: Path) -> list:
     """A DCP checkpoint of a loader after 3 batches; the 6 batches the run delivers after it."""
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint.folder import DCPLoaderState
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
 
     loader = loader_of(root)
     it = iter(loader)
@@ -363,7 +363,7 @@ def _dcp_saved(root: str, folder: Path) -> list:
 def _dcp_load(root: str, folder: Path, **kw) -> TokenLoader:
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint.folder import DCPLoaderState
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
 
     loader = loader_of(root)
     dcp.load({"data": DCPLoaderState(loader, **kw)}, checkpoint_id=str(folder))
@@ -416,7 +416,7 @@ def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> No
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint.folder import DCPLoaderState
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -468,7 +468,7 @@ def test_saves_after_the_first_build_no_graph(root: str, tmp_path: Path) -> None
     (folder or DCP) builds no graph, so it lists no folder (a request per folder on S3)."""
     import torch.distributed.checkpoint as dcp
 
-    from torchdata_ext.checkpoint.folder import DCPLoaderState
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
 
     builds: list[World] = []
 

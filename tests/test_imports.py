@@ -74,11 +74,16 @@ def test_no_import_cycles() -> None:
 def test_layers() -> None:
     """The loader knows nothing of checkpoints or rescaling; the CLI only calls the libraries."""
     graph = import_graph()
+    checkpoints = {
+        "torchdata_ext.checkpoint.folder",
+        "torchdata_ext.checkpoint.dcp",
+        "torchdata_ext.checkpoint.restore",
+    }
     assert (
-        not {"torchdata_ext.checkpoint.folder", "torchdata_ext.checkpoint.rescale"}
+        not {*checkpoints, "torchdata_ext.checkpoint.rescale"}
         & graph["torchdata_ext.loader.token_loader"]
     )
-    assert "torchdata_ext.checkpoint.folder" not in graph["torchdata_ext.checkpoint.rescale"]
+    assert not checkpoints & graph["torchdata_ext.checkpoint.rescale"]
     importers_of_cli = {m for m, deps in graph.items() if "torchdata_ext.cli" in deps}
     assert importers_of_cli == {"torchdata_ext.__main__"}
 

@@ -11,7 +11,8 @@ import pytest
 from harness import item_key
 
 from torchdata_ext import DatasetIndex, ShardReader, World
-from torchdata_ext.checkpoint.folder import DCPLoaderState, load_checkpoint, save_checkpoint
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.testing import write_arrow_batches
 

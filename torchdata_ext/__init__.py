@@ -7,7 +7,7 @@ order, exactly once per epoch; :class:`Tokenize`, :class:`Interleave`, :class:`P
 :class:`ShuffleBuffer` and :class:`Collate` turn documents into packed batches
 (:class:`Concat` delivers curriculum phases in turn, :class:`Take` ends a stream at a budget);
 :func:`build_pipeline` builds all of it from a :class:`PipelineConfig`; :class:`TokenLoader`
-runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint.folder` saves,
+runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint` saves,
 restores and rescales it. :func:`prepare` tokenizes text files into token shards and
 :func:`inspect_dataset` summarizes a dataset and :func:`audit_checkpoint` says what a checkpoint
 consumed (the ``torchdata-ext`` command calls all three).

@@ -4,7 +4,7 @@ torchtitan's trainer builds its data loader from ``Trainer.Config.dataloader`` w
 ``config.build(dp_world_size=..., dp_rank=..., tokenizer=..., seq_len=...,
 local_batch_size=...)`` and saves it in its DCP checkpoint under ``"dataloader"``. Its own loaders
 store one pickled state per dp rank and refuse another dp degree on load; this one stores its
-state as :class:`~torchdata_ext.checkpoint.folder.DCPLoaderState` does, so a checkpoint taken at dp N
+state as :class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState` does, so a checkpoint taken at dp N
 (W workers) restores at dp N' (W' workers): each document of the epoch exactly once, each rank
 reading only the entries of the old workers it succeeds.
 
@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(torchtitan>=0.3, Python >= 3.11)"
     ) from exc
 
-from torchdata_ext.checkpoint.folder import DCPLoaderState
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -156,7 +156,7 @@ class TokenDataLoader(BaseDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's entries (saving), or the entries it reads (inside ``dcp.load``); see
-        :class:`~torchdata_ext.checkpoint.folder.DCPLoaderState`."""
+        :class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`."""
         return self._state.state_dict(owner=self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

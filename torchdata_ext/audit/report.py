@@ -88,8 +88,9 @@ from torchdata_ext.audit.consumption import (
     document_rows,
     training_side,
 )
-from torchdata_ext.checkpoint.folder import dataset_differs, read_manifest, read_worker_states
+from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
 from torchdata_ext.checkpoint.rescale import live_cut
+from torchdata_ext.checkpoint.restore import dataset_differs
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline

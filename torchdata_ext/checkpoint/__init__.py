@@ -2,17 +2,17 @@
 worker states to another topology.
 """
 
+from torchdata_ext.checkpoint.dcp import DCPLoaderState
 from torchdata_ext.checkpoint.folder import (
     CHECKPOINT_FORMAT,
-    DCPLoaderState,
-    dataset_differs,
     is_checkpoint_folder,
     load_checkpoint,
     read_manifest,
     read_worker_states,
-    rescale_worker_states,
     save_checkpoint,
 )
+from torchdata_ext.checkpoint.rescale import rescale_worker_states
+from torchdata_ext.checkpoint.restore import dataset_differs
 
 __all__ = [
     "CHECKPOINT_FORMAT",

@@ -1,5 +1,5 @@
 """How a loader's state lies in a ``torch.distributed.checkpoint`` (DCP), and which entries a
-rank reads back: the pure part of :class:`~torchdata_ext.checkpoint.folder.DCPLoaderState`.
+rank reads back: the pure part of :class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`.
 
 Entries under the loader's key (``"data"`` in ``dcp.save({"data": DCPLoaderState(loader)})``)::
 
@@ -14,31 +14,42 @@ its whole read. Inside ``dcp.load`` a rank cannot know them from its own state (
 of ranks saved other keys), so it reads the checkpoint's metadata (the list of keys), which
 gives the old topology (``rank_*`` and ``worker_*`` keys counted), and asks for the manifest,
 the old workers that owned its logical shards and the rank entries it checks: nothing else, and
-nothing goes through rank 0. The metadata comes from the storage reader of the ``dcp.load`` call
-that is loading (:func:`loading_from`): DCP gives a state dict's objects no other way to it, and
-the same call must work as users (and torchtitan's ``CheckpointManager``) write it.
+nothing goes through rank 0. The metadata comes from a storage reader: the one given to
+``DCPLoaderState(loader, checkpoint_id=...)`` or ``storage_reader=...`` (:func:`reader_for`; the
+key from the metadata, :func:`loader_keys`), else the one of the ``dcp.load`` call that is loading
+(:func:`loading_from`, a walk up the stack to torch's ``dcp.load`` frame): DCP gives a state
+dict's objects no other way to it, and the same call must work as users (and torchtitan's
+``CheckpointManager``) write it. The walk reads torch's local variables, so a torch release
+may move them; ``tests/test_dcp_rescale.py`` fails then, and a load that needs them raises
+saying so (:class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import sys
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
 from torch.distributed.checkpoint import state_dict_loader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from torchdata_ext.checkpoint.rescale import old_workers_needed
 from torchdata_ext.world import World
 
 __all__ = [
     "MANIFEST",
+    "LoadInProgress",
     "Topology",
     "entries_to_read",
     "keys_under",
+    "loader_keys",
     "loading_from",
+    "reader_for",
     "rank_key",
     "rank_of",
     "topology_of",
@@ -50,6 +61,7 @@ MANIFEST = "manifest"
 _RANK = re.compile(r"rank_(\d{5})")
 _WORKER = re.compile(r"worker_(\d{6})")
 _LOAD_CODE = inspect.unwrap(state_dict_loader.load).__code__
+_LOADER_MODULE = state_dict_loader.__name__
 
 Topology = tuple[int, int]
 """``(ranks, workers per rank)`` when a checkpoint was taken."""
@@ -65,20 +77,81 @@ def worker_key(g: int) -> str:
     return f"worker_{g:06d}"
 
 
-def loading_from(owner: object) -> tuple[dcp.StorageReader, str] | None:
-    """When called (at any depth) from a ``dcp.load`` whose state dict holds ``owner`` as a
-    top-level value: that call's storage reader and ``owner``'s key; else None (``dcp.save``,
-    ``dcp.async_save``, or a direct call)."""
+@dataclass(frozen=True)
+class LoadInProgress:
+    """A ``dcp.load`` that :func:`loading_from` found on the stack."""
+
+    reader: dcp.StorageReader | None
+    """Its storage reader; None when its frame does not hold it where torch kept it (a torch
+    release that renamed its local variables)."""
+    key: str | None
+    """The key of the state object in its state dict; None when that is not a top-level value
+    (or the state dict was not found either)."""
+
+
+def loading_from(owner: object) -> LoadInProgress | None:
+    """When called (at any depth) from a ``dcp.load``: what that call's frame shows of its
+    storage reader and of ``owner``'s key in its state dict (``owner``: a top-level value of
+    it); else None (``dcp.save``, ``dcp.async_save``, or a direct call).
+
+    The frame is torch's ``dcp.load`` (its code object), or failing that any frame of its
+    module (a release that wraps it otherwise); its local variables ``storage_reader`` and
+    ``state_dict`` are read, as the installed torch lays them out (which
+    ``tests/test_dcp_rescale.py`` checks)."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is _LOAD_CODE:
+        if frame.f_code is _LOAD_CODE or frame.f_globals.get("__name__") == _LOADER_MODULE:
             local = frame.f_locals
             reader, state = local.get("storage_reader"), local.get("state_dict")
-            if reader is None or not isinstance(state, dict):
-                return None
-            return next(((reader, str(k)) for k, v in state.items() if v is owner), None)
+            key = (
+                next((str(k) for k, v in state.items() if v is owner), None)
+                if isinstance(state, dict)
+                else None
+            )
+            return LoadInProgress(reader if isinstance(reader, dcp.StorageReader) else None, key)
         frame = frame.f_back
     return None
+
+
+def reader_for(
+    checkpoint_id: str | os.PathLike[str] | None, storage_reader: dcp.StorageReader | None
+) -> dcp.StorageReader:
+    """The storage reader ``dcp.load(checkpoint_id=..., storage_reader=...)`` would use: the
+    one given (moved to ``checkpoint_id`` when both are), else a ``FileSystemReader`` for a
+    local path or an ``FsspecReader`` for an fsspec URL."""
+    if storage_reader is not None:
+        if checkpoint_id is not None:
+            storage_reader.reset(checkpoint_id)
+        return storage_reader
+    if checkpoint_id is None:
+        raise ValueError("pass the checkpoint to read: checkpoint_id=... or storage_reader=...")
+    targets: list[type[dcp.StorageReader]] = [dcp.FileSystemReader]
+    try:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        targets.append(FsspecReader)
+    except ImportError:  # pragma: no cover - fsspec is a dependency
+        pass
+    for target in targets:
+        if target.validate_checkpoint_id(checkpoint_id):
+            reader = target(checkpoint_id)  # type: ignore[call-arg]
+            reader.reset(checkpoint_id)
+            return reader
+    raise ValueError(
+        f"no DCP storage reader reads {str(checkpoint_id)!r}: pass storage_reader=... instead"
+    )
+
+
+def loader_keys(metadata: Any) -> list[str]:
+    """The keys under which a DCP checkpoint (its ``Metadata``) holds loader states: those of a
+    ``manifest`` entry, or of ``rank_*`` entries for states saved before manifests."""
+    found = set()
+    for fqn, meta in metadata.state_dict_metadata.items():
+        head, _, tail = fqn.rpartition(".")
+        is_loader_entry = tail == MANIFEST or _RANK.fullmatch(tail)
+        if head and is_loader_entry and isinstance(meta, BytesStorageMetadata):
+            found.add(head)
+    return sorted(found)
 
 
 def topology_of(keys: list[str]) -> Topology | None:

@@ -26,70 +26,51 @@ checksums (no ``"checksums"`` in the manifest) still load, unchecked.
 Data files: the manifest records each data file's fingerprint (:mod:`torchdata_ext.sources.fingerprint`)
 under ``"file_fingerprints"``; a load refuses a file changed in place, naming it, before anything
 is restored (unless ``allow_changed_files=True``). A ``torch.distributed.checkpoint``
-(:class:`DCPLoaderState`) records, per rank, that rank's share of the fingerprints.
+(:class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`) records, per rank, that rank's share of
+the fingerprints.
 
 Restoring onto another number of ranks x workers (:func:`load_checkpoint`): each new worker
 reads only the old workers' files it needs (the old owners of its logical shards) and
 :mod:`torchdata_ext.checkpoint.rescale` plans its state from them (merged reader cursors of its shards,
 in-flight data handed back, interleave token counters re-split), so the epoch goes on with
-nothing repeated and nothing lost. A DCP checkpoint (:class:`DCPLoaderState`) restores the same
-way, through the same :func:`_restore`, from the entries ``dcp.load`` read for this rank.
-
-Why ~730 lines, one module: the folder and DCP checkpoints share the manifest checks, the
-restore and the rescale call (one definition each); the DCP key layout and the choice of
-entries to read live apart, in :mod:`torchdata_ext.checkpoint.dcp_entries`.
+nothing repeated and nothing lost. The checks and the restore are those of a DCP checkpoint
+(:class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`) too: one
+:func:`~torchdata_ext.checkpoint.restore.restore_loader` in
+:mod:`torchdata_ext.checkpoint.restore`; this module holds the folder's files alone.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import logging
 import pickle
 import posixpath
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from torchdata.nodes import BaseNode
-
-from torchdata_ext.checkpoint import dcp_entries as _dcp_entries
-from torchdata_ext.checkpoint.rescale import old_workers_needed, rescale_worker_states
+from torchdata_ext.checkpoint.restore import CHECKPOINT_FORMAT, loader_config, restore_loader
 from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader
-from torchdata_ext.nodes.pack import Pack
-from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.remote import remove_file, write_bytes_atomic
 from torchdata_ext.remote.urls import filesystem
 from torchdata_ext.sources.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
-    check_share,
     dataset_fingerprints,
-    describe,
-    fingerprint_share,
     is_collective,
-    listed_changes,
 )
 from torchdata_ext.sources.index import DatasetIndex
-from torchdata_ext.state.graph import graph_nodes, graph_summary, phase_datasets
+from torchdata_ext.state.graph import graph_summary
 from torchdata_ext.world import World
 
 __all__ = [
     "CHECKPOINT_FORMAT",
-    "DCPLoaderState",
-    "dataset_differs",
     "is_checkpoint_folder",
     "load_checkpoint",
     "read_manifest",
     "read_worker_states",
-    "rescale_worker_states",
     "save_checkpoint",
 ]
 
-logger = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 1
 _MANIFEST = "manifest.json"
 _CHECKSUMS = "sha256"  # the manifest's "checksums": the hash of every file of the checkpoint
 
@@ -209,7 +190,7 @@ def save_checkpoint(
     configured = None
     data_files: dict[str, Any] = {}
     if loader.rank == 0 or is_collective(loader.world_size):
-        configured = _loader_config(loader)
+        configured = loader_config(loader)
         data_files = dataset_fingerprints(
             configured[0], rank=loader.rank, world_size=loader.world_size
         )
@@ -389,7 +370,7 @@ def load_checkpoint(
             where=f"loader checkpoint {url}",
         )
 
-    _restore(
+    restore_loader(
         loader,
         manifest,
         f"checkpoint {url}",
@@ -399,408 +380,3 @@ def load_checkpoint(
         allow_weight_changes=allow_weight_changes,
         allow_new_datasets=allow_new_datasets,
     )
-
-
-def _restore(
-    loader: TokenLoader,
-    manifest: dict[str, Any],
-    where: str,
-    *,
-    rank_meta: Callable[[int], dict[str, Any]],
-    worker: Callable[[int, dict[str, Any]], dict[str, Any]],
-    check_files: Callable[[dict[str, DatasetIndex]], Any],
-    allow_weight_changes: bool,
-    allow_new_datasets: bool,
-) -> None:
-    """Restore ``loader`` from a checkpoint, folder or DCP (``where`` names it in messages):
-    ``manifest`` (topology, datasets), ``rank_meta(r)`` (old rank ``r``'s ``next_worker`` and
-    ``skip_batches``) and ``worker(g, rank_meta)`` (old global worker ``g``'s graph state) read
-    only what this rank needs; ``check_files`` refuses changed data files. The same topology
-    restores the rank's own states; another one is planned by :mod:`torchdata_ext.checkpoint.rescale`."""
-    old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
-    W = loader.logical_workers
-    root, mine = _configured(loader)
-    added, reweighted = _check_datasets(
-        root, mine, manifest, allow_weight_changes, allow_new_datasets
-    )
-    check_files(_datasets_of(root))
-    if (old_ranks, old_workers) == (loader.world_size, W) and not added:
-        meta = rank_meta(loader.rank)
-        graphs = {w: worker(loader.rank * W + w, meta) for w in range(W)}
-        _check_phases(where, root, graphs[0])
-        if reweighted and int(meta.get("skip_batches", 0)):
-            raise ValueError(
-                f"{where} was taken {meta['skip_batches']} batches after the workers' "
-                f"last state snapshot; those batches are made again on restore, which needs the "
-                f"weights they were made with, so the weights of {reweighted} cannot change here: "
-                "restore with the checkpoint's weights, or change them at a checkpoint taken at a "
-                "multiple of snapshot_every_n_steps"
-            )
-        loader.load_worker_states(
-            graphs,
-            next_worker=meta["next_worker"],
-            skip_batches=int(meta.get("skip_batches", 0)),
-        )
-        return
-    old_total = old_ranks * old_workers
-    n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
-    worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
-    needed = {w.worker_id: old_workers_needed(n, old_total, w) for w in worlds}
-    # every entry this rank needs is read (and checked) before any state is planned
-    metas = {
-        r: rank_meta(r) for r in sorted({g // old_workers for gs in needed.values() for g in gs})
-    }
-    for r, meta in metas.items():  # each old rank that owned a needed worker must be at a snapshot
-        if int(meta.get("skip_batches", 0)):
-            raise ValueError(
-                f"{where}: rank {r} saved its state {meta['skip_batches']} batches after "
-                "its workers' last snapshot (snapshot_every_n_steps > 1), so the checkpoint "
-                f"restores only on the same {old_ranks} ranks x {old_workers} workers; to "
-                "rescale, take checkpoints at multiples of snapshot_every_n_steps (or use "
-                "snapshot_every_n_steps=1)"
-            )
-    cache = {
-        g: worker(g, metas[g // old_workers])
-        for g in sorted({g for gs in needed.values() for g in gs})
-    }
-    _check_phases(where, root, next(iter(cache.values())))
-    new_graphs = {
-        w.worker_id: rescale_worker_states(
-            cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
-        )
-        for w in worlds
-    }
-    logger.info(
-        "rescaled loader %s from %dx%d to %dx%d (read %d of %d worker states)",
-        where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
-    )  # fmt: skip
-    loader.load_worker_states(new_graphs, next_worker=0)
-
-
-def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:
-    """A fresh graph of ``loader``'s pipeline (this rank, worker 0) and its summary: the
-    datasets, seeds, shard counts and target weights as configured now."""
-    root = loader.build(World(loader.rank, loader.world_size, 0, loader.logical_workers))
-    root.reset(None)
-    return root, graph_summary(root.state_dict())
-
-
-def _check_datasets(
-    root: BaseNode,
-    mine: dict[str, Any],
-    manifest: dict[str, Any],
-    allow_weight_changes: bool = False,
-    allow_new_datasets: bool = False,
-) -> tuple[list[str], list[str]]:
-    """Refuse a checkpoint of other data than graph ``root`` (summary ``mine``, from
-    :func:`_configured`); return the names of the accepted added datasets and of those whose
-    weight changed (accepted)."""
-    theirs = manifest["datasets"]
-    problems = []
-    added: list[str] = []
-    reweighted: list[str] = []
-    for name in sorted(set(mine) | set(theirs)):
-        if name not in mine:
-            problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
-        elif name not in theirs:
-            if allow_new_datasets:
-                added.append(name)
-            else:
-                problems.append(
-                    f"dataset {name!r} is in this pipeline but not in the checkpoint "
-                    "(pass allow_new_datasets=True to add it)"
-                )
-        else:
-            old_w, new_w = theirs[name].get("weight"), mine[name].get("weight")
-            if old_w is not None and new_w is not None and old_w != new_w:
-                if allow_weight_changes:
-                    reweighted.append(name)
-                else:
-                    problems.append(
-                        f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; "
-                        "pass allow_weight_changes=True to accept it)"
-                    )
-            for key in ("fingerprint", "seed", "n_logical_shards", "split"):
-                if mine[name].get(key) != theirs[name].get(key):
-                    index = _datasets_of(root).get(name) if key == "fingerprint" else None
-                    problems.append(
-                        dataset_differs(
-                            name, key, theirs[name].get(key), mine[name].get(key), manifest, index
-                        )  # fmt: skip
-                    )
-    if problems:
-        raise ValueError(
-            "cannot restore this loader checkpoint: "
-            + "; ".join(problems)
-            + ". Restore with the same data, seed and logical shards as the checkpoint"
-        )
-    if (added or reweighted) and any(
-        isinstance(x, Pack) and x.mode == "best_fit" for x in graph_nodes(root)
-    ):
-        raise ValueError(
-            f"cannot change the mix on restore (weights of {reweighted}, added {added}) with "
-            "pack_mode='best_fit': its window is rebuilt from many interleave blocks, which "
-            "must come out as they did under the checkpoint's weights; restore with the "
-            "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
-        )
-    return added, reweighted
-
-
-def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose curriculum phases read other datasets than this pipeline's
-    phases in the same places: a phase's state and budget are matched by its place, so
-    phases listed in another order would restore one phase's state into another (the
-    readers and mixes would refuse it, but a rescale would hand one phase's budget to another)."""
-    theirs = phase_datasets(graph)
-    saved = {n for names in theirs.values() for n in names}  # datasets added since: not matched
-    mine = {
-        k: kept
-        for k, names in phase_datasets(root.state_dict()).items()
-        if (kept := [n for n in names if n in saved])
-    }
-    differ = [
-        f"phase {k[-1]}: checkpoint {theirs.get(k)}, now {mine.get(k)}"
-        for k in sorted(set(mine) | set(theirs), key=str)
-        if mine.get(k) != theirs.get(k)
-    ]
-    if differ:
-        raise ValueError(
-            f"cannot restore {url}: its curriculum phases read other datasets "
-            f"({'; '.join(differ)}); list the phases in the checkpoint's order"
-        )
-
-
-def dataset_differs(
-    name: str,
-    key: str,
-    saved: Any,
-    now: Any,
-    manifest: dict[str, Any],
-    index: DatasetIndex | None = None,
-) -> str:
-    """The one description of dataset ``name`` differing from a checkpoint in ``key``
-    (``"fingerprint"``, ``"seed"``, ``"n_logical_shards"``, ``"split"``), used by
-    :func:`load_checkpoint` and :func:`~torchdata_ext.audit.report.audit_checkpoint`: for the
-    fingerprint, the files missing, added or resized since the save are named (from the listing
-    of ``index``, the dataset now, against the manifest's recorded file fingerprints)."""
-    what = {"fingerprint": "files or document counts", "split": "held-out split"}.get(key, key)
-    listed = ""
-    recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
-    if key == "fingerprint" and recorded is not None and index is not None:
-        changes = listed_changes(recorded, index)
-        listed = f"; changed files: {describe({name: changes})}" if changes else ""
-    return f"dataset {name!r}: {what} differ (checkpoint {key}={saved!r}, now {now!r}{listed})"
-
-
-def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:
-    """The datasets a graph reads, by name."""
-    return {n.dataset.name: n.dataset for n in graph_nodes(root) if isinstance(n, ShardReader)}
-
-
-# -- torch.distributed.checkpoint -------------------------------------------------------------------
-class DCPLoaderState:
-    """Put the loader state into the same ``torch.distributed.checkpoint`` as the model, and
-    restore it from there at any number of ranks x workers.
-
-    ``dcp.save({"model": ..., "optim": ..., "data": DCPLoaderState(loader)}, checkpoint_id=...)``
-    stores a manifest (topology and datasets, once), an entry per rank and an entry per worker
-    (see :mod:`torchdata_ext.checkpoint.dcp_entries`); ranks never overwrite each other.
-    ``dcp.load({..., "data": DCPLoaderState(loader)}, checkpoint_id=...)`` restores it, on the
-    same topology or another (more or fewer ranks, other workers, 0 included), with the
-    guarantees of :func:`load_checkpoint`: each rank reads only the manifest, the entries of the
-    old workers that owned its logical shards and a share of the rank entries; the old workers'
-    in-flight data is handed on (:mod:`torchdata_ext.checkpoint.rescale`), and a checkpoint of other data,
-    seed or logical shards is refused, saying why. Works with any DCP storage
-    (``FileSystemWriter``/``Reader``, ``FsspecWriter``/``Reader`` on ``s3://``...).
-
-    Each rank also records the fingerprints of its share of the data files (every
-    ``world_size``-th file: :func:`~torchdata_ext.sources.fingerprint.fingerprint_share`); a load refuses
-    a data file changed in place since, naming it, on every rank (new rank ``r`` checks the
-    shares of old ranks ``r, r + world_size, ...``). A state saved before fingerprints were
-    recorded loads unchecked; one saved before entries per worker (one ``rank_*`` entry per
-    rank) restores on the same topology only.
-
-    Args:
-        loader: the loader whose state is saved and restored (restore before iterating).
-        allow_weight_changes / allow_new_datasets / allow_changed_files: as for
-            :func:`load_checkpoint`.
-    """
-
-    def __init__(
-        self,
-        loader: TokenLoader,
-        *,
-        allow_weight_changes: bool = False,
-        allow_new_datasets: bool = False,
-        allow_changed_files: bool = False,
-    ) -> None:
-        self.loader = loader
-        self.allow_weight_changes = allow_weight_changes
-        self.allow_new_datasets = allow_new_datasets
-        self.allow_changed_files = allow_changed_files
-
-    def state_dict(self, owner: object | None = None) -> dict[str, Any]:
-        """The entries to save (each a ``BytesIO`` of a pickle, which DCP stores as is); inside
-        ``dcp.load``, the entries this rank reads (see the class).
-
-        Args:
-            owner: the object the user's state dict holds, when this one works for it (the
-                torchtitan data loader); default: this object.
-        """
-        found = _dcp_entries.loading_from(self if owner is None else owner)
-        if found is not None:
-            reader, prefix = found
-            return dict.fromkeys(self._entries_to_read(reader, prefix), io.BytesIO())
-        loader = self.loader
-        state = loader.state_dict()
-        datasets, summary = _loader_config(loader)
-        manifest = {
-            "format": CHECKPOINT_FORMAT,
-            "loader_format": STATE_FORMAT,
-            "world_size": loader.world_size,
-            "num_workers": loader.logical_workers,
-            "datasets": summary,
-        }
-        meta = {
-            "next_worker": state["next_worker"],
-            "skip_batches": state["skip_batches"],
-            "file_fingerprints": fingerprint_share(
-                datasets, rank=loader.rank, world_size=loader.world_size
-            ),
-        }
-        out = {
-            _dcp_entries.MANIFEST: _pickled(manifest),
-            _dcp_entries.rank_key(loader.rank): _pickled(meta),
-        }
-        for g, st in state["workers"].items():
-            out[_dcp_entries.worker_key(int(g))] = _pickled(st)
-        return out
-
-    def _entries_to_read(self, reader: Any, prefix: str) -> list[str]:
-        """The keys this rank asks ``dcp.load`` for, from the checkpoint's list of keys."""
-        loader = self.loader
-        keys = _dcp_entries.keys_under(reader.read_metadata(), prefix)
-        old = _dcp_entries.topology_of(keys)
-        if old is None:  # saved before entries per worker: this rank's entry, same topology
-            return [_dcp_entries.rank_key(loader.rank)]
-        shards = {d["n_logical_shards"] for d in _loader_config(loader)[1].values()}
-        return _dcp_entries.entries_to_read(
-            old, min(shards), loader.rank, loader.world_size, loader.logical_workers
-        )
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the loader from the entries ``dcp.load`` read (see :meth:`state_dict`).
-
-        Raises:
-            ChangedFilesError: a data file changed since the save (see the class).
-            ValueError: a checkpoint of other data, seed or logical shards (saying which), or
-                entries this rank needs are missing.
-        """
-        if _dcp_entries.MANIFEST not in state:
-            self._load_single(state)
-            return
-        entries = {k: _unpickled(v) for k, v in state.items()}
-        where = "the loader state in the DCP checkpoint"
-        loader = self.loader
-
-        def entry(key: str) -> dict[str, Any]:
-            try:
-                return entries[key]
-            except KeyError:
-                raise ValueError(
-                    f"{where} was loaded without its entry {key!r}: restore through "
-                    "dcp.load({..., key: DCPLoaderState(loader)}), which reads the entries this "
-                    "rank needs"
-                ) from None
-
-        shares = [
-            m["file_fingerprints"]
-            for k, m in entries.items()
-            if (r := _dcp_entries.rank_of(k)) is not None and r % loader.world_size == loader.rank
-        ]
-        recorded = (
-            {"sample_bytes": shares[0]["sample_bytes"],
-             "datasets": _merged_shares(s["datasets"] for s in shares)}
-            if shares
-            else {"sample_bytes": SAMPLE_BYTES, "datasets": {}}
-        )  # fmt: skip
-        _restore(
-            loader,
-            {**entry(_dcp_entries.MANIFEST), "file_fingerprints": recorded},
-            where,
-            rank_meta=lambda r: entry(_dcp_entries.rank_key(r)),
-            worker=lambda g, _meta: entry(_dcp_entries.worker_key(g))["graph"],
-            check_files=lambda datasets: check_share(
-                recorded,
-                datasets,
-                world_size=loader.world_size,
-                allow_changed_files=self.allow_changed_files,
-                where=where,
-            ),
-            allow_weight_changes=self.allow_weight_changes,
-            allow_new_datasets=self.allow_new_datasets,
-        )
-
-    def _load_single(self, state: dict[str, Any]) -> None:
-        """A state saved before entries per worker: the whole loader state of each rank under
-        its ``rank_*`` key (with its file fingerprints, or alone before those)."""
-        key = _dcp_entries.rank_key(self.loader.rank)
-        try:
-            raw = state[key]
-        except KeyError:
-            raise ValueError(
-                f"the checkpoint has no loader state for {key}; it was saved by an earlier "
-                "version with another number of ranks, which restores on its own topology only"
-            ) from None
-        payload = _unpickled(raw)
-        if "loader" not in payload:  # saved before fingerprints: the loader state alone
-            payload = {"loader": payload, "file_fingerprints": None}
-        loader = self.loader
-        check_share(
-            payload["file_fingerprints"],
-            _loader_datasets(loader),
-            world_size=loader.world_size,
-            allow_changed_files=self.allow_changed_files,
-            where=f"the loader state of {key} in the DCP checkpoint",
-        )
-        loader.load_state_dict(payload["loader"])
-
-
-def _pickled(obj: Any) -> io.BytesIO:
-    return io.BytesIO(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _unpickled(raw: Any) -> Any:
-    data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-    return pickle.loads(data)
-
-
-def _merged_shares(shares: Iterator[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Rank shares of file fingerprints (``{dataset: {file: fingerprint}}``) as one."""
-    out: dict[str, dict[str, Any]] = {}
-    for share in shares:
-        for name, files in share.items():
-            out.setdefault(name, {}).update(files)
-    return out
-
-
-_config_by_loader: weakref.WeakKeyDictionary[
-    TokenLoader, tuple[dict[str, DatasetIndex], dict[str, Any]]
-] = weakref.WeakKeyDictionary()
-
-
-def _loader_config(loader: TokenLoader) -> tuple[dict[str, DatasetIndex], dict[str, Any]]:
-    """The datasets ``loader``'s pipeline reads, by name, and its summary as configured (see
-    :func:`_configured`): found once per loader (building its graph lists the data, a request
-    per folder on an object store), not at every checkpoint. Its build function is fixed, so
-    they do not change."""
-    found = _config_by_loader.get(loader)
-    if found is None:
-        root, summary = _configured(loader)
-        found = _config_by_loader[loader] = (_datasets_of(root), summary)
-    return found
-
-
-def _loader_datasets(loader: TokenLoader) -> dict[str, DatasetIndex]:
-    """The datasets ``loader``'s pipeline reads, by name (see :func:`_loader_config`)."""
-    return _loader_config(loader)[0]

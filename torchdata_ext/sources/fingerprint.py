@@ -485,7 +485,7 @@ def fingerprint_share(
     """This rank's share of the data files' fingerprints, read by this rank alone (no
     collective): ``{"sample_bytes": ..., "datasets": {dataset: {file name: fingerprint}}}``
     for every ``world_size``-th file (all of them with one rank). What each rank of a
-    ``torch.distributed.checkpoint`` records (:class:`~torchdata_ext.checkpoint.folder.DCPLoaderState`),
+    ``torch.distributed.checkpoint`` records (:class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`),
     so no rank stores or reads every file; checked by :func:`check_share`."""
     share = _share(datasets, rank, world_size)
     return {

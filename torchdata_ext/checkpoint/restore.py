@@ -1,0 +1,263 @@
+"""The restore both kinds of checkpoint share (a folder, :mod:`torchdata_ext.checkpoint.folder`;
+inside a DCP checkpoint, :mod:`torchdata_ext.checkpoint.dcp`): :func:`restore_loader` and the checks
+it makes before anything is restored.
+
+A checkpoint reaches :func:`restore_loader` as its manifest and two readers (old rank ``r``'s
+``next_worker`` / ``skip_batches``, old global worker ``g``'s graph state), so this module does
+no I/O of its own. It refuses a checkpoint of other data, seed, logical shards or split (one
+description each: :func:`dataset_differs`, also used by :mod:`torchdata_ext.audit.report`), of
+other weights or datasets unless accepted, and curriculum phases listed in another order; then it
+restores the rank's own states (same topology) or plans new ones
+(:mod:`torchdata_ext.checkpoint.rescale`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from torchdata_ext.checkpoint.rescale import old_workers_needed, rescale_worker_states
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.sources.fingerprint import describe, listed_changes
+from torchdata_ext.sources.index import DatasetIndex
+from torchdata_ext.state.graph import graph_nodes, graph_summary, phase_datasets
+from torchdata_ext.world import World
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "dataset_differs",
+    "loader_config",
+    "loader_datasets",
+    "restore_loader",
+]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+"""The format of a loader checkpoint's manifest (a folder's ``manifest.json``, a DCP
+checkpoint's ``manifest`` entry)."""
+
+
+def restore_loader(
+    loader: TokenLoader,
+    manifest: dict[str, Any],
+    where: str,
+    *,
+    rank_meta: Callable[[int], dict[str, Any]],
+    worker: Callable[[int, dict[str, Any]], dict[str, Any]],
+    check_files: Callable[[dict[str, DatasetIndex]], Any],
+    allow_weight_changes: bool,
+    allow_new_datasets: bool,
+) -> None:
+    """Restore ``loader`` from a checkpoint, folder or DCP (``where`` names it in messages):
+    ``manifest`` (topology, datasets), ``rank_meta(r)`` (old rank ``r``'s ``next_worker`` and
+    ``skip_batches``) and ``worker(g, rank_meta)`` (old global worker ``g``'s graph state) read
+    only what this rank needs; ``check_files`` refuses changed data files. The same topology
+    restores the rank's own states; another one is planned by :mod:`torchdata_ext.checkpoint.rescale`."""
+    old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
+    W = loader.logical_workers
+    root, mine = _configured(loader)
+    added, reweighted = _check_datasets(
+        root, mine, manifest, allow_weight_changes, allow_new_datasets
+    )
+    check_files(_datasets_of(root))
+    if (old_ranks, old_workers) == (loader.world_size, W) and not added:
+        meta = rank_meta(loader.rank)
+        graphs = {w: worker(loader.rank * W + w, meta) for w in range(W)}
+        _check_phases(where, root, graphs[0])
+        if reweighted and int(meta.get("skip_batches", 0)):
+            raise ValueError(
+                f"{where} was taken {meta['skip_batches']} batches after the workers' "
+                f"last state snapshot; those batches are made again on restore, which needs the "
+                f"weights they were made with, so the weights of {reweighted} cannot change here: "
+                "restore with the checkpoint's weights, or change them at a checkpoint taken at a "
+                "multiple of snapshot_every_n_steps"
+            )
+        loader.load_worker_states(
+            graphs,
+            next_worker=meta["next_worker"],
+            skip_batches=int(meta.get("skip_batches", 0)),
+        )
+        return
+    old_total = old_ranks * old_workers
+    n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
+    worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
+    needed = {w.worker_id: old_workers_needed(n, old_total, w) for w in worlds}
+    # every entry this rank needs is read (and checked) before any state is planned
+    metas = {
+        r: rank_meta(r) for r in sorted({g // old_workers for gs in needed.values() for g in gs})
+    }
+    for r, meta in metas.items():  # each old rank that owned a needed worker must be at a snapshot
+        if int(meta.get("skip_batches", 0)):
+            raise ValueError(
+                f"{where}: rank {r} saved its state {meta['skip_batches']} batches after "
+                "its workers' last snapshot (snapshot_every_n_steps > 1), so the checkpoint "
+                f"restores only on the same {old_ranks} ranks x {old_workers} workers; to "
+                "rescale, take checkpoints at multiples of snapshot_every_n_steps (or use "
+                "snapshot_every_n_steps=1)"
+            )
+    cache = {
+        g: worker(g, metas[g // old_workers])
+        for g in sorted({g for gs in needed.values() for g in gs})
+    }
+    _check_phases(where, root, next(iter(cache.values())))
+    new_graphs = {
+        w.worker_id: rescale_worker_states(
+            cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
+        )
+        for w in worlds
+    }
+    logger.info(
+        "rescaled loader %s from %dx%d to %dx%d (read %d of %d worker states)",
+        where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
+    )  # fmt: skip
+    loader.load_worker_states(new_graphs, next_worker=0)
+
+
+def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:
+    """A fresh graph of ``loader``'s pipeline (this rank, worker 0) and its summary: the
+    datasets, seeds, shard counts and target weights as configured now."""
+    root = loader.build(World(loader.rank, loader.world_size, 0, loader.logical_workers))
+    root.reset(None)
+    return root, graph_summary(root.state_dict())
+
+
+def _check_datasets(
+    root: BaseNode,
+    mine: dict[str, Any],
+    manifest: dict[str, Any],
+    allow_weight_changes: bool = False,
+    allow_new_datasets: bool = False,
+) -> tuple[list[str], list[str]]:
+    """Refuse a checkpoint of other data than graph ``root`` (summary ``mine``, from
+    :func:`_configured`); return the names of the accepted added datasets and of those whose
+    weight changed (accepted)."""
+    theirs = manifest["datasets"]
+    problems = []
+    added: list[str] = []
+    reweighted: list[str] = []
+    for name in sorted(set(mine) | set(theirs)):
+        if name not in mine:
+            problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
+        elif name not in theirs:
+            if allow_new_datasets:
+                added.append(name)
+            else:
+                problems.append(
+                    f"dataset {name!r} is in this pipeline but not in the checkpoint "
+                    "(pass allow_new_datasets=True to add it)"
+                )
+        else:
+            old_w, new_w = theirs[name].get("weight"), mine[name].get("weight")
+            if old_w is not None and new_w is not None and old_w != new_w:
+                if allow_weight_changes:
+                    reweighted.append(name)
+                else:
+                    problems.append(
+                        f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; "
+                        "pass allow_weight_changes=True to accept it)"
+                    )
+            for key in ("fingerprint", "seed", "n_logical_shards", "split"):
+                if mine[name].get(key) != theirs[name].get(key):
+                    index = _datasets_of(root).get(name) if key == "fingerprint" else None
+                    problems.append(
+                        dataset_differs(
+                            name, key, theirs[name].get(key), mine[name].get(key), manifest, index
+                        )  # fmt: skip
+                    )
+    if problems:
+        raise ValueError(
+            "cannot restore this loader checkpoint: "
+            + "; ".join(problems)
+            + ". Restore with the same data, seed and logical shards as the checkpoint"
+        )
+    if (added or reweighted) and any(
+        isinstance(x, Pack) and x.mode == "best_fit" for x in graph_nodes(root)
+    ):
+        raise ValueError(
+            f"cannot change the mix on restore (weights of {reweighted}, added {added}) with "
+            "pack_mode='best_fit': its window is rebuilt from many interleave blocks, which "
+            "must come out as they did under the checkpoint's weights; restore with the "
+            "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
+        )
+    return added, reweighted
+
+
+def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose curriculum phases read other datasets than this pipeline's
+    phases in the same places: a phase's state and budget are matched by its place, so
+    phases listed in another order would restore one phase's state into another (the
+    readers and mixes would refuse it, but a rescale would hand one phase's budget to another)."""
+    theirs = phase_datasets(graph)
+    saved = {n for names in theirs.values() for n in names}  # datasets added since: not matched
+    mine = {
+        k: kept
+        for k, names in phase_datasets(root.state_dict()).items()
+        if (kept := [n for n in names if n in saved])
+    }
+    differ = [
+        f"phase {k[-1]}: checkpoint {theirs.get(k)}, now {mine.get(k)}"
+        for k in sorted(set(mine) | set(theirs), key=str)
+        if mine.get(k) != theirs.get(k)
+    ]
+    if differ:
+        raise ValueError(
+            f"cannot restore {url}: its curriculum phases read other datasets "
+            f"({'; '.join(differ)}); list the phases in the checkpoint's order"
+        )
+
+
+def dataset_differs(
+    name: str,
+    key: str,
+    saved: Any,
+    now: Any,
+    manifest: dict[str, Any],
+    index: DatasetIndex | None = None,
+) -> str:
+    """The one description of dataset ``name`` differing from a checkpoint in ``key``
+    (``"fingerprint"``, ``"seed"``, ``"n_logical_shards"``, ``"split"``), used by
+    :func:`restore_loader` (folder and DCP checkpoints) and
+    :func:`~torchdata_ext.audit.report.audit_checkpoint`: for the fingerprint, the files
+    missing, added or resized since the save are named (from the listing of ``index``, the
+    dataset now, against the manifest's recorded file fingerprints)."""
+    what = {"fingerprint": "files or document counts", "split": "held-out split"}.get(key, key)
+    listed = ""
+    recorded = manifest.get("file_fingerprints", {}).get("datasets", {}).get(name)
+    if key == "fingerprint" and recorded is not None and index is not None:
+        changes = listed_changes(recorded, index)
+        listed = f"; changed files: {describe({name: changes})}" if changes else ""
+    return f"dataset {name!r}: {what} differ (checkpoint {key}={saved!r}, now {now!r}{listed})"
+
+
+def _datasets_of(root: BaseNode) -> dict[str, DatasetIndex]:
+    """The datasets a graph reads, by name."""
+    return {n.dataset.name: n.dataset for n in graph_nodes(root) if isinstance(n, ShardReader)}
+
+
+_config_by_loader: weakref.WeakKeyDictionary[
+    TokenLoader, tuple[dict[str, DatasetIndex], dict[str, Any]]
+] = weakref.WeakKeyDictionary()
+
+
+def loader_config(loader: TokenLoader) -> tuple[dict[str, DatasetIndex], dict[str, Any]]:
+    """The datasets ``loader``'s pipeline reads, by name, and its summary as configured (see
+    :func:`_configured`): found once per loader (building its graph lists the data, a request
+    per folder on an object store), not at every checkpoint. Its build function is fixed, so
+    they do not change."""
+    found = _config_by_loader.get(loader)
+    if found is None:
+        root, summary = _configured(loader)
+        found = _config_by_loader[loader] = (_datasets_of(root), summary)
+    return found
+
+
+def loader_datasets(loader: TokenLoader) -> dict[str, DatasetIndex]:
+    """The datasets ``loader``'s pipeline reads, by name (see :func:`loader_config`)."""
+    return loader_config(loader)[0]
