@@ -152,9 +152,8 @@ def test_request_kinds() -> None:
 def test_counting_patches_send_only_while_a_block_is_open(s3) -> None:
     """The wrapper is in place inside the blocks only: nested blocks each count what they saw,
     and the last block to close, by an exception too, puts aiobotocore's method back."""
-    from aiobotocore.httpsession import AIOHTTPSession
-
     import s3fs
+    from aiobotocore.httpsession import AIOHTTPSession
 
     original = AIOHTTPSession.send
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options)

@@ -73,7 +73,7 @@ def _install() -> None:
     from aiobotocore.httpsession import AIOHTTPSession
 
     _real_send = AIOHTTPSession.send
-    AIOHTTPSession.send = _counted_send  # type: ignore[method-assign]
+    AIOHTTPSession.send = _counted_send
 
 
 def _uninstall() -> None:
@@ -81,7 +81,7 @@ def _uninstall() -> None:
     global _real_send
     from aiobotocore.httpsession import AIOHTTPSession
 
-    AIOHTTPSession.send = _real_send  # type: ignore[method-assign]
+    AIOHTTPSession.send = _real_send
     _real_send = None
 
 
