@@ -50,7 +50,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.handlers.base import DocData
+from torchdata_ext.handlers.base import READ_ERRORS, DocData
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch
 from torchdata_ext.order.shard_walk import ShardPlan, shard_order_rank, shard_plan
 from torchdata_ext.order.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
@@ -692,7 +692,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             n = self._open_prefetching(file, self._upcoming(sid, c, plan, j))
         except RemoteError:
             raise  # an outage or an access problem, never a bad file to skip
-        except Exception as exc:
+        except READ_ERRORS as exc:  # a bad file; anything else is a bug and propagates
             if self.on_error == "raise":
                 raise
             logger.warning("skipping unreadable file %s (%s)", url, exc)
@@ -746,7 +746,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         if not skipped:
             try:
                 return list(files.get_many(doc_ids))
-            except Exception:
+            except READ_ERRORS:
                 if self.on_error == "raise":
                     raise
         out: list[DocData | None] = []
@@ -756,7 +756,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 continue
             try:
                 out.append(files.get(d))
-            except Exception as exc:
+            except READ_ERRORS as exc:
                 if self.on_error == "raise":
                     raise
                 logger.warning(
