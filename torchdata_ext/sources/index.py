@@ -39,6 +39,7 @@ from typing import Any, Literal
 import numpy as np
 
 from torchdata_ext.handlers.base import (
+    DataFileError,
     FileHandler,
     format_for_url,
     get_handler,
@@ -67,7 +68,6 @@ COUNTS_FILE = "torchdata_ext_counts.csv"
 _HEADER = ["dataset/filename", "documents", "tokens", "bytes"]
 _CACHE_HEADER = ["url", "documents", "tokens", "bytes", "version"]
 
-_Stat = Stat  # (size in bytes or -1, version or ""): torchdata_ext.sources.fingerprint.file_stat
 _Counts = tuple[int, int, int]  # (documents, tokens or -1, bytes or -1)
 
 
@@ -332,7 +332,7 @@ class DatasetIndex:
     def _fill_counts(
         self, root: str, counts_url: str | None, write: Literal["cache", "data", False]
     ) -> None:
-        stats = list(self.file_stats) or _file_stats(self.files, self.storage_options)
+        stats = list(self.file_stats)  # build lists them: one per file
         sizes = [size for size, _ in stats]
         known = _read_counts(root, counts_url, self.storage_options)
         cached = _read_cached(root)
@@ -380,7 +380,7 @@ class DatasetIndex:
             logger.warning("could not write document counts to %s (%s); continuing", url, exc)
 
     def _write_cached(
-        self, root: str, stats: list[_Stat], cached: dict[str, tuple[_Counts, _Stat]]
+        self, root: str, stats: list[Stat], cached: dict[str, tuple[_Counts, Stat]]
     ) -> None:
         """Keep this index's counts in the local cache (with every file's size and version),
         next to the cached counts of other files of the same folder."""
@@ -490,17 +490,27 @@ def _relative_names(files: Sequence[str], root: str | None = None) -> list[str]:
     return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
 
 
-def _file_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[_Stat]:
-    """Each file's size and version (``-1, ""`` where unknown), from fsspec ``info`` (served
-    from the listing on object stores: no request per file)."""
-    out: list[_Stat] = []
+def _file_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[Stat]:
+    """Each listed file's size and version (``-1``/``""`` where its store does not say), from
+    fsspec ``info`` (served from the listing on object stores: no request per file).
+
+    Raises:
+        DataFileError: a listed file cannot be stat'ed (removed or renamed since the listing,
+            or not readable), naming it: the index would hold a file that cannot be read.
+        RemoteError: the store cannot be reached or refuses access (after retries).
+    """
+    out: list[Stat] = []
     for f in files:
         try:
             out.append(file_stat(f, storage_options))
         except RemoteError:
             raise
-        except Exception:
-            out.append((-1, ""))
+        except OSError as exc:
+            raise DataFileError(
+                f,
+                f"listed, but its size cannot be read ({type(exc).__name__}: {exc}); was it "
+                "removed or renamed while the index was built? Build the index again",
+            ) from exc
     return out
 
 
@@ -511,7 +521,7 @@ def _cache_path(root: str) -> str:
     return os.path.join(default_cache_dir(), "counts", f"{name[:40]}-{digest}.csv")
 
 
-def _read_cached(root: str) -> dict[str, tuple[_Counts, _Stat]]:
+def _read_cached(root: str) -> dict[str, tuple[_Counts, Stat]]:
     """Counts kept in the local cache for files of ``root``: URL -> (counts, (size, version))."""
     path = _cache_path(root)
     try:
@@ -519,7 +529,7 @@ def _read_cached(root: str) -> dict[str, tuple[_Counts, _Stat]]:
             rows = list(csv.reader(f))
     except OSError:
         return {}
-    out: dict[str, tuple[_Counts, _Stat]] = {}
+    out: dict[str, tuple[_Counts, Stat]] = {}
     for row in rows[1:]:
         try:
             url, n, t, b, version = row
