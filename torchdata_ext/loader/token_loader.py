@@ -175,7 +175,7 @@ class _PipelineIterator(Iterator[_Message]):
 def unpack_worker_state(state: dict[str, Any]) -> dict[str, Any]:
     """A worker state with its graph state unpickled, for states written when workers sent
     it pickled (``graph_pickle``); any other state is returned as it is."""
-    if "graph_pickle" not in state:
+    if "graph_pickle" not in state:  # no release wrote it; tests/test_loader.py does
         return state
     out = {k: v for k, v in state.items() if k != "graph_pickle"}
     out["graph"] = pickle.loads(state["graph_pickle"])
