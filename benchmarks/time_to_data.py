@@ -134,7 +134,7 @@ def shuffle_quality(buffer: int, batch: int, seed: int = 1) -> None:
     rows, in buffers) and the lag-1 correlation of the rows' ages (``t - src[t]``)."""
     from torchdata.nodes import IterableWrapper
 
-    from torchdata_ext.nodes.shuffle import _DRAW_TAG, ShuffleBuffer
+    from torchdata_ext.nodes.shuffle import DRAW_TAG, ShuffleBuffer
     from torchdata_ext.order.walk import mix_seed
 
     print(f"shuffle quality, {buffer}-row buffer, batches of {batch}, in-order source:")
@@ -148,7 +148,7 @@ def shuffle_quality(buffer: int, batch: int, seed: int = 1) -> None:
             part = src[lo : lo + buffer]
             t = np.arange(lo, lo + buffer)
             held = np.minimum(t + 1, buffer) if fill == "stream" else np.full(buffer, buffer)
-            slots = np.array([mix_seed(seed, _DRAW_TAG, int(i)) for i in t], np.uint64)
+            slots = np.array([mix_seed(seed, DRAW_TAG, int(i)) for i in t], np.uint64)
             rel = (slots % held.astype(np.uint64)).astype(np.float64) / held
             bins = np.bincount(np.minimum((rel * 8).astype(int), 7), minlength=8)
             age = t - part

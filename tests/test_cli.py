@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from torchdata_ext.cli import inspect_dataset, main, prepare, split_inputs
+from torchdata_ext.cli import inspect_dataset, main, prepare
+from torchdata_ext.prepare_data.tokenize_text import split_inputs
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import (
     write_arrow_batches,

@@ -280,3 +280,24 @@ def test_a_damaged_cache_file_is_counted_again(dataset, monkeypatch, tmp_path) -
     opens = _CountingOpens(monkeypatch)
     assert DatasetIndex.build(str(root)).doc_counts.tolist() == sizes
     assert opens.n == 4
+
+
+def test_a_file_gone_between_listing_and_stat_is_named(dataset, monkeypatch, tmp_path) -> None:
+    """A listed file that cannot be stat'ed (here removed right after the listing) stops the
+    build naming it, instead of entering the index with an unknown size."""
+    from torchdata_ext.handlers import DataFileError
+    from torchdata_ext.sources import index as index_module
+
+    root, _ = dataset
+    monkeypatch.setenv("TORCHDATA_EXT_CACHE_DIR", str(tmp_path / "cache"))
+    real = index_module.file_stat
+
+    def removed_first(url, storage_options=None):
+        if url.endswith("shard_01.arrow"):
+            os.remove(url)
+        return real(url, storage_options)
+
+    monkeypatch.setattr(index_module, "file_stat", removed_first)
+    with pytest.raises(DataFileError, match=r"shard_01\.arrow: listed, but its size cannot be read "
+                       r"\(FileNotFoundError: .*removed or renamed while the index was built"):  # fmt: skip
+        DatasetIndex.build(str(root))

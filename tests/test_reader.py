@@ -253,6 +253,50 @@ def test_corrupt_file_raises_by_default_and_is_skipped_on_request(tmp_path, capl
     assert [item_key(x) for x in items] == [item_key(x) for x in blocks]
 
 
+@pytest.mark.parametrize("where", ["open", "get"])
+@pytest.mark.parametrize("bug", [TypeError, AttributeError])
+def test_a_bug_in_a_handler_is_never_a_file_to_skip(tmp_path, monkeypatch, caplog, where, bug):
+    """on_error="skip" skips bad files (a truncated one is still skipped), but a handler's
+    programming error, opening or reading, propagates instead of becoming a skipped file."""
+    from torchdata_ext.handlers.arrow import ArrowHandler
+
+    root = tmp_path / "d"
+    root.mkdir()
+    docs = make_docs(60, 9)
+    for f in range(3):
+        write_arrow_batches(str(root / f"p{f}.arrow"), docs[f * 20 : (f + 1) * 20])
+    index = DatasetIndex.build(str(root))
+    bad = root / "p1.arrow"
+    bad.write_bytes(bad.read_bytes()[:-200])  # truncated: skipped
+
+    def make():
+        return ShardReader(index, 6, world=World(), epochs=1, on_error="skip", block_docs=5)
+
+    with caplog.at_level(logging.WARNING):
+        reader = make()
+        got = collections.Counter(doc_keys(run(reader)))
+    assert "skipping unreadable file" in caplog.text and "p1.arrow" in caplog.text
+    assert got == collections.Counter(tuple(d.tolist()) for d in docs[:20] + docs[40:])
+    assert reader.skipped == 20
+
+    def buggy(real):
+        def call(self, reader_or_url, *args):
+            url = reader_or_url if isinstance(reader_or_url, str) else reader_or_url.url
+            if url.endswith("p2.arrow"):
+                raise bug("a bug in the handler")
+            return real(self, reader_or_url, *args)
+
+        return call
+
+    names = ("open",) if where == "open" else ("get", "get_many")
+    for name in names:
+        monkeypatch.setattr(ArrowHandler, name, buggy(getattr(ArrowHandler, name)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(bug, match="a bug in the handler"):
+        run(make())
+    assert "p2.arrow" not in caplog.text  # never logged as an unreadable file or document
+
+
 def test_states_are_small_and_plain(corpus) -> None:
     index = DatasetIndex.build(corpus[0])
     reader = ShardReader(index, 1000, world=World(), block_docs=3)

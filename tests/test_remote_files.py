@@ -72,3 +72,67 @@ def test_a_killed_writer_leaves_a_whole_file(tmp_path) -> None:
         # a kill may leave the hidden temporary file, never anything under the target's name
         leftovers = [n for n in os.listdir(tmp_path) if n != "part.bin"]
         assert all(n.startswith(".part.bin.tmp-") for n in leftovers), leftovers
+
+
+# -- one reset in a forked child ----------------------------------------------------------------
+def _after_fork_report(cache, queue) -> None:
+    from torchdata_ext.remote import process_state as ps
+
+    queue.put(
+        {
+            "filesystems": dict(ps.FILESYSTEMS.items),
+            "probe_clients": dict(ps.PROBE_CLIENTS.items),
+            "probed_stores": dict(ps.PROBED_STORES.items),
+            "locked": [
+                r.lock.locked() for r in (ps.FILESYSTEMS, ps.PROBE_CLIENTS, ps.PROBED_STORES)
+            ],
+            # read before any call of the cache's own: the reset ran at the fork
+            "cache_pid": cache._rt.pid,
+            "cache_downloads": cache._rt.stats["downloads"],
+            "cache_locked": cache._rt.mu.locked(),
+            "pid": os.getpid(),
+        }
+    )
+
+
+def test_a_forked_child_starts_with_the_remote_globals_reset(tmp_path) -> None:
+    """Filesystems, probe clients and a cache's per-process part, with every lock held by the
+    parent at the fork: the child has none of the objects and free locks; the stores that
+    answered the probe are still known."""
+    import multiprocessing
+
+    from torchdata_ext.remote import ShardCache
+    from torchdata_ext.remote import process_state as ps
+    from torchdata_ext.remote.files import private_filesystem
+
+    private_filesystem(str(tmp_path / "x"), {}, own_retries=True)
+    ps.PROBE_CLIENTS.setdefault("s3|client", object())  # as the probe keeps its S3 clients
+    ps.PROBED_STORES.setdefault("s3|bucket|...", True)
+    cache = ShardCache(tmp_path / "cache")
+    rt = cache._runtime()
+    rt.stats["downloads"] = 3
+    assert ps.FILESYSTEMS.items and ps.PROBE_CLIENTS.items
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    held = [ps.FILESYSTEMS.lock, ps.PROBE_CLIENTS.lock, ps.PROBED_STORES.lock, rt.mu]
+    for lock in held:  # as a parent thread in the middle of a call would
+        lock.acquire()
+    try:
+        child = ctx.Process(target=_after_fork_report, args=(cache, queue))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        for lock in held:
+            lock.release()
+    assert child.exitcode == 0
+    assert got["filesystems"] == {} and got["probe_clients"] == {}
+    assert (
+        got["probed_stores"] == ps.PROBED_STORES.items and "s3|bucket|..." in got["probed_stores"]
+    )
+    assert got["locked"] == [False, False, False] and not got["cache_locked"]
+    assert got["cache_pid"] == got["pid"] != os.getpid() and got["cache_downloads"] == 0
+    assert ps.FILESYSTEMS.items and ps.PROBE_CLIENTS.items  # the parent keeps its own
+    assert cache._rt is rt and rt.stats["downloads"] == 3
+    ps.PROBED_STORES.items.pop("s3|bucket|...")
+    ps.PROBE_CLIENTS.items.pop("s3|client")

@@ -14,13 +14,12 @@ from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.nodes.pack import Pack, PackedSequence
-from torchdata_ext.nodes.shuffle import (
-    ProvenanceItem,
-    ShuffleBuffer,
-    _narrow,
-    _state_blocks,
+from torchdata_ext.nodes.shuffle import ProvenanceItem, ShuffleBuffer
+from torchdata_ext.nodes.shuffle_state import (
     buffered_provenance,
+    narrow,
     provenance_groups,
+    state_blocks,
 )
 from torchdata_ext.provenance import resolve
 from torchdata_ext.testing import write_arrow_batches
@@ -258,7 +257,7 @@ def _reference_state(node: ShuffleBuffer) -> list[tuple[np.ndarray, np.ndarray]]
     for b in range(0, len(tables), 4):
         part = tables[b : b + 4]
         counts = np.array([len(t) for t in part], np.int64)
-        out.append((_narrow(counts), _narrow(np.concatenate(part).reshape(-1, 5))))
+        out.append((narrow(counts), narrow(np.concatenate(part).reshape(-1, 5))))
     return out
 
 
@@ -275,7 +274,7 @@ def test_packed_items_same_stream_and_state(index) -> None:
         if node._buf:
             assert isinstance(node._buf[0], PackedSequence)
             want = _reference_state(node)
-            for (counts, rows), (c, r) in zip(_state_blocks(state), want, strict=True):
+            for (counts, rows), (c, r) in zip(state_blocks(state), want, strict=True):
                 assert counts.dtype == c.dtype and np.array_equal(counts, c)
                 assert rows.dtype == r.dtype and np.array_equal(rows, r)
         try:
@@ -533,7 +532,7 @@ def test_states_taken_at_every_step_and_read_later_in_any_order(index, monkeypat
         if node._buf:
             taken.append((state, _reference_state(node), drawn))
             if rng.random() < (0.3 if slack > 100 else 0.03):  # read now, as a worker delta does
-                list(_state_blocks(state))
+                list(state_blocks(state))
         try:
             next(node)
         except StopIteration:
@@ -543,7 +542,7 @@ def test_states_taken_at_every_step_and_read_later_in_any_order(index, monkeypat
     for i in rng.permutation(len(taken)):
         state, want, _ = taken[i]
         read = state if i % 2 else pickle.loads(pickle.dumps(state))
-        got = _state_blocks(read)
+        got = state_blocks(read)
         assert len(got) == len(want), i
         for (counts, rows), (c, r) in zip(got, want, strict=True):
             assert counts.dtype == c.dtype and np.array_equal(counts, c), i

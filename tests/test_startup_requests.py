@@ -149,6 +149,28 @@ def test_request_kinds() -> None:
     assert request_kind("head", f"{url}/d/p0.arrow", {}) == "HEAD"
 
 
+def test_counting_patches_send_only_while_a_block_is_open(s3) -> None:
+    """The wrapper is in place inside the blocks only: nested blocks each count what they saw,
+    and the last block to close, by an exception too, puts aiobotocore's method back."""
+    import s3fs
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    original = AIOHTTPSession.send
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options)
+    fs.pipe(f"{s3.bucket}/counting/a", b"x")
+    with pytest.raises(RuntimeError, match="stop"), count_s3_requests() as outer:
+        assert AIOHTTPSession.send is not original
+        fs.cat(f"{s3.bucket}/counting/a")
+        with count_s3_requests() as inner:
+            fs.cat(f"{s3.bucket}/counting/a")
+        assert AIOHTTPSession.send is not original  # the outer block is still open
+        raise RuntimeError("stop")
+    assert AIOHTTPSession.send is original
+    assert inner["GET"] == 1 and outer["GET"] == 2
+    fs.cat(f"{s3.bucket}/counting/a")  # sent after the blocks: nobody counts it
+    assert outer["GET"] == 2
+
+
 def test_a_rank_starts_with_one_get_per_dataset_and_no_list(s3) -> None:
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)

@@ -130,13 +130,13 @@ def test_a_wrong_bucket_and_missing_credentials_on_a_real_endpoint(
 
 def test_a_store_that_works_is_probed_once(s3) -> None:
     """The check is one request the first time a process opens a store, not one per file."""
-    from torchdata_ext.remote import probe
+    from torchdata_ext.remote.process_state import PROBED_STORES
 
     write_jsonl(s3.url("d", "a.jsonl"), ["x"], storage_options=s3.storage_options)
-    probe._ANSWERED.clear()
+    PROBED_STORES.items.clear()
     idx = DatasetIndex.build(s3.url("d"), storage_options=s3.storage_options)
     assert list(idx.files) == [s3.url("d", "a.jsonl")]
-    assert len(probe._ANSWERED) == 1, probe._ANSWERED
+    assert len(PROBED_STORES.items) == 1, PROBED_STORES.items
 
 
 def test_wrong_credentials_on_a_real_endpoint(s3, capsys) -> None:

@@ -50,24 +50,19 @@ from typing import TextIO, cast
 
 from torchdata_ext.audit.inspect_data import MORE_HINT, inspect_dataset
 from torchdata_ext.audit.report import audit_checkpoint
-from torchdata_ext.prepare_data.tokenize_text import PrepareResult, prepare
-from torchdata_ext.prepare_data.tokenize_text import (
-    split_inputs as split_inputs,  # tests import it from here
-)
+from torchdata_ext.prepare_data.tokenize_text import prepare
 from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
 
-__all__ = ["PrepareResult", "audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
+__all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
 
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
-# library parameters that a command takes under another flag's name, and words for what the
-# command line sets outside its flags
+# library parameters that a command takes under another flag's name
 _ALIASES = {
     "prepare": {"col_name": "--text-field"},
     "inspect": {},
     "audit": {"cfg": "--config"},
     "index": {},
 }
-_WORDS: dict[str, str] = {}
 _STORAGE_HELP = (
     'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '
     '"http://host:9000"}, "key": "...", "secret": "..."}\' (default: the '
@@ -272,7 +267,7 @@ def cli_message(message: str, flags: dict[str, str]) -> str:
 
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
     message = re.sub(rf"\b({names})=({_VALUE})", with_value, message)
-    bare = {**{k: v for k, v in flags.items() if "_" in k}, **_WORDS}
+    bare = {k: v for k, v in flags.items() if "_" in k}
     names = "|".join(sorted(map(re.escape, bare), key=len, reverse=True))
     return re.sub(rf"(?<![\w/.-])({names})(?![\w/.-])", lambda m: bare[m.group(1)], message)
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+import pyarrow as pa
 
 __all__ = [
+    "READ_ERRORS",
     "DataFileError",
     "DocData",
     "FileHandler",
@@ -52,6 +55,20 @@ class DataFileError(ValueError):
         self.url = url
 
 
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    DataFileError,
+    OSError,  # missing or unreadable files, remote errors (RemoteError is one), bad gzip data
+    EOFError,
+    UnicodeDecodeError,
+    json.JSONDecodeError,
+    pa.ArrowException,
+)
+"""What opening or reading a bad file raises: :class:`DataFileError` (every built-in handler's
+word for a missing, truncated or corrupt file), ``OSError`` and the decoding errors a handler
+may let through. ``on_error="skip"`` skips these only: anything else (a ``TypeError``, an
+``AttributeError``...) is a bug and propagates."""
+
+
 class FileHandler(ABC):
     """One file format. Subclasses set ``name``, ``suffixes`` and ``produces``.
 
@@ -78,7 +95,8 @@ class FileHandler(ABC):
         """Open ``url`` and return a reader object for :meth:`length` and :meth:`get`.
 
         Raises:
-            DataFileError: the file is missing, corrupt, or lacks ``col_name``.
+            DataFileError: the file is missing, corrupt, or lacks ``col_name``. A reader skips
+                only files and documents failing with one of :data:`READ_ERRORS`.
         """
 
     @abstractmethod

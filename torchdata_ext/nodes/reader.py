@@ -25,15 +25,15 @@ states are read through :func:`~torchdata_ext.state.reader_state.reader_cursors`
 restoring a state continues with exactly the blocks the uninterrupted run would have produced
 next.
 
-This module is the walk: shard order, plans, cursors and epochs, building blocks, delivering
-pieces handed back by a rescale, the state format and :func:`merge_reader_states`, and the
+This module is the walk: shard order, plans, cursors and epochs, building blocks, when to
+deliver pieces handed back by a rescale, the state it saves and restores, and the
 ``on_error`` policy. Opening, reading, prefetching and closing files (handlers, the
 :class:`~torchdata_ext.remote.ShardCache`, range reads, I/O counters) is
 :class:`~torchdata_ext.sources.file_access.FileAccess`, which the reader asks for a file number and
-document ids. At ~790 lines it is over the ~500 of the style guide: the rest is one state
-machine over the per-shard cursor (``Cursor``) that the plan, block and hand-back code all
-advance; the state format (``Cursor``, :func:`merge_reader_states`) already lives in
-:mod:`torchdata_ext.state.reader_state`.
+document ids; the state format (``Cursor``, :func:`merge_reader_states`) is
+:mod:`torchdata_ext.state.reader_state` and the hand-back's state edit and blocks are
+:mod:`torchdata_ext.nodes.hand_back`. This module is 814 lines: what is left is one state machine over the
+per-shard cursor (``Cursor``) that the plan, block, file-switch and hand-back code all advance.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -50,10 +51,11 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.handlers.base import DocData
+from torchdata_ext.handlers.base import READ_ERRORS, DocData
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch
+from torchdata_ext.nodes.hand_back import returned_block, with_returned
 from torchdata_ext.order.shard_walk import ShardPlan, shard_order_rank, shard_plan
-from torchdata_ext.order.shards import check_shard_count, file_offsets, shard_bounds, worker_shards
+from torchdata_ext.order.shards import check_shard_count, file_offsets, worker_shards
 from torchdata_ext.order.split import EvalSplit, SplitFilter, Subset
 from torchdata_ext.order.walk import RandomWalk
 from torchdata_ext.remote import RemoteError, ShardCache
@@ -369,42 +371,15 @@ class ShardReader(BaseNode[DocumentBlock]):
         take: list[list[int]] = []
         while c.returned and c.returned[0][0] == file and len(take) < self.block_docs:
             take.append(c.returned.pop(0))
-        pieces: list[Any] = []
-        docs: list[int] = []
-        starts: list[int] = []
-        lasts: list[bool] = []
-        stops: list[int] = []
-        for _, doc, start, stop in take:
-            data = self.fetch_document(self.dataset.name, file, doc)
-            if isinstance(data, str):
-                # offsets count the tokens of the tokenized text: the whole text goes on with
-                # them, and the tokenize node cuts the piece out after encoding
-                pieces.append(data)
-                lasts.append(stop < 0)
-                stops.append(stop)
-            else:
-                end = len(data) if stop < 0 else stop
-                pieces.append(data[start:end])
-                lasts.append(end == len(data))
-                # marks the piece as handed back: a transform node downstream, whose
-                # coordinates these are, cuts it again from the transformed document
-                stops.append(stop)
-            docs.append(doc)
-            starts.append(start)
-        block = DocumentBlock.from_pieces(
+        return returned_block(
             self.dataset.name,
-            pieces,
-            [file] * len(take),
-            docs,
-            starts,
-            lasts,
+            file,
+            take,
+            partial(self.fetch_document, self.dataset.name, file),
             shard=sid,
             epoch=c.epoch,
             dtype=self.dtype,
         )
-        if stops:
-            block.stop = np.asarray(stops, np.int64)
-        return block
 
     def with_returned(
         self, state: dict[str, Any], pieces: Sequence[tuple[int, int, int, int]]
@@ -412,21 +387,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         """A copy of reader ``state`` with in-flight ``pieces`` ``(file, doc, start, stop)``
         handed back to the logical shards holding them (each is delivered first by whichever
         worker owns the shard). Used when rescaling."""
-        bounds = shard_bounds(int(self._offsets[-1]), self.n_logical_shards)
-        view = reader_cursors(state)
-        added: dict[int, list[list[int]]] = {}
-        for file, doc, start, stop in pieces:
-            g = int(self._offsets[file]) + int(doc)
-            sid = int(np.searchsorted(bounds, g, side="right")) - 1
-            added.setdefault(sid, []).append([int(file), int(doc), int(start), int(stop)])
-        held = view.rows(np.fromiter(added, np.int64, len(added)))
-        for sid, row in zip(list(added), held.tolist()):
-            if row < 0:
-                continue  # another new worker's shard; it reads the same old state
-            ex = dict(view.extras.get(sid, {}))
-            ex["returned"] = sorted([list(x) for x in ex.get("returned", [])] + added[sid])
-            view.extras[sid] = ex
-        return cursor_state(state, view)
+        return with_returned(state, pieces, self._offsets, self.n_logical_shards)
 
     def fetch_document(self, dataset: str, file: int, doc: int) -> DocData:
         """Document ``doc`` of file number ``file`` as this reader delivers it (after
@@ -692,7 +653,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             n = self._open_prefetching(file, self._upcoming(sid, c, plan, j))
         except RemoteError:
             raise  # an outage or an access problem, never a bad file to skip
-        except Exception as exc:
+        except READ_ERRORS as exc:  # a bad file; anything else is a bug and propagates
             if self.on_error == "raise":
                 raise
             logger.warning("skipping unreadable file %s (%s)", url, exc)
@@ -746,7 +707,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         if not skipped:
             try:
                 return list(files.get_many(doc_ids))
-            except Exception:
+            except READ_ERRORS:
                 if self.on_error == "raise":
                     raise
         out: list[DocData | None] = []
@@ -756,7 +717,7 @@ class ShardReader(BaseNode[DocumentBlock]):
                 continue
             try:
                 out.append(files.get(d))
-            except Exception as exc:
+            except READ_ERRORS as exc:
                 if self.on_error == "raise":
                     raise
                 logger.warning(

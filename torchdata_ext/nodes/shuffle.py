@@ -33,39 +33,46 @@ drawn, so a 10,000-sequence buffer holds ~170 MB instead of ~700 MB (at seq_len 
 arrays handed downstream are freshly written.
 
 The provenance of the buffered items is journaled: each draw appends the slot and the new
-item's provenance table, and a state holds the journal's length (:class:`_LazyGroups`), so
+item's provenance table, and a state holds the journal's length (:class:`~.shuffle_state.LazyGroups`), so
 taking one costs a few references however large the buffer. A state is built into its blocks of
-``_BLOCK`` (4) slots, in groups of ``_GROUP`` (64), only when read (pickled, iterated or diffed),
+``BLOCK`` (4) slots, in groups of ``GROUP`` (64), only when read (pickled, iterated or diffed),
 from the last built state and the changes since: a block or group that did not change is the
 same object as in the state before, so the state a dataloader worker sends after a batch is a
 few kilobytes (only the blocks whose slots were drawn, see :mod:`torchdata_ext.state.delta`),
 and a training loop that takes a state at every step and saves few pays for the ones it saves.
 A journal longer than twice the buffer is built into a new base (its memory is bounded: ~20,000
-small tables for a 10,000-sequence buffer).
-
-Longer than a few hundred lines: the node and the journal that makes its states cheap belong
-together (the journal is written on every draw).
+small tables for a 10,000-sequence buffer). The journal, its blocks and groups, and the readers
+of a state's provenance are in :mod:`torchdata_ext.nodes.shuffle_state`.
 
 State keys: ``source`` (upstream state after the last pull), ``draws``, ``exhausted``, and
 either ``prov_groups`` (format 3: a list of groups, each a list of blocks of slots, each a
 pair ``(counts, rows)``: rows per item and the items' provenance rows ``[sum(counts), 5]``, in
-the narrowest integer dtype that holds them) or ``items`` (items kept as they are). The
-earlier formats are still read: ``prov_blocks`` (format 2: the blocks in one list) and
-``prov_counts`` / ``prov_rows`` (format 1: all items concatenated). Resume guarantee: the rest
-of the stream is identical.
+the narrowest integer dtype that holds them) or ``items`` (items kept as they are). Two
+earlier formats, never released and written only by the tests that check they still read, are
+read too: ``prov_blocks`` (format 2: the blocks in one list) and ``prov_counts`` /
+``prov_rows`` (format 1: all items concatenated). Resume guarantee: the rest of the stream is
+identical.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchdata_ext.nodes.shuffle_state import (
+    GROUP,
+    Journal,
+    LazyGroups,
+    Snapshot,
+    buffered_provenance,
+    provenance_groups,
+    standard_layout,
+)
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.progress import Progress
 from torchdata_ext.provenance import PROV_COLUMNS, remap_ids
@@ -81,9 +88,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_DRAW_TAG = 0x53485546
-_BLOCK = 4  # slots per provenance block (the unit a state delta resends)
-_GROUP = 64  # blocks per group (the unit a state delta looks inside)
+DRAW_TAG = 0x53485546
+"""The tag of the draws: draw ``i`` picks slot ``mix_seed(seed, DRAW_TAG, i) % len(buffer)``."""
 # a journal longer than 2 x the buffer + this many changes is built into a new base (a state
 # read later then replays at most that many)
 _JOURNAL_SLACK = 1024
@@ -175,16 +181,16 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         self._draws = 0
         self._exhausted = False
         # the provenance of the buffered items for the states: the slots' changes since a
-        # snapshot (see _Journal), each state a prefix of it (_LazyGroups), built when read
+        # snapshot (see Journal), each state a prefix of it (LazyGroups), built when read
         self._prov_of: Callable[[Any], Any] | None | object = _UNDECIDED
-        self._journal = _Journal(None)
-        self._last: _LazyGroups | None = None  # the provenance of the last state
+        self._journal = Journal(None)
+        self._last: LazyGroups | None = None  # the provenance of the last state
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._buf = []
-        self._journal = _Journal(None)
+        self._journal = Journal(None)
         self._last = None
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
@@ -216,7 +222,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
                 self._grow()
         if not buf:
             raise StopIteration
-        j = mix_seed(self.seed, _DRAW_TAG, self._draws) % len(buf)
+        j = mix_seed(self.seed, DRAW_TAG, self._draws) % len(buf)
         self._draws += 1
         item = buf[j]
         if not self._exhausted and len(buf) <= self.buffer_size:
@@ -283,7 +289,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
             if last is not None and last.built and last.journal is journal:
                 # the last state was read (a dataloader worker sends each): build on it
                 journal = self._journal = journal.after(last)
-            self._last = _LazyGroups(journal, len(journal), len(self._buf))
+            self._last = LazyGroups(journal, len(journal), len(self._buf))
             state["prov_groups"] = self._last
         else:
             state["items"] = [self._out(x) for x in self._buf]
@@ -300,11 +306,11 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         groups: list[Any] = []
         if "prov_groups" in state:
             groups = list(state["prov_groups"])  # its groups, the same objects
-        elif "prov_blocks" in state:
+        elif "prov_blocks" in state:  # format 2: no release wrote it; tests/test_shuffle.py does
             blocks = list(state["prov_blocks"])
-            groups = [blocks[i : i + _GROUP] for i in range(0, len(blocks), _GROUP)]
-        if groups and _standard_layout(groups, len(self._buf)):
-            self._journal = _Journal(_Snapshot(groups, len(self._buf)))
+            groups = [blocks[i : i + GROUP] for i in range(0, len(blocks), GROUP)]
+        if groups and standard_layout(groups, len(self._buf)):
+            self._journal = Journal(Snapshot(groups, len(self._buf)))
         else:  # format 1, or blocks of another size: journal every slot
             self._journal.slots.extend(range(len(self._buf)))
             self._journal.tables.extend(x.provenance for x in self._buf)
@@ -313,7 +319,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         """Build the journal into a new base of the buffer as it is now, so it lets go of the
         tables of items handed out (states taken before keep the journal they were given)."""
         journal = self._journal
-        now = _LazyGroups(journal, len(journal), len(self._buf))
+        now = LazyGroups(journal, len(journal), len(self._buf))
         now.groups()
         self._journal = journal.after(now)
 
@@ -459,298 +465,5 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
 _UNDECIDED = object()  # ShuffleBuffer._prov_of before the first item
 
 
-class _Snapshot(NamedTuple):
-    """The provenance of the buffer at one point, as a state lists it: ``groups`` of
-    :class:`_ProvBlock` s (never changed once made), over ``n`` slots."""
-
-    groups: list[list[_ProvBlock]]
-    n: int
-
-
-class _Journal:
-    """What changed in the buffer's slots since ``base`` (None: an empty buffer): slot
-    ``slots[i]`` got an item with provenance table ``tables[i]``, in that order.
-
-    Append-only: a state's :class:`_LazyGroups` is a prefix of it, read later (or never), so
-    taking a state costs a few references whatever the buffer size; a draw costs two appends.
-    """
-
-    __slots__ = ("base", "slots", "tables")
-
-    def __init__(self, base: _Snapshot | None) -> None:
-        self.base = base
-        self.slots: list[int] = []
-        self.tables: list[Any] = []
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def after(self, state: _LazyGroups) -> _Journal:
-        """A journal from ``state`` (of this journal, built) on, with the changes since it."""
-        out = _Journal(_Snapshot(state.groups(), state.n))
-        out.slots = self.slots[state.k :]
-        out.tables = self.tables[state.k :]
-        return out
-
-
-class _LazyGroups(Sequence[list[Any]]):
-    """A state's ``prov_groups``: the first ``k`` changes of ``journal`` over ``n`` slots,
-    made into the groups of blocks when first read (iterated, indexed, pickled or diffed).
-
-    It pickles (and copies) as the plain list of groups it stands for. Groups and blocks that
-    did not change since the journal's base are the base's own objects, so a dataloader worker
-    that diffs consecutive states sends only the changed blocks
-    (:mod:`torchdata_ext.state.delta` reads ``__state_value__``)."""
-
-    __slots__ = ("_groups", "journal", "k", "n")
-
-    def __init__(self, journal: _Journal, k: int, n: int) -> None:
-        self.journal = journal
-        self.k = k
-        self.n = n
-        self._groups: list[list[_ProvBlock]] | None = None
-
-    @property
-    def built(self) -> bool:
-        return self._groups is not None
-
-    def groups(self) -> list[list[_ProvBlock]]:
-        groups = self._groups
-        if groups is None:  # made again if two threads race here: same values, no harm
-            groups = self._groups = _build_groups(self.journal, self.k, self.n)
-        return groups
-
-    __state_value__ = groups
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.groups()[i]
-
-    def __len__(self) -> int:
-        return _counts(self.n)[1]
-
-    def __iter__(self) -> Iterator[list[Any]]:
-        return iter(self.groups())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (list, (self.groups(),))
-
-    def __repr__(self) -> str:
-        return f"_LazyGroups({self.groups()!r})"
-
-
-def _counts(n: int) -> tuple[int, int]:
-    """Blocks and groups of ``n`` slots (the last of each may be partial)."""
-    n_blocks = -(-n // _BLOCK)
-    return n_blocks, -(-n_blocks // _GROUP)
-
-
-def _build_groups(journal: _Journal, k: int, n: int) -> list[list[_ProvBlock]]:
-    """The groups of blocks of ``n`` slots after the first ``k`` changes of ``journal``: the
-    base's groups, with new blocks where a slot changed (or the last block was cut) and new
-    lists for the groups they are in."""
-    base = journal.base
-    groups = list(base.groups) if base is not None else []
-    n0 = base.n if base is not None else 0
-    changes = dict(zip(journal.slots[:k], journal.tables[:k]))  # the last change of a slot
-    dirty = {s // _BLOCK for s in changes if s < n}
-    if n < n0 and n % _BLOCK:
-        dirty.add((n - 1) // _BLOCK)  # the last block lost slots
-    n_blocks, n_groups = _counts(n)
-    del groups[n_groups:]
-    blocks = sorted(dirty)
-    tables: list[Any] = []
-    sizes: list[int] = []
-    for b in blocks:
-        lo, hi = b * _BLOCK, min(b * _BLOCK + _BLOCK, n)
-        kept = _block_tables(groups[b // _GROUP][b % _GROUP]) if lo < n0 else ()
-        tables.extend(changes[s] if s in changes else kept[s - lo] for s in range(lo, hi))
-        sizes.append(hi - lo)
-    stale = _StaleGroup(tables, sizes)
-    made: dict[int, list[_ProvBlock]] = {}
-    if n_groups and len(groups) == n_groups:  # the last group may have lost blocks
-        last = n_groups - 1
-        if len(groups[last]) != n_blocks - last * _GROUP:
-            made[last] = groups[last][: n_blocks - last * _GROUP]
-    for i, b in enumerate(blocks):
-        g, at = divmod(b, _GROUP)
-        group = made.get(g)
-        if group is None:
-            group = made[g] = list(groups[g]) if g < len(groups) else []
-        block = _ProvBlock(stale, i)
-        if at < len(group):
-            group[at] = block
-        else:  # blocks of slots added since the base come in order
-            group.append(block)
-    groups.extend([] for _ in range(n_groups - len(groups)))
-    for g, group in made.items():
-        groups[g] = group
-    return groups
-
-
-class _StaleGroup:
-    """The provenance tables of the blocks one state found changed (a few per batch), made
-    into ``(counts, rows)`` pairs together, on first use (one concatenation for all of them).
-    Holds only the tables (small arrays, never written), not the items."""
-
-    __slots__ = ("_pairs", "_sizes", "_starts", "_tables")
-
-    def __init__(self, tables: list[np.ndarray], sizes: list[int]) -> None:
-        self._tables = tables
-        self._sizes = sizes  # items per block
-        self._starts: list[int] | None = None
-        self._pairs: list[tuple[np.ndarray, np.ndarray]] | None = None
-
-    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        pairs = self._pairs
-        if pairs is None:  # made again if two threads race here: same values, no harm
-            pairs = self._pairs = _pairs(self._tables, self._sizes)
-        return pairs[i]
-
-    def tables(self, i: int) -> list[Any]:
-        """The provenance tables of block ``i``'s slots, as the items held them."""
-        starts = self._starts
-        if starts is None:
-            starts = self._starts = [0, *itertools.accumulate(self._sizes)]
-        return self._tables[starts[i] : starts[i + 1]]
-
-
-def _pairs(tables: list[np.ndarray], sizes: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per block of ``sizes[i]`` consecutive tables: the rows per item and the rows
-    (``[n, 5]``), each in the smallest integer dtype that holds the block's values (per block,
-    as the format always had it: one wide value would otherwise widen every block)."""
-    counts = np.array([len(t) for t in tables], np.int64)
-    rows = np.concatenate(tables).reshape(-1, PROV_COLUMNS)
-    ends = np.concatenate([[0], np.cumsum(counts)]).tolist()
-    out, i = [], 0
-    for n in sizes:
-        out.append((_narrow(counts[i : i + n]), _narrow(rows[ends[i] : ends[i + n]])))
-        i += n
-    return out
-
-
-class _ProvBlock(Sequence[np.ndarray]):
-    """The provenance of one block of buffer slots in a state: the pair ``(counts, rows)``
-    (rows per item, and the items' provenance rows ``[sum(counts), 5]``), made when first
-    read. It pickles as that plain tuple, so checkpoints and the states a dataloader worker
-    sends hold plain arrays (format 2), and a restored state has tuples here."""
-
-    __slots__ = ("_group", "_i")
-
-    def __init__(self, group: _StaleGroup, i: int) -> None:
-        self._group = group
-        self._i = i
-
-    def __getitem__(self, k: Any) -> Any:
-        return self._group.pair(self._i)[k]
-
-    def __len__(self) -> int:
-        return 2
-
-    def __iter__(self) -> Iterator[np.ndarray]:
-        return iter(self._group.pair(self._i))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (tuple, (self._group.pair(self._i),))
-
-    def __repr__(self) -> str:
-        return f"_ProvBlock{self._group.pair(self._i)!r}"
-
-    def tables(self) -> list[Any]:
-        """The provenance tables of the block's slots (what later blocks are made from)."""
-        return self._group.tables(self._i)
-
-
-def _standard_layout(groups: list[Any], n: int) -> bool:
-    """Whether ``groups`` cut ``n`` slots as this module does: blocks of ``_BLOCK`` slots in
-    groups of ``_GROUP`` blocks, the last of each possibly partial."""
-    n_blocks, n_groups = _counts(n)
-    if len(groups) != n_groups or sum(len(g) for g in groups) != n_blocks:
-        return False
-    if any(len(g) != _GROUP for g in groups[:-1]):
-        return False
-    sizes = [len(block[0]) for g in groups for block in g]
-    return all(k == _BLOCK for k in sizes[:-1]) and sizes[-1] == n - _BLOCK * (n_blocks - 1)
-
-
-def _block_tables(block: Any) -> list[Any]:
-    """The provenance tables of a block's slots: a :class:`_ProvBlock`'s own, or split from a
-    restored state's ``(counts, rows)`` pair."""
-    if type(block) is _ProvBlock:
-        return block.tables()
-    counts, rows = block
-    ends = np.cumsum(np.asarray(counts, np.int64)).tolist()
-    rows = np.asarray(rows).reshape(-1, PROV_COLUMNS)
-    return [rows[a:b] for a, b in zip([0, *ends], ends)]
-
-
-def _state_blocks(state: dict[str, Any]) -> list[Any]:
-    """The ``(counts, rows)`` blocks of a format 3 (``prov_groups``) or 2 (``prov_blocks``)
-    state, in slot order."""
-    if "prov_groups" in state:
-        return [block for group in state["prov_groups"] for block in group]
-    return list(state["prov_blocks"])
-
-
-def buffered_provenance(state: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The provenance of the items a :class:`ShuffleBuffer` state holds, read from the state
-    alone (nothing rebuilt): ``(counts, rows)``, ``counts[i]`` rows per item and the items'
-    provenance rows ``[sum(counts), 5]`` (``int64``, see :mod:`torchdata_ext.provenance`),
-    items in slot order.
-
-    Raises:
-        ValueError: the state keeps its items as they are (``items``: a source without
-            provenance), so there is no provenance to read.
-    """
-    if "prov_groups" in state or "prov_blocks" in state:  # format 3 or 2
-        blocks = _state_blocks(state)
-        if not blocks:
-            return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
-        # one concatenation, then one cast (blocks are narrowed each to its own dtype)
-        counts = np.concatenate([c for c, _ in blocks]).astype(np.int64)
-        rows = np.concatenate([np.reshape(r, (-1, PROV_COLUMNS)) for _, r in blocks])
-        return counts, rows.astype(np.int64)
-    if "prov_counts" in state:  # format 1: all items' columns concatenated
-        counts = np.asarray(state["prov_counts"], np.int64)
-        cols = [np.asarray(c, np.int64) for c in state["prov_rows"]]
-        rows = np.stack(cols, axis=1) if cols else np.zeros((0, PROV_COLUMNS), np.int64)
-        return counts, rows
-    items = state.get("items")
-    if not items:  # an empty buffer
-        return np.zeros(0, np.int64), np.zeros((0, PROV_COLUMNS), np.int64)
-    raise ValueError(
-        "this shuffle buffer state keeps its items as they are, without provenance tables; "
-        "put the shuffle buffer on a Pack to account for what it holds"
-    )
-
-
-def provenance_groups(tables: Sequence[np.ndarray]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """The ``prov_groups`` of a :class:`ShuffleBuffer` state (format 3) whose buffer holds, in
-    slot order, items with these provenance tables (``(k, 5)`` integer arrays, see
-    :mod:`torchdata_ext.provenance`): plain lists of ``(counts, rows)`` pairs, as a state
-    pickles. A buffer restored from such a state rebuilds each item only when it is drawn."""
-    journal = _Journal(None)
-    journal.slots = list(range(len(tables)))
-    journal.tables = [np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables]
-    groups = _build_groups(journal, len(tables), len(tables))
-    return [[tuple(block) for block in group] for group in groups]  # type: ignore[misc]
-
-
 def _same(item: T) -> T:
     return item
-
-
-_NARROW = [
-    (np.dtype(dt), int(np.iinfo(dt).min), int(np.iinfo(dt).max))
-    for dt in (np.int8, np.int16, np.int32)
-]
-
-
-def _narrow(a: np.ndarray) -> np.ndarray:
-    """``a`` in the smallest signed integer dtype that holds its values."""
-    if a.size == 0:
-        return a.astype(np.int8)
-    lo, hi = int(a.min()), int(a.max())
-    for dt, dt_min, dt_max in _NARROW:
-        if dt_min <= lo and hi <= dt_max:
-            return a.astype(dt)
-    return a.astype(np.int64)

@@ -30,6 +30,8 @@ Modules (import from this package; the modules are its layout, not its interface
 * :mod:`.disk`: the cache folder shared by all processes: layout, ``flock`` locks, scanning and
   least-recently-used eviction.
 * :mod:`.rangefile`: :class:`RangeFile`, range reads through the cache.
+* :mod:`.process_state`: the filesystems, probe clients and caches each process keeps, and
+  their one reset in a forked child.
 """
 
 # `X as X`: public names that were outside `__all__`, importable from here as before the split

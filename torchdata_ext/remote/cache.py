@@ -9,8 +9,8 @@ small background thread pool (:meth:`ShardCache.prefetch`). Counters (:meth:`Sha
 say whether I/O is the bottleneck.
 
 This module is what one process keeps: holds, prefetch threads, counters and the download. The
-folder's layout, locks and eviction, shared by all processes, are in :mod:`.disk`. It is over
-500 lines because :class:`ShardCache` is one ~450-line class whose parts all share one lock and
+folder's layout, locks and eviction, shared by all processes, are in :mod:`.disk`. This module is
+537 lines because :class:`ShardCache` is one ~450-line class whose parts all share one lock and
 one per-process state (``_Runtime``); split further, that lock's protocol would be scattered.
 """
 
@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from torchdata_ext.progress import Progress, fsspec_callback
 from torchdata_ext.remote import disk
 from torchdata_ext.remote.disk import Entry
 from torchdata_ext.remote.files import default_cache_dir, is_remote, private_filesystem
+from torchdata_ext.remote.process_state import CACHES
 from torchdata_ext.remote.rangefile import RangeFile
 from torchdata_ext.remote.retry import IncompleteDownload, RetryPolicy, with_retries
 
@@ -80,9 +80,6 @@ class _Runtime:
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_STAT_KEYS, 0.0))
     max_bytes: int | None = None
     max_bytes_known: bool = False
-
-
-_CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
 class ShardCache:
@@ -153,7 +150,7 @@ class ShardCache:
         self.block_size = block_size
         self.own_retries = own_retries
         self._rt = _Runtime()
-        _CACHES.add(self)
+        CACHES.add(self)
 
     # -- pickling / fork ----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -164,14 +161,18 @@ class ShardCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._rt = _Runtime()
-        _CACHES.add(self)
+        CACHES.add(self)
 
     def _runtime(self) -> _Runtime:
         if self._rt.pid != os.getpid():
-            self._after_fork()
+            self.after_fork()
         return self._rt
 
-    def _after_fork(self) -> None:
+    def after_fork(self) -> None:
+        """Drop what this process inherited of its parent's cache: its holds (closing the
+        copies of their locked files), threads and counters. Called in a forked child by
+        :func:`~torchdata_ext.remote.process_state.reset_after_fork`, or on first use in a
+        process whose copy came otherwise."""
         for slot in self._rt.slots.values():  # the parent's locks: drop our copies of the fds
             if slot.fd is not None:
                 with contextlib.suppress(OSError):
@@ -534,12 +535,3 @@ def _get_file(fs: Any, rpath: str, tmp: str, size: int, progress: Progress, done
         raise IncompleteDownload(
             errno.EIO, f"downloaded {got} bytes of {size}; the transfer was cut short"
         )
-
-
-def _reset_after_fork() -> None:
-    for cache in list(_CACHES):
-        cache._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

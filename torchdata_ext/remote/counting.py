@@ -1,8 +1,9 @@
 """Count the HTTP requests this process sends to S3, by kind, for tests and benchmarks.
 
 :func:`count_s3_requests` wraps the one place every ``s3fs`` request passes through
-(aiobotocore's ``AIOHTTPSession.send``, once per attempt, retries included) and tallies each
-request as one of::
+(aiobotocore's ``AIOHTTPSession.send``, once per attempt, retries included) while a block
+is open, puts the original method back when the last block closes, and tallies each request
+as one of::
 
     LIST        GET of a bucket with a listing query (list-type=2, prefix=, delimiter=)
     GET         GET of a whole object
@@ -53,33 +54,43 @@ def request_kind(method: str, url: str, headers: Any) -> str:
 
 _lock = threading.Lock()
 _active: list[Counter[str]] = []  # the counters of the open count_s3_requests blocks
-_installed = False
+_real_send: Any = None  # aiobotocore's own AIOHTTPSession.send while the wrapper is in place
+
+
+async def _counted_send(self: Any, request: Any) -> Any:
+    """``AIOHTTPSession.send`` while a block is open: tally the request, then send it."""
+    kind = request_kind(request.method, request.url, request.headers)
+    with _lock:
+        for counter in _active:
+            counter[kind] += 1
+        real = _real_send
+    return await real(self, request)
 
 
 def _install() -> None:
-    """Wrap ``AIOHTTPSession.send`` once per process (a no-op wrapper while nothing counts)."""
-    global _installed
-    if _installed:
-        return
+    """Put the wrapper in place (the caller holds ``_lock`` and opens the first block)."""
+    global _real_send
     from aiobotocore.httpsession import AIOHTTPSession
 
-    real = AIOHTTPSession.send
+    _real_send = AIOHTTPSession.send
+    AIOHTTPSession.send = _counted_send
 
-    async def counted(self: Any, request: Any) -> Any:
-        if _active:
-            kind = request_kind(request.method, request.url, request.headers)
-            with _lock:
-                for counter in _active:
-                    counter[kind] += 1
-        return await real(self, request)
 
-    AIOHTTPSession.send = counted
-    _installed = True
+def _uninstall() -> None:
+    """Put aiobotocore's own method back (the caller holds ``_lock`` and closed the last block)."""
+    global _real_send
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    AIOHTTPSession.send = _real_send
+    _real_send = None
 
 
 @contextlib.contextmanager
 def count_s3_requests() -> Iterator[Counter[str]]:
     """Count the S3 requests this process sends inside the block, by kind.
+
+    The first open block wraps ``AIOHTTPSession.send``; the last one to close (normally or
+    by an exception) puts the original method back, so nothing stays patched after the block.
 
     Yields:
         A ``Counter`` of kind -> requests, filled as requests are sent (read it after the
@@ -89,12 +100,15 @@ def count_s3_requests() -> Iterator[Counter[str]]:
     Raises:
         ImportError: ``s3fs`` (and so aiobotocore) is not installed.
     """
-    _install()
     counter: Counter[str] = Counter()
     with _lock:
+        if not _active:
+            _install()
         _active.append(counter)
     try:
         yield counter
     finally:
         with _lock:
             _active.remove(counter)
+            if not _active:
+                _uninstall()

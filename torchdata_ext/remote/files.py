@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import threading
 import uuid
 from typing import Any
 
 from fsspec.core import split_protocol
 
+from torchdata_ext.remote.process_state import FILESYSTEMS
 from torchdata_ext.remote.retry import RetryPolicy, with_retries
 from torchdata_ext.remote.urls import filesystem, is_local
 
@@ -39,8 +39,6 @@ __all__ = [
 _LOCAL_PROTOCOLS = (None, "file", "local")
 
 # private filesystems of this process, by protocol and options (clients are slow to make)
-_FILESYSTEMS: dict[str, Any] = {}
-_FS_LOCK = threading.Lock()
 
 
 def is_remote(url: str) -> bool:
@@ -157,8 +155,7 @@ def private_filesystem(
     protocol = split_protocol(url)[0] or "file"
     own = own_retries and "AWS_MAX_ATTEMPTS" not in os.environ
     key = f"{protocol}|{own}|{sorted(so.items())!r}"
-    with _FS_LOCK:
-        hit = _FILESYSTEMS.get(key)
+    hit = FILESYSTEMS.get(key)
     if hit is None:
         opts = dict(so)
         s3 = protocol in ("s3", "s3a")
@@ -170,8 +167,7 @@ def private_filesystem(
         fs, _ = filesystem(url, opts)
         if s3 and own:
             fs.retries = 1  # s3fs's own retry loop (a class attribute)
-        with _FS_LOCK:
-            hit = _FILESYSTEMS.setdefault(key, fs)
+        hit = FILESYSTEMS.setdefault(key, fs)
     return hit, hit._strip_protocol(url)
 
 
@@ -181,13 +177,3 @@ def _client(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]
     if is_remote(url):
         return private_filesystem(url, dict(storage_options or {}), own_retries=True)
     return filesystem(url, storage_options)
-
-
-def _reset_after_fork() -> None:
-    global _FS_LOCK
-    _FS_LOCK = threading.Lock()
-    _FILESYSTEMS.clear()  # event loops and connections do not survive a fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

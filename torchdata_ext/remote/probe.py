@@ -14,15 +14,16 @@ decision to the real operation and its retries. A store that answered is not pro
 this process.
 
 Only ``s3://`` (s3fs) is probed: other protocols are left to their own clients. Imports nothing
-of this package but :mod:`.retry` (``urls`` calls it; ``.files`` imports ``urls``).
+of this package but :mod:`.retry` and :mod:`.process_state` (``urls`` calls it; ``.files``
+imports ``urls``).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
+from torchdata_ext.remote.process_state import PROBE_CLIENTS, PROBED_STORES
 from torchdata_ext.remote.retry import (
     RemoteError,
     client_error_info,
@@ -52,9 +53,6 @@ _ENVIRONMENT = (
     "AWS_SHARED_CREDENTIALS_FILE",
     "AWS_CONFIG_FILE",
 )
-_ANSWERED: set[str] = set()  # stores (protocol, bucket, options) that answered the probe
-_CLIENTS: dict[str, Any] = {}  # the probe's filesystems, by protocol and options
-_LOCK = threading.Lock()
 
 
 def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str, Any]) -> None:
@@ -70,9 +68,8 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
     if protocol not in _PROBED or not bucket or any(c in bucket for c in "*?[{"):
         return
     key = f"{protocol}|{bucket}|{_options_key(storage_options)}"
-    with _LOCK:
-        if key in _ANSWERED:
-            return
+    if PROBED_STORES.get(key):
+        return
     try:
         fs = _client(protocol, storage_options)
         fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
@@ -82,16 +79,14 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
             if isinstance(clear, RemoteError):
                 raise clear from None  # the message says it all: no client traceback
         # undecided (a transient error...): the real operation decides, with its retries
-    with _LOCK:
-        _ANSWERED.add(key)
+    PROBED_STORES.setdefault(key, True)
 
 
 def _client(protocol: str, storage_options: dict[str, Any]) -> Any:
     """The probe's S3 filesystem for these options (short timeouts, no retry), one per
     process (making a client costs ~0.1-0.5 s of CPU)."""
     key = f"{protocol}|{_options_key(storage_options)}"
-    with _LOCK:
-        fs = _CLIENTS.get(key)
+    fs = PROBE_CLIENTS.get(key)
     if fs is None:
         import fsspec
 
@@ -104,8 +99,7 @@ def _client(protocol: str, storage_options: dict[str, Any]) -> Any:
         opts["skip_instance_cache"] = True
         fs = fsspec.filesystem(protocol, **opts)
         fs.retries = 1  # s3fs's own retry loop
-        with _LOCK:
-            fs = _CLIENTS.setdefault(key, fs)
+        fs = PROBE_CLIENTS.setdefault(key, fs)
     return fs
 
 
@@ -128,13 +122,3 @@ def _permanent(exc: BaseException) -> bool:
         if info is not None and info[0] in _PERMANENT_CODES:
             return True
     return False
-
-
-def _reset_after_fork() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()
-    _CLIENTS.clear()  # event loops and connections do not survive a fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

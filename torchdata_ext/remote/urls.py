@@ -12,7 +12,6 @@ import posixpath
 from typing import Any
 
 import braceexpand
-import fsspec
 from fsspec.core import url_to_fs
 
 __all__ = [
@@ -157,8 +156,3 @@ METADATA_FILES = frozenset(
 def _hidden_or_meta(rel: str) -> bool:
     parts = [p for p in rel.split("/") if p]
     return any(p.startswith((".", "_")) or p == "meta" for p in parts)
-
-
-def open_url(url: str, mode: str = "rb", storage_options: dict[str, Any] | None = None) -> Any:
-    """Open ``url`` with fsspec (no compression inference)."""
-    return fsspec.open(url, mode, **(storage_options or {})).open()

@@ -17,21 +17,19 @@ read from where they were written before:
 
 The index never writes into a folder it reads unless asked to (``write_counts="data"``).
 
-At ~550 lines this module is over the ~500 of the style guide: listing, the counts files and
-the counts cache all work on the same per-file rows; the counts cache (``_cache_path``,
-``_read_cached``, ``_write_cached``) is the seam for the next cut. Per-file fingerprints live
-in :mod:`torchdata_ext.sources.fingerprint`; the index only keeps the sizes and versions it listed.
+Reading the counts files and the counts cache is :mod:`torchdata_ext.sources.counts`; this
+module lists the files, decides which counts to trust, counts the rest and writes them. Per-file
+fingerprints live in :mod:`torchdata_ext.sources.fingerprint`; the index only keeps the sizes
+and versions it listed.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import logging
 import os
 import posixpath
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -39,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from torchdata_ext.handlers.base import (
+    DataFileError,
     FileHandler,
     format_for_url,
     get_handler,
@@ -52,23 +51,25 @@ from torchdata_ext.progress import Progress
 from torchdata_ext.remote import (
     RemoteError,
     check_access,
-    default_cache_dir,
     with_retries,
     write_bytes_atomic,
 )
 from torchdata_ext.remote.urls import expand_urls, filesystem
+from torchdata_ext.sources.counts import (
+    CACHE_HEADER,
+    COUNTS_FILE,
+    HEADER,
+    Counts,
+    cache_path,
+    csv_text,
+    read_cached,
+    read_counts,
+)
 from torchdata_ext.sources.fingerprint import Stat, file_fingerprints, file_stat
 
 __all__ = ["COUNTS_FILE", "DatasetIndex", "list_data_files", "read_data_sources"]
 
 logger = logging.getLogger(__name__)
-
-COUNTS_FILE = "torchdata_ext_counts.csv"
-_HEADER = ["dataset/filename", "documents", "tokens", "bytes"]
-_CACHE_HEADER = ["url", "documents", "tokens", "bytes", "version"]
-
-_Stat = Stat  # (size in bytes or -1, version or ""): torchdata_ext.sources.fingerprint.file_stat
-_Counts = tuple[int, int, int]  # (documents, tokens or -1, bytes or -1)
 
 
 def read_data_sources(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -332,10 +333,10 @@ class DatasetIndex:
     def _fill_counts(
         self, root: str, counts_url: str | None, write: Literal["cache", "data", False]
     ) -> None:
-        stats = list(self.file_stats) or _file_stats(self.files, self.storage_options)
+        stats = list(self.file_stats)  # build lists them: one per file
         sizes = [size for size, _ in stats]
-        known = _read_counts(root, counts_url, self.storage_options)
-        cached = _read_cached(root)
+        known = read_counts(root, counts_url, self.storage_options)
+        cached = read_cached(root)
         missing: list[int] = []
         for i, f in enumerate(self.files):
             rec = known.get(f)
@@ -370,8 +371,8 @@ class DatasetIndex:
 
     def _write_counts(self, root: str, sizes: list[int]) -> None:
         rel = _relative_names(self.files, root)
-        text = _csv_text(
-            _HEADER, zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes)
+        text = csv_text(
+            HEADER, zip(rel, self.doc_counts.tolist(), self.token_counts.tolist(), sizes)
         )
         url = posixpath.join(root, "meta", COUNTS_FILE)
         try:  # atomic, and a failed write (a full disk) leaves no temporary file
@@ -380,17 +381,17 @@ class DatasetIndex:
             logger.warning("could not write document counts to %s (%s); continuing", url, exc)
 
     def _write_cached(
-        self, root: str, stats: list[_Stat], cached: dict[str, tuple[_Counts, _Stat]]
+        self, root: str, stats: list[Stat], cached: dict[str, tuple[Counts, Stat]]
     ) -> None:
         """Keep this index's counts in the local cache (with every file's size and version),
         next to the cached counts of other files of the same folder."""
         rows = dict(cached)
         for url, n, t, st in zip(self.files, self.doc_counts, self.token_counts, stats):
             rows[url] = ((int(n), int(t), st[0]), st)
-        text = _csv_text(
-            _CACHE_HEADER, ((u, n, t, b, v) for u, ((n, t, b), (_, v)) in sorted(rows.items()))
+        text = csv_text(
+            CACHE_HEADER, ((u, n, t, b, v) for u, ((n, t, b), (_, v)) in sorted(rows.items()))
         )
-        path = _cache_path(root)
+        path = cache_path(root)
         try:
             write_bytes_atomic(path, text.encode())
         except OSError as exc:
@@ -468,14 +469,6 @@ def list_data_files(
     return files, file_type
 
 
-def _csv_text(header: list[str], rows: Iterable[Iterable[Any]]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    w.writerows(rows)
-    return buf.getvalue()
-
-
 def _common_dir(files: Sequence[str]) -> str:
     dirs = [f.rsplit("/", 1)[0] if "/" in f else "." for f in files]
     common = os.path.commonprefix(dirs)
@@ -490,127 +483,25 @@ def _relative_names(files: Sequence[str], root: str | None = None) -> list[str]:
     return [f[len(prefix) :] if f.startswith(prefix) else f for f in files]
 
 
-def _file_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[_Stat]:
-    """Each file's size and version (``-1, ""`` where unknown), from fsspec ``info`` (served
-    from the listing on object stores: no request per file)."""
-    out: list[_Stat] = []
+def _file_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[Stat]:
+    """Each listed file's size and version (``-1``/``""`` where its store does not say), from
+    fsspec ``info`` (served from the listing on object stores: no request per file).
+
+    Raises:
+        DataFileError: a listed file cannot be stat'ed (removed or renamed since the listing,
+            or not readable), naming it: the index would hold a file that cannot be read.
+        RemoteError: the store cannot be reached or refuses access (after retries).
+    """
+    out: list[Stat] = []
     for f in files:
         try:
             out.append(file_stat(f, storage_options))
         except RemoteError:
             raise
-        except Exception:
-            out.append((-1, ""))
-    return out
-
-
-def _cache_path(root: str) -> str:
-    """The cached counts file of data folder ``root`` (its name, then a hash of its URL)."""
-    digest = hashlib.sha256(root.encode()).hexdigest()[:24]
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in posixpath.basename(root))
-    return os.path.join(default_cache_dir(), "counts", f"{name[:40]}-{digest}.csv")
-
-
-def _read_cached(root: str) -> dict[str, tuple[_Counts, _Stat]]:
-    """Counts kept in the local cache for files of ``root``: URL -> (counts, (size, version))."""
-    path = _cache_path(root)
-    try:
-        with open(path, encoding="utf-8") as f:
-            rows = list(csv.reader(f))
-    except OSError:
-        return {}
-    out: dict[str, tuple[_Counts, _Stat]] = {}
-    for row in rows[1:]:
-        try:
-            url, n, t, b, version = row
-            out[url] = ((int(n), int(t), int(b)), (int(b), version))
-        except ValueError:  # a damaged cache file: its counts are computed again
-            logger.warning("ignoring the damaged cached counts file %s", path)
-            return {}
-    return out
-
-
-class _KnownCounts:
-    """Rows of counts files. A relative row names the file at that path from the folder holding
-    its ``meta``; a row with a leading slash, an absolute path or a URL names the file whose path
-    from that folder is a trailing part of the row's path (whole components; of several such
-    rows the last read wins)."""
-
-    def __init__(self) -> None:
-        self._exact: dict[str, _Counts] = {}
-        # folder holding meta -> file name -> [("/" + the row's path, counts)]
-        self._tails: dict[str, dict[str, list[tuple[str, _Counts]]]] = {}
-
-    def add(self, base: str, name: str, rec: _Counts) -> None:
-        if not (name.startswith("/") or "://" in name):
-            self._exact[posixpath.join(base, name)] = rec
-            return
-        path = "/" + name.split("://", 1)[-1].strip("/")
-        by_name = self._tails.setdefault(base.rstrip("/"), {})
-        by_name.setdefault(posixpath.basename(path), []).append((path, rec))
-
-    def get(self, url: str) -> _Counts | None:
-        rec = self._exact.get(url)
-        if rec is not None or not self._tails:
-            return rec
-        for base, by_name in self._tails.items():
-            if not url.startswith(base + "/"):
-                continue
-            tail = url[len(base) :]  # "/" + the file's path from base
-            for path, counts in reversed(by_name.get(posixpath.basename(url), [])):
-                if path.endswith(tail):
-                    return counts
-        return None
-
-
-def _read_counts(
-    root: str, counts_url: str | None, storage_options: dict[str, Any]
-) -> _KnownCounts:
-    """The counts in the counts files found for ``root`` (or in ``counts_url``)."""
-    out = _KnownCounts()
-    candidates: list[tuple[str, str]] = []  # (csv url, folder its names are relative to)
-    if counts_url is not None:
-        parent = posixpath.dirname(posixpath.dirname(counts_url.rstrip("/")))
-        candidates.append((counts_url, parent))
-    else:
-        for base in (root, posixpath.dirname(root.rstrip("/"))):
-            if not base:
-                continue
-            meta = posixpath.join(base, "meta")
-            try:
-                fs, path = filesystem(meta, storage_options)
-                pattern = posixpath.join(path, "*counts*.csv")
-                found = sorted(with_retries(partial(fs.glob, pattern), meta, what="list"))
-            except RemoteError as exc:
-                if exc.transient:  # an outage: do not open every file to count it instead
-                    raise
-                continue  # e.g. no right to list the parent folder
-            except Exception:
-                continue
-            # our own file last, so it wins over others on conflicts
-            found.sort(key=lambda p: p.endswith(COUNTS_FILE))
-            candidates.extend(
-                (posixpath.join(base, "meta", posixpath.basename(p)), base) for p in found
-            )
-    for url, base in candidates:
-        try:
-            fs, path = filesystem(url, storage_options)
-            text = with_retries(partial(fs.cat_file, path), url, what="read")
-            rows = list(csv.reader(io.StringIO(text.decode())))
-        except FileNotFoundError:
-            if counts_url is not None:
-                raise FileNotFoundError(f"counts file {counts_url!r} not found") from None
-            continue
-        for row in rows[1:]:
-            if len(row) < 2:
-                continue
-            try:
-                docs = int(row[1])
-                toks = int(row[2]) if len(row) > 2 and row[2] != "" else -1
-                nbytes = int(row[3]) if len(row) > 3 and row[3] != "" else -1
-            except ValueError:
-                raise ValueError(
-                    f"{url}: bad row {row!r}; expected dataset/filename,documents,tokens[,bytes]"
-                ) from None
-            out.add(base, row[0], (docs, toks, nbytes))
+        except OSError as exc:
+            raise DataFileError(
+                f,
+                f"listed, but its size cannot be read ({type(exc).__name__}: {exc}); was it "
+                "removed or renamed while the index was built? Build the index again",
+            ) from exc
     return out

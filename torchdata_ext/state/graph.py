@@ -92,7 +92,7 @@ def walk_state(
 
 def is_reader_state(x: Any) -> bool:
     """Whether ``x`` is the state of a :class:`~torchdata_ext.nodes.reader.ShardReader`."""
-    # format 2 holds its cursors in "cursors", format 1 in "shards" (reader_state.py)
+    # format 2 holds its cursors in "cursors", format 1 (written by tests only) in "shards"
     return (
         isinstance(x, dict) and set(x) >= _READER_STATE_KEYS and ("cursors" in x or "shards" in x)
     )

@@ -224,7 +224,7 @@ def reader_cursors(state: dict[str, Any]) -> ReaderCursors:
             f"reader state format {fmt!r} is not supported (this version reads formats "
             f"{', '.join(map(str, READ_FORMATS))}); read it with the version that wrote it"
         )
-    if fmt == 1:
+    if fmt == 1:  # no release wrote it; tests/test_reader_state.py writes it to check it reads
         items = sorted((int(k), v) for k, v in state["shards"].items())
         n = len(items)
         ids = np.fromiter((k for k, _ in items), np.int64, n)
