@@ -1,7 +1,8 @@
 """Rescale planning: a new worker's graph state from the states of the old workers it succeeds.
 
 Restoring onto another number of ranks x workers is a re-partition of the logical shards, with
-three steps (no file I/O here: :mod:`torchdata_ext.checkpoint.folder` reads the states and calls in):
+three steps (no file I/O here: :mod:`torchdata_ext.checkpoint.restore` calls in with the states
+that a folder or DCP checkpoint read):
 
 1. **Which old workers** (:func:`old_workers_needed`): those whose logical shards overlap the new
    worker's; only their states are read.
