@@ -10,6 +10,12 @@ token counts, sizes and versions (ETag, mtime) and the handler options they were
 (:func:`write_index_files`) for any data. The prepared metadata file is not copied into it
 (it is read as it is now, one more GET, so deleting or rewriting it takes effect at once).
 
+**Prepared data can move.** File names are recorded relative to the folder however the folder
+was spelled (a relative path, a symlink), so a copy (keeping modification times), an upload to
+an object store, a symlink or a relative ``data_path`` reads the same index file. Index files
+of earlier versions holding absolute names are read where those files are below the folder
+(symlinks resolved), and refused with :class:`StaleIndexError` where the data has moved since.
+
 **Stale index files are refused, never used.** Reading one costs one GET and no LIST; one
 process of the job (rank 0, worker 0: :func:`load_index_file` with ``verify=True``) lists the
 folder once and compares names, sizes and versions. A file added, removed, resized or rewritten
@@ -62,6 +68,10 @@ INDEX_FILE = "torchdata_ext_index.json"
 INDEX_VERSION = 1
 _SHOWN = 10  # files named in a stale-index error
 
+_COPIED_HINT = (
+    ". Only modification times changed: if the folder was copied without keeping them "
+    "(cp -r without -p), copy it with cp -a, rsync -a or shutil.copytree instead"
+)
 _verified: set[tuple[str, str]] = set()  # (index file URL, sha256 of its bytes) listed as fresh
 _lock = threading.Lock()
 
@@ -323,6 +333,8 @@ def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> Non
             f"it was written: {shown}{more}. It is not rebuilt here (the other ranks read it "
             f"without listing and must see the same files): write it again before starting "
             f"the job with {_fix(folder)}, or delete it to list the folder at every start"
+            + _COPIED_HINT
+            * all(c.what == ("version",) for c in changes)
         )
     with _lock:
         _verified.add((url, digest))
