@@ -10,6 +10,12 @@ token counts, sizes and versions (ETag, mtime) and the handler options they were
 (:func:`write_index_files`) for any data. The prepared metadata file is not copied into it
 (it is read as it is now, one more GET, so deleting or rewriting it takes effect at once).
 
+**Prepared data can move.** File names are recorded relative to the folder however the folder
+was spelled (a relative path, a symlink), so a copy (keeping modification times), an upload to
+an object store, a symlink or a relative ``data_path`` reads the same index file. Index files
+of earlier versions holding absolute names are read where those files are below the folder
+(symlinks resolved), and refused with :class:`StaleIndexError` where the data has moved since.
+
 **Stale index files are refused, never used.** Reading one costs one GET and no LIST; one
 process of the job (rank 0, worker 0: :func:`load_index_file` with ``verify=True``) lists the
 folder once and compares names, sizes and versions. A file added, removed, resized or rewritten
@@ -30,6 +36,7 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -38,7 +45,7 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler_class, handler_accepts
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.remote.urls import join
+from torchdata_ext.remote.urls import filesystem, join, unstrip
 from torchdata_ext.sources.fingerprint import compare, file_stat
 from torchdata_ext.sources.index import DatasetIndex, list_data_files
 from torchdata_ext.sources.prepared_meta import meta_url, read_side_file
@@ -61,6 +68,10 @@ INDEX_FILE = "torchdata_ext_index.json"
 INDEX_VERSION = 1
 _SHOWN = 10  # files named in a stale-index error
 
+_COPIED_HINT = (
+    ". Only modification times changed: if the folder was copied without keeping them "
+    "(cp -r without -p), copy it with cp -a, rsync -a or shutil.copytree instead"
+)
 _verified: set[tuple[str, str]] = set()  # (index file URL, sha256 of its bytes) listed as fresh
 _lock = threading.Lock()
 
@@ -76,13 +87,65 @@ def index_file_url(folder: str) -> str:
     return join(folder, "meta", INDEX_FILE)
 
 
-def _relative(url: str, folder: str) -> str:
+def _canonical(folder: str, storage_options: dict[str, Any] | None) -> str:
+    """``folder`` spelled as a listing spells its files: a local path absolute (``data/web``
+    run from ``/job`` is ``/job/data/web``; a symlink is kept, not resolved), a remote one a
+    full URL."""
+    fs, path = filesystem(folder, storage_options)
+    return unstrip(fs, path).rstrip("/") or "/"
+
+
+def _under(url: str, folder: str) -> str | None:
+    """``url``'s name relative to ``folder`` (both spelled as :func:`_canonical` does), or
+    None when it is not below it. Local paths are also compared with symlinks resolved."""
     prefix = folder.rstrip("/") + "/"
-    return url[len(prefix) :] if url.startswith(prefix) else url
+    if url.startswith(prefix):
+        return url[len(prefix) :]
+    if url.startswith("/") and folder.startswith("/"):
+        real, real_folder = os.path.realpath(url), os.path.realpath(folder)
+        if real.startswith(real_folder.rstrip("/") + "/"):
+            return real[len(real_folder.rstrip("/")) + 1 :]
+    return None
 
 
-def _absolute(name: str, folder: str) -> str:
-    return name if "://" in name or name.startswith("/") else join(folder, name)
+def _relative(url: str, folder: str) -> str:
+    """``url``'s name relative to ``folder``, or ``url`` itself when it is not below it."""
+    rel = _under(url, folder)
+    return url if rel is None else rel
+
+
+def _recorded_name(name: str, folder: str, url: str) -> str:
+    """A file name of the index file at ``url`` as a name relative to ``folder``: index files
+    record relative names; those written by earlier versions may hold absolute ones, read
+    where they are below ``folder`` (the data has not moved, or is reached by another spelling
+    of the same folder).
+
+    Raises:
+        StaleIndexError: an absolute name outside ``folder`` (the data moved since the index
+            file was written with absolute names).
+    """
+    if "://" not in name and not name.startswith("/"):
+        return name
+    rel = _under(name, folder)
+    if rel is None:
+        raise StaleIndexError(
+            f"the index file {url} names the file {name}, which is not in {folder}: it was "
+            "written (by an earlier version) with absolute paths, and the data has moved since. "
+            f"Write it again with {_fix(folder)}, or delete it to list the folder at every start"
+        )
+    return rel
+
+
+def _fix(folder: str) -> str:
+    """The command that writes ``folder``'s index file again, for messages."""
+    remote = "://" in folder and not folder.startswith("file://")
+    if remote:
+        return (
+            f"`torchdata-ext index {folder} --storage-options JSON` (JSON: the config's "
+            "storage_options as a JSON object; and the config's --file-type, --col-name, "
+            "--eos-token)"
+        )
+    return f"`torchdata-ext index {folder}` (and the config's --file-type, --col-name, --eos-token)"
 
 
 def with_side_files(index: DatasetIndex) -> DatasetIndex:
@@ -116,7 +179,7 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
         "name": index.name,
         "file_type": index.file_type,
         "handler_options": dict(index.handler_options),
-        "files": [_relative(f, folder) for f in index.files],
+        "files": _relative_files(folder, index),
         "documents": index.doc_counts.tolist(),
         "tokens": index.token_counts.tolist(),
         "sizes": [size for size, _ in index.file_stats],
@@ -132,6 +195,26 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
     url = index_file_url(folder)
     write_bytes_atomic(url, data, index.storage_options)
     return url
+
+
+def _relative_files(folder: str, index: DatasetIndex) -> list[str]:
+    """The index's files relative to ``folder``, as the index file records them.
+
+    Raises:
+        ValueError: a file is not below ``folder`` (its name would not survive a move).
+    """
+    root = _canonical(folder, index.storage_options)
+    out = []
+    for f in index.files:
+        rel = _under(f, root)
+        if rel is None:
+            raise ValueError(
+                f"dataset {index.name!r}: the file {f} is not in {folder}: an index file "
+                "records its files relative to its folder; build the index from the folder "
+                "itself (DatasetIndex.build(folder))"
+            )
+        out.append(rel)
+    return out
 
 
 def _options_key(file_type: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,13 +268,13 @@ def load_index_file(
         version = body["index_version"]
     except (ValueError, KeyError, TypeError):
         raise ValueError(
-            f"{url}: not a torchdata-ext index file; write it again with "
-            f"`torchdata-ext index {folder}`, or delete it"
+            f"{url}: not a torchdata-ext index file; write it again with {_fix(folder)}, "
+            "or delete it"
         ) from None
     if version != INDEX_VERSION:
         raise ValueError(
             f"{url}: index file version {version!r} is not supported (this version reads "
-            f"{INDEX_VERSION}); write it again with `torchdata-ext index {folder}`"
+            f"{INDEX_VERSION}); write it again with {_fix(folder)}"
         )
     stored_type = body["file_type"]
     wanted: dict[str, Any] = {} if col_name is None else {"col_name": col_name}
@@ -207,7 +290,8 @@ def load_index_file(
             url, stored_type, options, file_type, wanted, folder,
         )  # fmt: skip
         return None
-    files = tuple(_absolute(f, folder) for f in body["files"])
+    root = _canonical(folder, storage_options)
+    files = tuple(join(root, _recorded_name(f, root, url)) for f in body["files"])
     index = DatasetIndex(
         name=name,
         files=files,
@@ -230,13 +314,14 @@ def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> Non
         if (url, digest) in _verified:
             return
     files, _ = list_data_files(folder, index.file_type, index.storage_options)
+    root = _canonical(folder, index.storage_options)
     now = {
-        _relative(f, folder): {"size": size, "version": version, "sha256": ""}
+        _relative(f, root): {"size": size, "version": version, "sha256": ""}
         for f in files
         for size, version in [file_stat(f, index.storage_options)]
     }
     recorded = {
-        _relative(f, folder): {"size": size, "version": version, "sha256": ""}
+        _relative(f, root): {"size": size, "version": version, "sha256": ""}
         for f, (size, version) in zip(index.files, index.file_stats)
     }
     changes = compare(recorded, now)
@@ -247,8 +332,9 @@ def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> Non
             f"the index file {url} is stale: {len(changes)} file(s) of {folder} changed since "
             f"it was written: {shown}{more}. It is not rebuilt here (the other ranks read it "
             f"without listing and must see the same files): write it again before starting "
-            f"the job with `torchdata-ext index {folder}` (and the config's --file-type, "
-            "--col-name, --eos-token), or delete it to list the folder at every start"
+            f"the job with {_fix(folder)}, or delete it to list the folder at every start"
+            + _COPIED_HINT
+            * all(c.what == ("version",) for c in changes)
         )
     with _lock:
         _verified.add((url, digest))
