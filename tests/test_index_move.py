@@ -256,14 +256,44 @@ def test_a_checkpoint_restores_on_the_moved_folder(tmp_path: Path, s3) -> None:
         assert [item_key(x) for x, _ in zip(moved, range(5))] == rest
 
 
-def test_a_copy_without_modification_times_is_refused_saying_so(tmp_path: Path) -> None:
-    """Only the modification time tells a local rewrite of the same size from a copy: a copy
-    that did not keep them (``cp -r``) is refused, and the message says how to copy."""
+def test_a_copy_without_modification_times_trains_the_same(
+    tmp_path: Path, listings: Counter
+) -> None:
+    """``cp -r`` (modification times not kept): the index file's sampled sha256 of each local
+    file recognises the copy, which trains the same with no listing but rank 0's check."""
+    import subprocess
+
+    reference = _reference(_prepared(tmp_path))
+    orig = sorted((tmp_path / "orig" / "data" / "web").glob("*.arrow"))[0]
+    os.utime(orig, (1e9, 1e9))  # cp -r below gives the copy its own time, never this one
+    subprocess.run(["cp", "-r", str(tmp_path / "orig"), str(tmp_path / "copy")], check=True)
+    copy = tmp_path / "copy" / "data"
+    assert (copy / "web" / orig.name).stat().st_mtime != 1e9
+    shutil.rmtree(tmp_path / "orig")
+    _trains_the_same(str(copy), reference, listings)
+
+
+def test_a_same_size_rewrite_is_refused_and_an_old_index_says_how_to_copy(tmp_path: Path) -> None:
+    """Modification times and sampled bytes both changed: a rewrite, refused naming the file.
+    An index file written before sampled bytes were recorded cannot tell a copy without
+    modification times from a rewrite: refused, saying how to copy."""
     _prepared(tmp_path)
     shutil.copytree(tmp_path / "orig", tmp_path / "copy", copy_function=shutil.copyfile)
-    copy = str(tmp_path / "copy" / "data")
+    copy = tmp_path / "copy" / "data"
+    first = sorted((copy / "web").glob("*.arrow"))[0]
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF  # same size, other last byte (inside the sampled tail)
+    first.write_bytes(bytes(data))
+    with pytest.raises(StaleIndexError, match=rf"{first.name} \(first/last 64 KiB differ\)") as e:
+        load_index_file(str(copy / "web"), name="web", file_type="arrow")
+    assert "Only modification times changed" not in str(e.value)
+
+    index_url = copy / "code" / "meta" / INDEX_FILE
+    body = json.loads(index_url.read_text())
+    assert len(body.pop("sha256")) == len(body["files"])
+    index_url.write_text(json.dumps(body))
     with pytest.raises(StaleIndexError, match=r"part\S*\.arrow \(version mtime=") as e:
-        load_index_file(f"{copy}/web", name="web", file_type="arrow")
+        load_index_file(str(copy / "code"), name="code", file_type="arrow")
     assert str(e.value).endswith(
         "Only modification times changed: if the folder was copied without keeping them "
         "(cp -r without -p), copy it with cp -a, rsync -a or shutil.copytree instead"

@@ -11,8 +11,10 @@ token counts, sizes and versions (ETag, mtime) and the handler options they were
 (it is read as it is now, one more GET, so deleting or rewriting it takes effect at once).
 
 **Prepared data can move.** File names are recorded relative to the folder however the folder
-was spelled (a relative path, a symlink), so a copy (keeping modification times), an upload to
-an object store, a symlink or a relative ``data_path`` reads the same index file. Index files
+was spelled (a relative path, a symlink), so a copy, an upload to an object store, a symlink or
+a relative ``data_path`` reads the same index file. For local folders the index file also holds
+each file's sampled sha256 (its first and last 64 KiB, as checkpoints record it): a copy that did
+not keep modification times (``cp -r``) is recognised by those bytes and read as it is. Index files
 of earlier versions holding absolute names are read where those files are below the folder
 (symlinks resolved), and refused with :class:`StaleIndexError` where the data has moved since.
 
@@ -44,9 +46,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from torchdata_ext.handlers.base import get_handler_class, handler_accepts
-from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.remote import is_remote, write_bytes_atomic
 from torchdata_ext.remote.urls import filesystem, join, unstrip
-from torchdata_ext.sources.fingerprint import compare, file_stat
+from torchdata_ext.sources.fingerprint import compare, file_fingerprint, file_stat
 from torchdata_ext.sources.index import DatasetIndex, list_data_files
 from torchdata_ext.sources.prepared_meta import meta_url, read_side_file
 
@@ -185,6 +187,11 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
         "sizes": [size for size, _ in index.file_stats],
         "versions": [version for _, version in index.file_stats],
     }
+    if not is_remote(folder):  # a copy that loses modification times is recognised by these bytes
+        body["sha256"] = [
+            file_fingerprint(f, index.storage_options, stat=stat)["sha256"]
+            for f, stat in zip(index.files, index.file_stats)
+        ]
     try:
         data = json.dumps(body, sort_keys=True).encode()
     except TypeError as exc:
@@ -303,13 +310,17 @@ def load_index_file(
         file_stats=tuple(zip((int(s) for s in body["sizes"]), body["versions"])),
     )
     if verify:
-        _check_fresh(url, hashlib.sha256(raw).hexdigest(), folder, index)
+        _check_fresh(url, hashlib.sha256(raw).hexdigest(), folder, index, body.get("sha256"))
     return index
 
 
-def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> None:
+def _check_fresh(
+    url: str, digest: str, folder: str, index: DatasetIndex, sampled: Sequence[str] | None
+) -> None:
     """List ``folder`` (once per process for these index bytes) and refuse the index file if
-    the listing's names, sizes or versions differ from it."""
+    the listing's names, sizes or versions differ from it. Files whose version alone differs
+    are taken as they are when the index file holds their sampled sha256 (``sampled``, one per
+    file) and their bytes still give it: a copy that did not keep modification times."""
     with _lock:
         if (url, digest) in _verified:
             return
@@ -325,6 +336,8 @@ def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> Non
         for f, (size, version) in zip(index.files, index.file_stats)
     }
     changes = compare(recorded, now)
+    if changes and sampled is not None and all(c.what == ("version",) for c in changes):
+        changes = _same_sampled_bytes(changes, root, index, sampled)
     if changes:
         shown = "; ".join(str(c) for c in changes[:_SHOWN])
         more = f"; and {len(changes) - _SHOWN} more" if len(changes) > _SHOWN else ""
@@ -338,6 +351,26 @@ def _check_fresh(url: str, digest: str, folder: str, index: DatasetIndex) -> Non
         )
     with _lock:
         _verified.add((url, digest))
+
+
+def _same_sampled_bytes(
+    changes: list[Any], root: str, index: DatasetIndex, sampled: Sequence[str]
+) -> list[Any]:
+    """Of ``changes`` (files whose version alone differs), those whose sampled sha256 differs
+    from the index file's too (as :func:`compare` reports them); logs the ones taken as copies."""
+    recorded = {_relative(f, root): d for f, d in zip(index.files, sampled)}
+    left = []
+    for c in changes:
+        now = file_fingerprint(join(root, c.file), index.storage_options)["sha256"]
+        old = {**c.recorded, "sha256": recorded.get(c.file, "")}
+        left += compare({c.file: old}, {c.file: {**c.current, "sha256": now, "version": ""}})
+    if len(left) < len(changes):
+        logger.info(
+            "%s: %d file(s) have other modification times than its index file records, and the "
+            "same sampled bytes (a copy that did not keep them): read as they are",
+            root, len(changes) - len(left),
+        )  # fmt: skip
+    return left
 
 
 def shared_by_rank0(build: Callable[[], T], doing: str) -> T:
