@@ -16,7 +16,8 @@ dataset; ``--doc N`` prints document N (global index, or ``--file F --doc N``), 
 ``--tokenizer`` (default: the tokenizer ``prepare`` recorded with the data), cut to its first 1,000 tokens and 10,000 characters unless ``--all``.
 
 ``torchdata-ext audit CKPT --config cfg.yaml`` prints what a loader checkpoint consumed
-(:func:`torchdata_ext.audit.report.audit_checkpoint`): a table, or ``--json``; ``--list out.parquet``
+(:func:`torchdata_ext.audit.report.audit_checkpoint`; a checkpoint folder or a DCP checkpoint,
+``--key`` picking its loader state when it holds several): a table, or ``--json``; ``--list out.parquet``
 writes one row per document consumed, ``--plot audit.png`` a picture (matplotlib, the ``plot``
 extra).
 
@@ -169,7 +170,12 @@ def _parser() -> argparse.ArgumentParser:
         "of its logical shards, documents and tokens consumed per epoch, documents in flight, "
         "token share against the target (see python -m pydoc torchdata_ext.audit.report).",
     )
-    ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint")
+    ap.add_argument("checkpoint", help="checkpoint folder (URL) written by save_checkpoint, or "
+                    "a torch.distributed.checkpoint (DCP) holding a DCPLoaderState")  # fmt: skip
+    ap.add_argument("--key", default=None,
+                    help="DCP checkpoint: the key of the loader state in the saved state dict "
+                    "('data' for dcp.save({..., 'data': DCPLoaderState(loader)})); needed only "
+                    "when it holds several")  # fmt: skip
     ap.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
@@ -386,6 +392,7 @@ def _audit(args: argparse.Namespace) -> None:
         tokens=args.tokens,
         verify=args.verify or args.allow_changed_files,
         allow_changed_files=args.allow_changed_files,
+        key=args.key,
     )
     print(report.to_json() if args.json else report.format_table())
     if args.list:

@@ -88,8 +88,16 @@ def inspect_dataset(
     Raises:
         ValueError: ``doc`` is out of range, or ``file`` matches no file or several.
     """
-    from torchdata_ext.checkpoint.folder import is_checkpoint_folder  # (torch; only here)
+    from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint  # (torch; only here)
+    from torchdata_ext.checkpoint.folder import is_checkpoint_folder
 
+    if is_dcp_checkpoint(path, storage_options):
+        raise ValueError(
+            f"{path} is a torch.distributed.checkpoint (DCP) checkpoint, not a dataset: inspect "
+            "the data it was taken of, or audit the loader state in it to see what the run "
+            "consumed (torchdata_ext.audit_checkpoint, or the audit command; --key picks the "
+            "loader state when it holds several)"
+        )
     if is_checkpoint_folder(path, storage_options):
         raise ValueError(
             f"{path} is a loader checkpoint folder (written by save_checkpoint), not a dataset: "

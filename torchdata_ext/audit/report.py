@@ -1,7 +1,8 @@
 """What a checkpoint says the run consumed: per dataset, per epoch, which documents.
 
-:func:`audit_checkpoint` reads a checkpoint folder (:mod:`torchdata_ext.checkpoint.folder`) and the
-pipeline config, and answers from the reader cursors, the counts files and the provenance in
+:func:`audit_checkpoint` reads a checkpoint folder (:mod:`torchdata_ext.checkpoint.folder`), or the
+loader state in a ``torch.distributed.checkpoint`` (:mod:`torchdata_ext.checkpoint.dcp_read`: the
+same manifest and worker states), and the pipeline config, and answers from the reader cursors, the counts files and the provenance in
 the states, without reading documents:
 
 * per dataset, the epochs its logical shards are in (min / max), and for each epoch from the
@@ -71,7 +72,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -88,6 +89,8 @@ from torchdata_ext.audit.consumption import (
     document_rows,
     training_side,
 )
+from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
+from torchdata_ext.checkpoint.dcp_read import read_dcp_manifest, read_dcp_worker_states
 from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
 from torchdata_ext.checkpoint.rescale import live_cut
 from torchdata_ext.checkpoint.restore import dataset_differs
@@ -115,7 +118,7 @@ class AuditReport:
     """What a checkpoint says the run consumed (see :mod:`torchdata_ext.audit.report`).
 
     Attributes:
-        checkpoint: the checkpoint folder's URL.
+        checkpoint: the checkpoint's URL (a folder, or a DCP checkpoint).
         world_size: ranks when the checkpoint was taken.
         num_workers: dataloader workers per rank then.
         seed: the pipeline seed.
@@ -231,11 +234,14 @@ def audit_checkpoint(
     tokens: bool = True,
     verify: bool = False,
     allow_changed_files: bool = False,
+    key: str | None = None,
 ) -> AuditReport:
-    """Audit checkpoint folder ``url`` of a pipeline built from ``cfg``.
+    """Audit checkpoint ``url`` of a pipeline built from ``cfg``: a checkpoint folder or the
+    loader state in a ``torch.distributed.checkpoint`` (the same report).
 
     Args:
-        url: a checkpoint folder written by :func:`~torchdata_ext.checkpoint.folder.save_checkpoint`
+        url: a checkpoint folder written by :func:`~torchdata_ext.checkpoint.folder.save_checkpoint`,
+            or a DCP checkpoint holding a :class:`~torchdata_ext.checkpoint.dcp.DCPLoaderState`
             (any fsspec URL).
         cfg: the pipeline config the run used: a :class:`PipelineConfig`, a mapping of its
             fields, or the path of a YAML/JSON config file.
@@ -253,6 +259,9 @@ def audit_checkpoint(
             counts then describe the files as they are now). Only files changed in place (same
             size and document counts) can be allowed: files added, removed or resized are
             always refused (as :func:`~torchdata_ext.checkpoint.folder.load_checkpoint` refuses them).
+        key: for a DCP checkpoint, the key of the loader state in the state dict it was saved
+            with (``"data"`` for ``dcp.save({..., "data": DCPLoaderState(loader)})``); needed
+            only when it holds several. Default: the one loader state there.
 
     Returns:
         The :class:`AuditReport`.
@@ -261,6 +270,8 @@ def audit_checkpoint(
         FileNotFoundError: ``url`` holds no complete checkpoint.
         ValueError: the checkpoint does not belong to this config and data (another dataset,
             seed or logical shard count, files or counts changed), or a file of it is corrupt;
+            a DCP checkpoint holding no loader state, or several and no ``key`` (listed);
+            ``key`` for a checkpoint folder;
             with ``verify``: it records no fingerprints (saved by an earlier version);
             ``allow_changed_files`` without ``verify``.
         ChangedFilesError: with ``verify`` and not ``allow_changed_files``: data files changed
@@ -272,7 +283,7 @@ def audit_checkpoint(
             "re-checked, so there is nothing to allow; pass verify=True as well"
         )
     cfg = _as_config(cfg)
-    manifest = read_manifest(url, storage_options)
+    manifest, workers = _reader(url, storage_options, key)
     datasets = build_datasets(cfg, World())  # this process alone, never a collective
     _check_matches(url, manifest, cfg, datasets)
     changed: list[str] | None = None
@@ -281,7 +292,7 @@ def audit_checkpoint(
         changed, verified = _changed_files(url, manifest, datasets, allow_changed_files)
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: Held(ix, lengths[name]) for name, ix in datasets.items()}
-    live, lagging = _read_workers(url, storage_options, cfg, datasets, held, replay=replay)
+    live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay)
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
     return AuditReport(
         checkpoint=url,
@@ -323,9 +334,27 @@ def _changed_files(
     return changed, compared(recorded, datasets)
 
 
+def _reader(
+    url: str, storage_options: dict[str, Any] | None, key: str | None
+) -> tuple[dict[str, Any], Iterator[tuple[World, dict[str, Any], dict[str, Any]]]]:
+    """The manifest of checkpoint ``url`` (a folder or a DCP checkpoint) and its workers'
+    states, read one at a time as the caller goes (the same dicts either way)."""
+    if is_dcp_checkpoint(url, storage_options):
+        return (
+            read_dcp_manifest(url, storage_options, key=key),
+            read_dcp_worker_states(url, storage_options, key=key),
+        )
+    if key is not None:
+        raise ValueError(
+            f"key={key!r} picks a loader state in a torch.distributed.checkpoint (DCP), but "
+            f"{url} is not one (no .metadata): a checkpoint folder holds one loader state; "
+            "leave key out"
+        )
+    return read_manifest(url, storage_options), read_worker_states(url, storage_options)
+
+
 def _read_workers(
-    url: str,
-    storage_options: dict[str, Any] | None,
+    states: Iterator[tuple[World, dict[str, Any], dict[str, Any]]],
     cfg: PipelineConfig,
     datasets: dict[str, DatasetIndex],
     held: dict[str, Held],
@@ -339,7 +368,7 @@ def _read_workers(
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lagging = 0
     counted_ranks: set[int] = set()
-    for world, meta, graph in read_worker_states(url, storage_options):
+    for world, meta, graph in states:
         if world.rank not in counted_ranks:
             counted_ranks.add(world.rank)
             lagging += int(meta.get("skip_batches", 0))

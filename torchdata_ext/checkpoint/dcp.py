@@ -12,13 +12,13 @@ import io
 import logging
 import os
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from torchdata_ext.checkpoint import dcp_entries
+from torchdata_ext.checkpoint.dcp_read import merged_shares, unpickled
 from torchdata_ext.checkpoint.restore import (
     CHECKPOINT_FORMAT,
     loader_config,
@@ -223,7 +223,7 @@ class DCPLoaderState:
         if dcp_entries.MANIFEST not in state:
             self._load_single(state)
             return
-        entries = {k: _unpickled(v) for k, v in state.items()}
+        entries = {k: unpickled(v) for k, v in state.items()}
         where = "the loader state in the DCP checkpoint"
         loader = self.loader
         manifest = entries[dcp_entries.MANIFEST]
@@ -248,7 +248,7 @@ class DCPLoaderState:
         ]
         recorded = (
             {"sample_bytes": shares[0]["sample_bytes"],
-             "datasets": _merged_shares(s["datasets"] for s in shares)}
+             "datasets": merged_shares(s["datasets"] for s in shares)}
             if shares
             else {"sample_bytes": SAMPLE_BYTES, "datasets": {}}
         )  # fmt: skip
@@ -280,7 +280,7 @@ class DCPLoaderState:
                 f"the checkpoint has no loader state for {key}; it was saved by an earlier "
                 "version with another number of ranks, which restores on its own topology only"
             ) from None
-        payload = _unpickled(raw)
+        payload = unpickled(raw)
         if "loader" not in payload:  # saved before fingerprints: the loader state alone
             payload = {"loader": payload, "file_fingerprints": None}
         loader = self.loader
@@ -296,17 +296,3 @@ class DCPLoaderState:
 
 def _pickled(obj: Any) -> io.BytesIO:
     return io.BytesIO(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _unpickled(raw: Any) -> Any:
-    data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-    return pickle.loads(data)
-
-
-def _merged_shares(shares: Iterator[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Rank shares of file fingerprints (``{dataset: {file: fingerprint}}``) as one."""
-    out: dict[str, dict[str, Any]] = {}
-    for share in shares:
-        for name, files in share.items():
-            out.setdefault(name, {}).update(files)
-    return out

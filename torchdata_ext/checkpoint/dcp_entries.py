@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import posixpath
 import re
 import sys
 from dataclasses import dataclass
@@ -39,13 +40,17 @@ from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from torchdata_ext.checkpoint.rescale import old_workers_needed
+from torchdata_ext.remote.urls import filesystem
 from torchdata_ext.world import World
 
 __all__ = [
+    "DCP_METADATA",
     "MANIFEST",
     "LoadInProgress",
     "Topology",
+    "dcp_loader_call",
     "entries_to_read",
+    "is_dcp_checkpoint",
     "keys_under",
     "loader_keys",
     "loading_from",
@@ -58,6 +63,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest"
+DCP_METADATA = ".metadata"
+"""The file of a DCP checkpoint folder that lists its entries (written last by ``dcp.save``)."""
 _RANK = re.compile(r"rank_(\d{5})")
 _WORKER = re.compile(r"worker_(\d{6})")
 _LOAD_CODE = inspect.unwrap(state_dict_loader.load).__code__
@@ -114,17 +121,25 @@ def loading_from(owner: object) -> LoadInProgress | None:
 
 
 def reader_for(
-    checkpoint_id: str | os.PathLike[str] | None, storage_reader: dcp.StorageReader | None
+    checkpoint_id: str | os.PathLike[str] | None,
+    storage_reader: dcp.StorageReader | None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dcp.StorageReader:
     """The storage reader ``dcp.load(checkpoint_id=..., storage_reader=...)`` would use: the
     one given (moved to ``checkpoint_id`` when both are), else a ``FileSystemReader`` for a
-    local path or an ``FsspecReader`` for an fsspec URL."""
+    local path or an ``FsspecReader`` for an fsspec URL (given ``storage_options``: an
+    ``FsspecReader`` with them, to pass to ``dcp.load`` as ``storage_reader=`` alone, since a
+    ``checkpoint_id`` there would reset it without them)."""
     if storage_reader is not None:
         if checkpoint_id is not None:
             storage_reader.reset(checkpoint_id)
         return storage_reader
     if checkpoint_id is None:
         raise ValueError("pass the checkpoint to read: checkpoint_id=... or storage_reader=...")
+    if storage_options:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(checkpoint_id, **storage_options)
     targets: list[type[dcp.StorageReader]] = [dcp.FileSystemReader]
     try:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -214,3 +229,25 @@ def keys_under(metadata: Any, prefix: str) -> list[str]:
     """The keys of a DCP ``Metadata`` under ``prefix`` (without it)."""
     head = prefix + "."
     return [k[len(head) :] for k in metadata.state_dict_metadata if k.startswith(head)]
+
+
+def is_dcp_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is a ``torch.distributed.checkpoint`` folder (it holds DCP's
+    ``.metadata``), e.g. to name it when a loader checkpoint folder was expected."""
+    fs, path = filesystem(url, storage_options)
+    try:
+        return bool(fs.isfile(posixpath.join(path, DCP_METADATA)))
+    except OSError:
+        return False
+
+
+def dcp_loader_call(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """The ``dcp.load`` call that restores a loader from DCP checkpoint ``url``, under the key
+    its loader state has there (``"loader"`` when it cannot be listed; several are listed)."""
+    try:
+        keys = loader_keys(reader_for(url, None, storage_options).read_metadata())
+    except Exception:  # an unreadable listing: the call is still the way out
+        keys = []
+    key = keys[0] if len(keys) == 1 else "loader"
+    several = f" (under one of its loader keys {keys})" if len(keys) > 1 else ""
+    return f"dcp.load({{{key!r}: DCPLoaderState(loader)}}, checkpoint_id={url!r}){several}"

@@ -45,9 +45,10 @@ import hashlib
 import json
 import pickle
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from torchdata_ext.checkpoint.dcp_entries import dcp_loader_call, is_dcp_checkpoint
 from torchdata_ext.checkpoint.restore import CHECKPOINT_FORMAT, loader_config, restore_loader
 from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.remote import remove_file, write_bytes_atomic
@@ -64,11 +65,13 @@ from torchdata_ext.world import World
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "checked_format",
     "is_checkpoint_folder",
     "load_checkpoint",
     "read_manifest",
     "read_worker_states",
     "save_checkpoint",
+    "worker_states",
 ]
 
 _MANIFEST = "manifest.json"
@@ -251,7 +254,8 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
 
     Raises:
         FileNotFoundError: no manifest (not a checkpoint, or its save did not finish).
-        ValueError: a checkpoint format this version does not read, or a corrupt manifest.
+        ValueError: a checkpoint format this version does not read, a corrupt manifest, or a
+            ``torch.distributed.checkpoint`` (DCP) folder (named, with the call that loads it).
     """
     try:
         manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
@@ -262,13 +266,27 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
                 f"checkpoint folder {url} does not exist (so no {_MANIFEST}): check the "
                 f"path{_beside(fs, path)}"
             ) from None
+        if is_dcp_checkpoint(url, storage_options):
+            raise ValueError(
+                f"{url} is a torch.distributed.checkpoint (DCP) checkpoint, not a loader "
+                "checkpoint folder of save_checkpoint: restore the loader from it with "
+                f"{dcp_loader_call(url, storage_options)} (or DCPLoaderState(loader, "
+                "checkpoint_id=...) inside your own dcp.load); audit_checkpoint and "
+                "torchdata-ext audit read it as it is"
+            ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
             "(a kill during save); restore from an earlier checkpoint"
         ) from None
+    return checked_format(manifest, url)
+
+
+def checked_format(manifest: dict[str, Any], where: str) -> dict[str, Any]:
+    """``manifest`` (of the checkpoint ``where``: a folder, or the loader state in a DCP
+    checkpoint), refused when this version does not read its format."""
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(
-            f"{url}: checkpoint format {manifest.get('format')!r} is not supported "
+            f"{where}: checkpoint format {manifest.get('format')!r} is not supported "
             f"(this version reads format {CHECKPOINT_FORMAT})"
         )
     return manifest
@@ -315,12 +333,26 @@ def read_worker_states(
     """
     manifest = read_manifest(url, storage_options)
     checked = manifest.get("checksums") == _CHECKSUMS
+    yield from worker_states(
+        manifest,
+        lambda r: _read_rank(url, r, storage_options, checked),
+        lambda g, meta: _read_worker(url, g, meta, storage_options),
+    )
+
+
+def worker_states(
+    manifest: dict[str, Any],
+    rank_meta: Callable[[int], dict[str, Any]],
+    worker: Callable[[int, dict[str, Any]], dict[str, Any]],
+) -> Iterator[tuple[World, dict[str, Any], dict[str, Any]]]:
+    """Every worker's ``(world, rank_meta, graph)`` of a checkpoint with ``manifest``, rank by
+    rank, from ``rank_meta(r)`` (old rank ``r``'s entry) and ``worker(g, meta)`` (global worker
+    ``g``'s graph state): what :func:`read_worker_states` yields, for any storage."""
     ranks, workers = int(manifest["world_size"]), int(manifest["num_workers"])
     for r in range(ranks):
-        meta = _read_rank(url, r, storage_options, checked)
+        meta = rank_meta(r)
         for w in range(workers):
-            graph = _read_worker(url, r * workers + w, meta, storage_options)
-            yield World(r, ranks, w, workers), meta, graph
+            yield World(r, ranks, w, workers), meta, worker(r * workers + w, meta)
 
 
 def load_checkpoint(
