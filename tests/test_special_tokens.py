@@ -123,14 +123,17 @@ def test_a_hugging_face_tokenizer_allows_its_own_special_tokens(
                          col_name="text", tokenizer=tok_json, seq_length=4, shift=False,
                          logical_shards=1, shuffle_buffer=1, epochs=1, eos_token=None,
                          pad_token=7)  # fmt: skip
-    for name, value, what in (("eos_token", 2, "a document end"), ("pad_token", 5, "padding")):
+    # an EOS must be a row of the model's embedding (below vocab_size 6); padding may lie beyond
+    for name, value, what, free in (
+        ("eos_token", 2, "a document end", "4 (in its vocabulary)"),
+        ("pad_token", 5, "padding", "4 or 6..9223372036854775807 (int64)"),
+    ):
         with pytest.raises(ValueError) as err:
             build_pipeline(PipelineConfig(**{**cfg.to_dict(), name: value}), collate=False)
         assert str(err.value) == (
             f"{name}={value} is an ordinary token (a token of its vocabulary) of the tokenizer "
             f"{tok_json!r}: every one in the text would read as {what}; choose an id the "
-            "tokenizer never emits: 4 or 6..9223372036854775807 (int64), or one of its special "
-            "tokens [4]"
+            f"tokenizer never emits: {free}, or one of its special tokens [4]"
         )
     root = build_pipeline(PipelineConfig(**{**cfg.to_dict(), "eos_token": 4}), collate=False)
     root.reset(None)
@@ -142,3 +145,40 @@ def test_a_hugging_face_tokenizer_allows_its_own_special_tokens(
     with pytest.raises(ValueError, match=r"^eos_token=5 is an ordinary token"):
         torchdata_ext.prepare(str(text_in), str(tmp_path / "o"), tokenizer=tok_json,
                               eos_token=5, progress=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["bos_token", "eos_token", "bol_token", "eol_token"])
+def test_an_id_beyond_the_vocabulary_is_refused_naming_the_setting(
+    text_in: Path, tmp_path: Path, tok_json: str, name: str
+) -> None:
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="in", file_type="jsonl",
+                         col_name="text", tokenizer=tok_json, seq_length=4, logical_shards=1,
+                         shuffle_buffer=1, epochs=1, eos_token=4, pad_token=7)  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        build_pipeline(PipelineConfig(**{**cfg.to_dict(), name: 6}), collate=False)
+    assert str(err.value) == (
+        f"{name}=6 is beyond the vocabulary of the tokenizer {tok_json!r} (vocab_size 6): the "
+        "model has no embedding for it; choose an id the tokenizer never emits: 4 (in its "
+        "vocabulary), or one of its special tokens [4]"
+    )
+    build_pipeline(PipelineConfig(**{**cfg.to_dict(), name: 4}), collate=False)
+
+
+def test_prepare_refuses_an_eos_beyond_the_vocabulary(
+    text_in: Path, tmp_path: Path, tok_json: str
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"^eos_token=6 is beyond the vocabulary of the "
+                       r"tokenizer .*tok\.json' \(vocab_size 6\): the model has no embedding"):  # fmt: skip
+        torchdata_ext.prepare(str(text_in), str(out), tokenizer=tok_json, eos_token=6,
+                              progress=False)  # fmt: skip
+    assert not out.exists()
+    assert main(["prepare", str(text_in), "--out", str(out), "--tokenizer", tok_json,
+                 "--eos-token", "1000"]) == 2  # fmt: skip
+    assert not out.exists()
+
+
+def test_the_byte_tokenizer_takes_special_ids_above_its_bytes(tmp_path: Path) -> None:
+    # its vocabulary is the bytes plus the special ids it is given (vocab_size follows them)
+    cfg = PipelineConfig(data_path=str(tmp_path), tokenizer="byte", eos_token=300, bos_token=257)
+    assert (cfg.eos_token, cfg.bos_token) == (300, 257)

@@ -409,8 +409,22 @@ def _span(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
+# ids the model reads or predicts: they must be rows of its embedding, so inside the vocabulary
+# of a tokenizer whose vocabulary is fixed (a tokenizer.json; the byte tokenizer's grows with
+# the special ids it is given). Padding is masked out of the loss and may lie beyond it.
+_IN_VOCAB = ("bos_token", "eos_token", "bol_token", "eol_token")
+
+
+def _vocab_top(ids: TokenIds | None, name: str) -> int | None:
+    """The largest id ``name`` may take for ``ids``' vocabulary (None: no such bound)."""
+    if ids is None or ids.byte_offset is not None or not ids.vocab_size or name not in _IN_VOCAB:
+        return None
+    return ids.vocab_size - 1
+
+
 def _allowed(ids: TokenIds | None, top: int, dtype: str) -> str:
-    """The ids in ``0..top`` that ``ids`` never emits for ordinary text, for messages."""
+    """The ids in ``0..top`` that ``ids`` never emits for ordinary text, for messages
+    (``dtype``: what bounds them, e.g. ``"int64"``)."""
     free, lo = [], 0
     for a, b in ids.ordinary if ids is not None else ():
         if a > top:
@@ -460,15 +474,23 @@ def check_special_tokens(
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name}={value!r} must be None or an integer token id")
         value = int(value)
+        vocab_top = _vocab_top(ids, name)
+        bound, label = (top, dtype) if vocab_top is None else (vocab_top, "in its vocabulary")
         if not 0 <= value <= top:
             free = "" if ids is None else f"; the tokenizer never emits {_allowed(ids, top, dtype)}"
             raise ValueError(
                 f"{name}={value} must be a token id in 0..{top} (the output dtype {dtype}){free}"
+            )
+        if ids is not None and vocab_top is not None and value > vocab_top:
+            raise ValueError(
+                f"{name}={value} is beyond the vocabulary of the tokenizer {ids.name}{where} "
+                f"(vocab_size {ids.vocab_size}): the model has no embedding for it; choose an "
+                f"id the tokenizer never emits: {_allowed(ids, bound, label)}"
             )
         if ids is not None and ids.is_ordinary(value):
             role = _ROLES.get(name, "a special token")
             raise ValueError(
                 f"{name}={value} is an ordinary token ({ids.what(value)}) of the tokenizer "
                 f"{ids.name}{where}: every one in the text would read as {role}; choose an id "
-                f"the tokenizer never emits: {_allowed(ids, top, dtype)}"
+                f"the tokenizer never emits: {_allowed(ids, bound, label)}"
             )
