@@ -74,3 +74,18 @@ def test_shuffle_fill_is_checked_and_reaches_the_buffer(tmp_path: Path) -> None:
         node = build_pipeline(PipelineConfig(**kw, shuffle_fill=fill), World())  # type: ignore[arg-type]
         assert node.source.fill == fill
     assert PipelineConfig(**kw).shuffle_fill == "stream"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights", ["1,1,2", ""])
+def test_a_dataset_named_twice_is_refused_naming_it(tmp_path: Path, weights: str) -> None:
+    # a dict of weights by name would keep one of web's weights and drop the other silently
+    with pytest.raises(ValueError) as e:
+        PipelineConfig(data_path=str(tmp_path), datasets="web,web,code", weights=weights)
+    assert str(e.value) == (
+        "datasets=['web', 'web', 'code'] names ['web'] more than once; list each dataset once "
+        "(to read one more often, raise its weight)"
+    )
+    with pytest.raises(ValueError, match=r"names \['code', 'web'\] more than once"):
+        PipelineConfig(data_path=str(tmp_path), datasets=["web", "code", "web", "code"])
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="web,code", weights="1,2")
+    assert cfg.dataset_weights == {"web": 1.0, "code": 2.0}

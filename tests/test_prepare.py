@@ -276,3 +276,34 @@ def test_a_token_column_is_not_text(tmp_path: Path) -> None:
     write_parquet(str(tmp_path / "in.parquet"), [[1, 2], [3]], col_name="text")
     with pytest.raises(ValueError, match="holds tokens, not text"):
         torchdata_ext.prepare(str(tmp_path / "in.parquet"), str(tmp_path / "o"), progress=False)
+
+
+def test_an_input_changed_since_the_progress_record_is_refused(
+    inputs: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o"
+    first = torchdata_ext.prepare(str(inputs), str(out), progress=False)
+    assert first.documents == 5
+    record = json.loads((out / "_progress_part00000.json").read_text())
+    assert [s[0] for s in record["input_stats"]] == [
+        (inputs / n).stat().st_size for n in ("a.jsonl", "b.txt", "c.parquet")
+    ]
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with open(inputs / "a.jsonl", "a", encoding="utf-8") as f:  # the file grows by a document
+        f.write(json.dumps({"text": "new"}) + "\n")
+    with pytest.raises(ValueError) as err:
+        torchdata_ext.prepare(str(inputs), str(out), progress=False)
+    assert str(err.value) == (
+        f"input file(s) {inputs / 'a.jsonl'} changed (size or modification time) since part 0 "
+        f"was prepared from them into {out} (_progress_part00000.json): its outputs hold their "
+        "old content. To prepare them again, delete _progress_part00000.json and its "
+        "part00000_* files (or use another out folder) and run prepare again"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # the fix the message gives: the part is prepared again, the new document in it
+    for p in out.iterdir():
+        if p.name == "_progress_part00000.json" or p.name.startswith("part00000_"):
+            p.unlink()
+    again = torchdata_ext.prepare(str(inputs), str(out), progress=False)
+    assert (again.documents, again.resumed, again.skipped) == (6, False, False)
+    assert torchdata_ext.prepare(str(inputs), str(out), progress=False).skipped

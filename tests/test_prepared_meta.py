@@ -163,6 +163,7 @@ def test_inspect_decodes_with_what_prepare_recorded(text_in: Path, tmp_path: Pat
 def test_inspect_without_the_recorded_tokenizer_shows_tokens(text_in: Path, tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "third": 1}, "[UNK]"))
+    tok.add_special_tokens(["</s>"])  # id 2: an EOS must lie in the vocabulary
     tok.save(str(tmp_path / "tok.json"))
     out = _prepare(text_in, tmp_path / "d", tokenizer=str(tmp_path / "tok.json"), eos_token=2)
     assert torchdata_ext.inspect_dataset(str(out), doc=2, out=io.StringIO())["text"] == "third"

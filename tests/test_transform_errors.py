@@ -134,3 +134,77 @@ def test_a_filter_of_bools_still_filters(index) -> None:
     node.reset()
     got = sorted((d.file, d.doc) for b in node for d in b)
     assert got == [(f, d) for f in (0, 1) for d in range(10) if 1 + d % 4 > 2]
+
+
+def minus_one(tokens, meta):
+    if int(tokens[0]) == 1000 * BAD[0] + BAD[1]:
+        return np.array([5, -1], np.int64)
+    return tokens.astype(np.int64)
+
+
+def shift_block(block):
+    return block.tokens.astype(np.int64) + 2000, block.offsets
+
+
+@pytest.mark.parametrize("check_deterministic", [True, False])
+def test_a_map_returning_a_negative_id_is_refused_naming_it(index, check_deterministic) -> None:
+    # the check runs on the first block (checked twice for determinism) and on later ones
+    node = MapDocuments(reader(index), minus_one, check_deterministic=check_deterministic)
+    with pytest.raises(ValueError) as info:
+        drain(node)
+    assert str(info.value) == (
+        f"transform 'minus_one' returned token id -1 for dataset 'web', file 1 "
+        f"({index.files[1]}), document {BAD[1]}: ids must be 0 or more; make the transform "
+        "return ids of the tokenizer's vocabulary"
+    )
+
+
+def test_a_map_beyond_the_vocabulary_is_refused_naming_it(index) -> None:
+    node = MapDocuments(reader(index), block_fn=shift_block, max_id=2999,
+                        ids_from="the vocabulary of the tokenizer 't.json'")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^transform 'shift_block' returned token id 3\d\d\d "
+                       r"for dataset 'web', file 1 \(.*p1\.arrow\), document \d: ids must be in "
+                       r"0\.\.2999 \(the vocabulary of the tokenizer 't\.json'\); make the "
+                       r"transform return ids"):  # fmt: skip
+        drain(node)
+    drain(MapDocuments(reader(index), block_fn=shift_block, max_id=3009))  # all fit
+
+
+def test_the_config_bounds_a_token_map_by_the_tokenizer(tmp_path) -> None:
+    from torchdata_ext.testing import write_jsonl
+
+    write_jsonl(str(tmp_path / "web" / "a.jsonl"), ["some text", "more text"])
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="web", file_type="jsonl",
+                         col_name="text", tokenizer="byte", seq_length=4, logical_shards=1,
+                         shuffle_buffer=1, epochs=1, transforms=[Map(block_fn=shift_block)])  # fmt: skip
+    node = build_pipeline(cfg, World())
+    with pytest.raises(ValueError, match=r"^transform 'shift_block' returned token id 2\d\d\d "
+                       r"for dataset 'web', file 0 \(.*a\.jsonl\), document \d: ids must be in "
+                       r"0\.\.256 \(the vocabulary of the tokenizer 'byte' \(byte_offset=1\) and "
+                       r"the special ids of the config\)"):  # fmt: skip
+        drain(node)
+    # token data without a tokenizer: the output dtype bounds the ids
+    write_arrow_batches(str(tmp_path / "tok" / "a.arrow"), [np.array([1, 2, 3], np.int64)] * 4)
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets="tok", seq_length=4, dtype="int32",
+                         logical_shards=1, shuffle_buffer=1, epochs=1,
+                         transforms=[Map(block_fn=past_int32), Map(minus_one)])  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        drain(build_pipeline(cfg, World()))
+    assert str(info.value) == (
+        "past_int32 on a block of dataset 'tok': token ids 2147483649..2147483651 do not fit "
+        "the pipeline's int32 (-2147483648..2147483647); make it return ids of the tokenizer's "
+        "vocabulary"
+    )
+    cfg = PipelineConfig(**{**cfg.to_dict(), "transforms": [Map(negate)]})
+    with pytest.raises(ValueError, match=r"^transform 'negate' returned token id -\d for dataset "
+                       r"'tok', file 0 \(.*a\.arrow\), document \d: ids must be in "
+                       r"0\.\.2147483647 \(the output dtype int32\)"):  # fmt: skip
+        drain(build_pipeline(cfg, World()))
+
+
+def past_int32(block):
+    return block.tokens.astype(np.int64) + 2**31, block.offsets
+
+
+def negate(tokens, meta):
+    return -tokens

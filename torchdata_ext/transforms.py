@@ -267,7 +267,11 @@ class Map(Transform):
                 keep[i] = False
                 continue
             out.append(self._check_result(block, i, res))
-        return _rebuilt(take_documents(block, keep), out)
+        return _rebuilt(
+            take_documents(block, keep),
+            out,
+            f"transform {self.name!r} on dataset {block.dataset!r}",
+        )
 
     def _check_result(self, block: DocumentBlock, i: int, res: Any) -> np.ndarray | str:
         where = f"{self.name} on dataset {block.dataset!r}, file {int(block.file[i])}, doc {int(block.doc[i])}"
@@ -315,8 +319,12 @@ def _cast(tokens: np.ndarray, block: DocumentBlock, where: str) -> np.ndarray:
         return tokens
     if tokens.size:
         info = np.iinfo(dtype)
-        if int(tokens.min()) < info.min or int(tokens.max()) > info.max:
-            raise ValueError(f"{where}: token ids do not fit the pipeline's {dtype}")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(
+                f"{where}: token ids {lo}..{hi} do not fit the pipeline's {dtype} "
+                f"({info.min}..{info.max}); make it return ids of the tokenizer's vocabulary"
+            )
     return tokens.astype(dtype)
 
 
@@ -339,8 +347,9 @@ def _with_data(
     )
 
 
-def _rebuilt(block: DocumentBlock, data: list[Any]) -> DocumentBlock:
-    """``block``'s documents with new data, one per document (token arrays or texts)."""
+def _rebuilt(block: DocumentBlock, data: list[Any], where: str = "map") -> DocumentBlock:
+    """``block``'s documents with new data, one per document (token arrays or texts);
+    ``where`` names the step in errors."""
     n = len(data)
     lengths = np.fromiter(map(len, data), np.int64, n)
     offsets = np.zeros(n + 1, np.int64)
@@ -351,7 +360,7 @@ def _rebuilt(block: DocumentBlock, data: list[Any]) -> DocumentBlock:
         return out
     assert block.tokens is not None
     flat = np.concatenate(data) if n else np.zeros(0, block.tokens.dtype)
-    return _with_data(block, _cast(flat, block, "map"), offsets)
+    return _with_data(block, _cast(flat, block, where), offsets)
 
 
 class Filter(Transform):

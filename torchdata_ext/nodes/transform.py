@@ -118,6 +118,11 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             (twice what its readers own) with none kept, instead of pulling forever (default one
             million; None: only the whole pass). Almost everything dropped warns once
             (:mod:`torchdata_ext.nodes.drops`).
+        max_id: the largest token id a token step may return (the tokenizer's vocabulary and
+            the special ids; None: any id >= 0). A map's output is checked once per block (one
+            min and one max): an id < 0 or > ``max_id`` raises ``ValueError`` naming the step
+            and the first document holding one.
+        ids_from: what ``max_id`` comes from, for that message (``"the vocabulary of ..."``).
 
     Raises:
         TypeError / ValueError: a bad step, or steps on both tokens and text.
@@ -135,8 +140,11 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         *,
         check_deterministic: bool = True,
         max_dropped: int | None = DEFAULT_MAX_DROPPED,
+        max_id: int | None = None,
+        ids_from: str = "",
     ) -> None:
         super().__init__()
+        self.max_id, self.ids_from = max_id, ids_from
         if not isinstance(source, BaseNode):
             raise TypeError(f"source must be a torchdata.nodes.BaseNode, got {type(source)!r}")
         if isinstance(transforms, (Transform, dict)) or callable(transforms):
@@ -308,6 +316,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
                     )
                 self._dropped(step, len(block), len(first))
                 block = first
+                self._check_ids(step, block)
             return block
         for step in self.steps:
             if not len(block):
@@ -315,7 +324,31 @@ class TransformDocuments(BaseNode[DocumentBlock]):
             n = len(block)
             block = step.apply(block)
             self._dropped(step, n, len(block))
+            self._check_ids(step, block)
         return block
+
+    def _check_ids(self, step: Transform, block: DocumentBlock) -> None:
+        """Refuse a block whose tokens ``step`` (a map) left outside ``0..max_id``."""
+        tokens = block.tokens
+        if not step.changes_documents or tokens is None or not tokens.size:
+            return
+        top = self.max_id
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo >= 0 and (top is None or hi <= top):
+            return
+        bad = (tokens < 0) if top is None else (tokens < 0) | (tokens > top)
+        at = int(np.flatnonzero(bad)[0])
+        i = int(np.searchsorted(block.offsets, at, side="right")) - 1
+        where = (block.dataset, int(block.file[i]), int(block.doc[i]))
+        name = self._file_name(where)
+        file = f"file {where[1]} ({name})" if name else f"file {where[1]}"
+        allowed = "0 or more" if top is None else f"in 0..{top}"
+        source = f" ({self.ids_from})" if self.ids_from else ""
+        raise ValueError(
+            f"transform {step.name!r} returned token id {int(tokens[at])} for dataset "
+            f"{where[0]!r}, {file}, document {where[2]}: ids must be {allowed}{source}; make "
+            "the transform return ids of the tokenizer's vocabulary"
+        )
 
     def _dropped(self, step: Transform, before: int, after: int) -> None:
         if after < before:
@@ -451,7 +484,7 @@ class MapDocuments(TransformDocuments):
         block_fn: the vectorised form, ``block_fn(block) -> (tokens, offsets)`` (text:
             ``-> list[str]``); give ``fn`` or ``block_fn``.
         on: ``"tokens"`` or ``"text"``.
-        check_deterministic / max_dropped: as :class:`TransformDocuments`.
+        check_deterministic / max_dropped / max_id / ids_from: as :class:`TransformDocuments`.
     """
 
     def __init__(
@@ -463,10 +496,17 @@ class MapDocuments(TransformDocuments):
         on: On = "tokens",
         check_deterministic: bool = True,
         max_dropped: int | None = DEFAULT_MAX_DROPPED,
+        max_id: int | None = None,
+        ids_from: str = "",
     ) -> None:
         step = Map(fn, block_fn=block_fn, on=on)
         super().__init__(
-            source, [step], check_deterministic=check_deterministic, max_dropped=max_dropped
+            source,
+            [step],
+            check_deterministic=check_deterministic,
+            max_dropped=max_dropped,
+            max_id=max_id,
+            ids_from=ids_from,
         )
 
 

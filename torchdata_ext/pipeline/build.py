@@ -31,7 +31,7 @@ from torchdata_ext.remote.urls import join
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.sources.index_file import load_index_file, shared_by_rank0, with_side_files
 from torchdata_ext.sources.prepared_meta import check_config, read_meta
-from torchdata_ext.tokenizers.load import load_tokenizer, worker_threads
+from torchdata_ext.tokenizers.load import load_tokenizer, token_ids, worker_threads
 from torchdata_ext.world import World
 
 if TYPE_CHECKING:
@@ -297,8 +297,26 @@ def _document_stages(
             num_threads=min(2, worker_threads(world.num_workers if world else 1)),
         )
     if token_steps:
-        node = TransformDocuments(node, token_steps, max_dropped=cfg.max_dropped_documents)
+        max_id, ids_from = _id_range(cfg, tokenizer)
+        node = TransformDocuments(
+            node,
+            token_steps,
+            max_dropped=cfg.max_dropped_documents,
+            max_id=max_id,
+            ids_from=ids_from,
+        )
     return node
+
+
+def _id_range(cfg: PipelineConfig, tokenizer: Any | None) -> tuple[int, str]:
+    """The largest id a token transform may return, and where it comes from (for messages):
+    the tokenizer's vocabulary and the config's special ids, or the output dtype."""
+    if tokenizer is None:
+        return int(np.iinfo(cfg.dtype).max), f"the output dtype {cfg.dtype}"
+    ids = token_ids(tokenizer, cfg.tokenizer)
+    specials = [v for v in cfg.special_tokens.values() if v is not None]
+    top = max([ids.vocab_size - 1, *specials])
+    return top, f"the vocabulary of the tokenizer {ids.name} and the special ids of the config"
 
 
 def _mix(

@@ -178,6 +178,12 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         self._check_phases()
         self.datasets = split_list(self.datasets, "datasets")
+        dups = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
+        if dups:
+            raise ValueError(
+                f"datasets={self.datasets} names {dups} more than once; list each dataset once "
+                "(to read one more often, raise its weight)"
+            )
         raw_weights = split_list(self.weights, "weights")
         try:
             self.weights = [float(w) for w in raw_weights]

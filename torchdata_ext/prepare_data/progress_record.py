@@ -6,6 +6,12 @@ document) where that output starts, and whether the part is done. A re-run reads
 (:func:`saved_progress`) and resumes only with the same settings; the other parts' records
 (:func:`other_parts_configs`) let a part refuse filters that disagree with theirs. Records of
 earlier versions lack some settings: they read as the values every earlier run used.
+
+The record also holds each input's ``[size, version]`` (:func:`input_stats`; the version is
+the file's ``mtime``, or its object store's ``ETag``/``generation``) as the part first read
+it: a re-run whose inputs changed since (a file that grew, was rewritten) is refused naming
+them, as the outputs already written hold their old content and a done part would otherwise
+report itself complete without the new documents. Records without them are not checked.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchdata_ext.prepare_data.filter import FILTER_DEFAULTS
 from torchdata_ext.prepare_data.tokenize_inputs import TokenizeSettings
+from torchdata_ext.sources.fingerprint import THREADS, file_stat
 
 __all__ = [
     "PROGRESS_VERSION",
+    "input_stats",
     "new_progress",
     "other_parts_configs",
     "progress_bytes",
@@ -72,9 +81,52 @@ def progress_config(
     return config
 
 
-def new_progress(config: dict[str, Any]) -> dict[str, Any]:
-    """The progress record of a part that has not started."""
-    return {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
+def input_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[list[Any]]:
+    """``[size, version]`` of each input (``-1`` / ``""`` where the filesystem does not say),
+    asked :data:`~torchdata_ext.sources.fingerprint.THREADS` files at a time."""
+    if not files:
+        return []
+    with ThreadPoolExecutor(min(THREADS, len(files))) as pool:
+        return [list(st) for st in pool.map(lambda u: file_stat(u, storage_options), files)]
+
+
+def new_progress(config: dict[str, Any], stats: list[list[Any]] | None = None) -> dict[str, Any]:
+    """The progress record of a part that has not started (``stats``: :func:`input_stats`)."""
+    state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
+    if stats is not None:
+        state["input_stats"] = stats
+    return state
+
+
+def _changed(then: Sequence[Any], now: Sequence[Any]) -> bool:
+    """Whether an input's ``[size, version]`` differs from the one recorded (unknown parts and
+    versions of different kinds are not compared)."""
+    (size0, ver0), (size1, ver1) = then, now
+    if size0 >= 0 and size1 >= 0 and size0 != size1:
+        return True
+    same_kind = ver0.partition("=")[0] == ver1.partition("=")[0]
+    return bool(ver0 and ver1 and same_kind and ver0 != ver1)
+
+
+def _check_inputs(
+    saved: dict[str, Any], files: Sequence[str], stats: Sequence[Any], out: str, ppath: str
+) -> None:
+    """Refuse a resume whose inputs changed since the record was started."""
+    then = saved.get("input_stats")
+    if then is None or len(then) != len(stats):
+        return
+    changed = [f for f, a, b in zip(files, then, stats) if _changed(a, b)]
+    if not changed:
+        return
+    shard_id = int(saved["config"]["shard_id"])
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    raise ValueError(
+        f"input file(s) {', '.join(changed[:3])}{more} changed (size or modification time) "
+        f"since part {shard_id} was prepared from them into {out} "
+        f"({posixpath.basename(ppath)}): its outputs hold their old content. To prepare them "
+        f"again, delete {posixpath.basename(ppath)} and its part{shard_id:05d}_* files (or use "
+        "another out folder) and run prepare again"
+    )
 
 
 def progress_bytes(state: dict[str, Any]) -> bytes:
@@ -97,9 +149,16 @@ def other_parts_configs(fs: Any, out_path: str, shard_id: int) -> dict[str, dict
 
 
 def saved_progress(
-    fs: Any, ppath: str, config: dict[str, Any], out: str, shard_id: int
+    fs: Any,
+    ppath: str,
+    config: dict[str, Any],
+    out: str,
+    shard_id: int,
+    files: Sequence[str] = (),
+    stats: Sequence[Any] | None = None,
 ) -> dict[str, Any] | None:
-    """The progress an earlier run of this part saved, or None; refuses other settings."""
+    """The progress an earlier run of this part saved, or None; refuses other settings, and
+    inputs (``files``, now at ``stats``: :func:`input_stats`) changed since it was started."""
     if not fs.exists(ppath):
         return None
     saved = json.loads(fs.cat_file(ppath))
@@ -112,4 +171,6 @@ def saved_progress(
             f"({', '.join(diff)}); use another out folder, or delete "
             f"{posixpath.basename(ppath)} and its part{shard_id:05d}_* files to start over"
         )
+    if stats is not None:
+        _check_inputs(saved, files, stats, out, ppath)
     return dict(saved)

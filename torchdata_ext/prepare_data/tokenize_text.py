@@ -80,6 +80,7 @@ from torchdata_ext.prepare_data.filter import (
     warn_nothing_kept,
 )
 from torchdata_ext.prepare_data.progress_record import (
+    input_stats,
     new_progress,
     other_parts_configs,
     progress_bytes,
@@ -404,9 +405,11 @@ def _open_part(
     the part left behind."""
     shard_id = int(config["shard_id"])
     result = PrepareResult(out=out)
-    state = saved_progress(fs, progress_path(out_path, shard_id), config, out, shard_id)
+    stats = input_stats(files, storage_options)  # a changed input is refused on a re-run
+    state = saved_progress(fs, progress_path(out_path, shard_id), config, out, shard_id,
+                           files, stats)  # fmt: skip
     if state is None:
-        state = new_progress(config)
+        state = new_progress(config, stats)
     else:
         result.resumed = True
     check_same_settings(out, meta, storage_options)

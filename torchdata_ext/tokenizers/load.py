@@ -181,14 +181,35 @@ def _as_ids(x: Any) -> np.ndarray:
 class _BatchEncoder:
     """A tokenizer with ``encode_batch(texts)`` returning per-text ``Encoding`` objects (Hugging
     Face ``tokenizers.Tokenizer``; ``encode_batch_fast``, which skips offsets, when present) or
-    per-text id arrays/lists."""
+    per-text id arrays/lists.
+
+    The text of a special token inside a document (``"<|endoftext|>"`` written in it) is
+    ordinary text: a Hugging Face tokenizer encodes through a copy with
+    ``encode_special_tokens = True`` (the given one is left as it is), so only the tokenizer's
+    post-processor and the pipeline's ``bos_token``/``eos_token`` put special ids in a document.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._literal: Any = None  # the copy that encodes special-token text as text
+
+    def _encoding(self) -> Any:
+        tok = self._literal
+        if tok is None:  # built when first used: the flag is not pickled (nor in to_str)
+            tok = self.tokenizer
+            if hasattr(tok, "encode_special_tokens") and callable(getattr(tok, "to_str", None)):
+                tok = type(tok).from_str(tok.to_str())
+                tok.encode_special_tokens = True
+            self._literal = tok
+        return tok
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer, "_literal": None}
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        fast = getattr(self.tokenizer, "encode_batch_fast", None)
-        out = (fast or self.tokenizer.encode_batch)(list(texts))
+        tok = self._encoding()
+        fast = getattr(tok, "encode_batch_fast", None)
+        out = (fast or tok.encode_batch)(list(texts))
         return [_as_ids(e) for e in out]
 
     def __repr__(self) -> str:
@@ -202,7 +223,10 @@ class _CallableEncoder:
         self.tokenizer = tokenizer
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        out = self.tokenizer(list(texts))
+        try:  # special-token text in a document is text (see _BatchEncoder)
+            out = self.tokenizer(list(texts), split_special_tokens=True)
+        except TypeError:  # a callable without the keyword
+            out = self.tokenizer(list(texts))
         try:
             ids = out["input_ids"]
         except (KeyError, TypeError, IndexError) as exc:
@@ -226,7 +250,11 @@ def as_encoder(tokenizer: Any) -> Encoder:
     * an object with ``encode_batch(texts)`` returning per-text objects with ``.ids`` (a Hugging
       Face ``tokenizers.Tokenizer``: special tokens of its post-processor are added, as
       ``tokenizer.encode(text).ids`` does) or per-text id lists/arrays;
-    * a callable returning a mapping with ``"input_ids"`` (a ``transformers`` tokenizer).
+    * a callable returning a mapping with ``"input_ids"`` (a ``transformers`` tokenizer, called
+      with ``split_special_tokens=True``).
+
+    The literal text of a special token inside a document (``"<|endoftext|>"``) is encoded as
+    ordinary text, never as the special id, on the fly and in ``prepare`` alike.
 
     Raises:
         TypeError: ``tokenizer`` is none of these.
@@ -409,8 +437,22 @@ def _span(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
+# ids the model reads or predicts: they must be rows of its embedding, so inside the vocabulary
+# of a tokenizer whose vocabulary is fixed (a tokenizer.json; the byte tokenizer's grows with
+# the special ids it is given). Padding is masked out of the loss and may lie beyond it.
+_IN_VOCAB = ("bos_token", "eos_token", "bol_token", "eol_token")
+
+
+def _vocab_top(ids: TokenIds | None, name: str) -> int | None:
+    """The largest id ``name`` may take for ``ids``' vocabulary (None: no such bound)."""
+    if ids is None or ids.byte_offset is not None or not ids.vocab_size or name not in _IN_VOCAB:
+        return None
+    return ids.vocab_size - 1
+
+
 def _allowed(ids: TokenIds | None, top: int, dtype: str) -> str:
-    """The ids in ``0..top`` that ``ids`` never emits for ordinary text, for messages."""
+    """The ids in ``0..top`` that ``ids`` never emits for ordinary text, for messages
+    (``dtype``: what bounds them, e.g. ``"int64"``)."""
     free, lo = [], 0
     for a, b in ids.ordinary if ids is not None else ():
         if a > top:
@@ -460,15 +502,23 @@ def check_special_tokens(
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{name}={value!r} must be None or an integer token id")
         value = int(value)
+        vocab_top = _vocab_top(ids, name)
+        bound, label = (top, dtype) if vocab_top is None else (vocab_top, "in its vocabulary")
         if not 0 <= value <= top:
             free = "" if ids is None else f"; the tokenizer never emits {_allowed(ids, top, dtype)}"
             raise ValueError(
                 f"{name}={value} must be a token id in 0..{top} (the output dtype {dtype}){free}"
+            )
+        if ids is not None and vocab_top is not None and value > vocab_top:
+            raise ValueError(
+                f"{name}={value} is beyond the vocabulary of the tokenizer {ids.name}{where} "
+                f"(vocab_size {ids.vocab_size}): the model has no embedding for it; choose an "
+                f"id the tokenizer never emits: {_allowed(ids, bound, label)}"
             )
         if ids is not None and ids.is_ordinary(value):
             role = _ROLES.get(name, "a special token")
             raise ValueError(
                 f"{name}={value} is an ordinary token ({ids.what(value)}) of the tokenizer "
                 f"{ids.name}{where}: every one in the text would read as {role}; choose an id "
-                f"the tokenizer never emits: {_allowed(ids, top, dtype)}"
+                f"the tokenizer never emits: {_allowed(ids, bound, label)}"
             )
