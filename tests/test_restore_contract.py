@@ -36,6 +36,15 @@ def test_every_config_field_has_one_restore_class() -> None:
         assert cls in CLASSES and why, name
 
 
+def test_the_docs_table_is_the_contract() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "checkpoint.md").read_text()
+    label = {"may_change": "may change", "must_match": "must match", "opt_in": "opt-in"}
+    for name, (cls, why) in RESTORE_CONTRACT.items():
+        assert f"| `{name}` | {label[cls]} | {why} |" in text, name
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
     root = tmp_path_factory.mktemp("contract")
@@ -197,3 +206,21 @@ def test_may_change_fields_restore_exactly(cfg, tmp_path, field, value) -> None:
         assert collections.Counter(after) == collections.Counter(whole[len(before) :])
     else:
         assert after == whole[len(before) :]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("interleave_mode", "samples"), ("mix_quantum_tokens", 65_536), ("eos_token", None)],
+)
+def test_a_graph_reset_with_a_saved_state_refuses_too(cfg, field, value) -> None:
+    """Without a checkpoint (a graph restored from its state directly) the nodes refuse."""
+    from torchdata_ext import World
+
+    root = build_pipeline(cfg, World(), collate=False)
+    root.reset()
+    for _ in range(7):
+        next(root)
+    state = root.state_dict()
+    other = build_pipeline(dataclasses.replace(cfg, **{field: value}), World(), collate=False)
+    with pytest.raises(ValueError, match=f"{field}.* differs"):
+        other.reset(state)
