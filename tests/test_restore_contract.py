@@ -87,6 +87,9 @@ MUST_MATCH = [
     ("max_documents", 100),
     ("transforms", [{"min_length": 2}]),
     ("seed", 6),
+    ("seq_length", 48),
+    ("pack_mode", "pad"),
+    ("shift", False),
     ("logical_shards", 12),
 ]
 

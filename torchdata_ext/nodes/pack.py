@@ -70,6 +70,10 @@ class _Strategy(Protocol):
         ...
 
 
+_ARGS = {"best_fit_window": "window", "pack_mode": "mode", "seq_length": "seq_len"}
+"""The node arguments of the settings Pack records (by config field)."""
+
+
 class Pack(BaseNode[dict[str, np.ndarray]]):
     """Pack token documents into sequences of exactly ``seq_len`` tokens.
 
@@ -230,6 +234,9 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         self.drop_remainder = bool(drop_remainder)
         # what the saved position means (see state/settings.py); never mutated
         self._settings: dict[str, Any] = {
+            "pack_mode": mode,  # (also the state's "mode", "seq_len", "shift", read before
+            "seq_length": self.seq_len,  # these were recorded; here for the restore's
+            "shift": self.shift,  # check by config field, checkpoint/restore.py)
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "bol_token": self.bol_token,
@@ -414,4 +421,4 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                     f"cannot restore Pack: the checkpoint has {key}={state[key]!r} but this Pack "
                     f"has {key}={mine!r}; restore with the packing settings of the checkpoint"
                 )
-        check_settings("Pack", state, self._settings, {"best_fit_window": "window"})
+        check_settings("Pack", state, self._settings, _ARGS)
