@@ -336,7 +336,8 @@ def test_state_layout(data) -> None:
     node = Interleave(readers(data, weights, block_docs=8), weights)
     run(node, 5)
     state = node.state_dict()
-    assert set(state) == {"sources", "tokens_delivered", "weights", "counter"}
+    assert set(state) == {"sources", "tokens_delivered", "weights", "counter", "settings"}
+    assert state["settings"] == {"interleave_mode": "tokens", "mix_quantum_tokens": 0}
     assert state["weights"] == weights
     assert list(state["sources"]) == ["tiny", "code"]
     for s in state["sources"].values():

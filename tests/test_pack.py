@@ -452,7 +452,7 @@ def test_states_are_small_plain_and_hold_no_tokens(corpus) -> None:
             assert _plain(mine), mine
             assert set(mine) == {
                 "format", "mode", "seq_len", "shift", "consumed", "bins", "open_docs",
-                "bos_done", "dataset_names",
+                "bos_done", "dataset_names", "settings",
             }  # fmt: skip
             assert len(pickle.dumps(state)) < 4000
         assert state["source"]["dataset"] == "web"

@@ -26,7 +26,17 @@ from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
 from torchdata_ext.sources.fingerprint import describe, listed_changes
 from torchdata_ext.sources.index import DatasetIndex
-from torchdata_ext.state.graph import graph_nodes, graph_summary, phase_datasets
+from torchdata_ext.state.graph import (
+    budget_states,
+    graph_nodes,
+    graph_summary,
+    is_reader_state,
+    phase_datasets,
+    reader_states,
+    shuffle_states,
+    walk_state,
+)
+from torchdata_ext.state.settings import check_graph_settings
 from torchdata_ext.world import World
 
 __all__ = [
@@ -70,7 +80,7 @@ def restore_loader(
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         meta = rank_meta(loader.rank)
         graphs = {w: worker(loader.rank * W + w, meta) for w in range(W)}
-        _check_phases(where, root, graphs[0])
+        _check_graph(where, root, graphs[0], added)
         if reweighted and int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"{where} was taken {meta['skip_batches']} batches after the workers' "
@@ -106,7 +116,7 @@ def restore_loader(
         g: worker(g, metas[g // old_workers])
         for g in sorted({g for gs in needed.values() for g in gs})
     }
-    _check_phases(where, root, next(iter(cache.values())))
+    _check_graph(where, root, next(iter(cache.values())), added)
     new_graphs = {
         w.worker_id: rescale_worker_states(
             cache, (old_ranks, old_workers), w, loader.build, allow_new_datasets=bool(added)
@@ -187,6 +197,74 @@ def _check_datasets(
             "checkpoint's datasets and weights, or use pack_mode 'concat' or 'pad'"
         )
     return added, reweighted
+
+
+def _check_graph(where: str, root: BaseNode, graph: dict[str, Any], added: list[str]) -> None:
+    """Refuse a saved worker graph state ``graph`` that does not fit this pipeline (graph
+    ``root``), before anything is restored: curriculum phases in other places
+    (:func:`_check_phases`), a node present on one side only (:func:`_check_shape`: a shuffle
+    buffer, a budget, transforms), a setting its state depends on changed
+    (:func:`~torchdata_ext.state.settings.check_graph_settings`: block_docs, the mix, BOS/EOS,
+    the tokenizer...). ``added``: datasets added since the checkpoint (accepted)."""
+    _check_phases(where, root, graph)
+    mine = root.state_dict()
+    _check_shape(where, graph, mine, added)
+    check_graph_settings(graph, mine, where)
+
+
+def _shape(graph: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    """What of a graph state's shape a restore needs to find again, by the config field that
+    decides it (paths through a dataset in ``skip`` are left out)."""
+
+    def kept(paths: Any) -> list[tuple]:
+        return sorted((p for p in paths if not skip & {str(k) for k in p}), key=str)
+
+    nodes = list(walk_state(graph, prune=is_reader_state))
+    return {
+        "shuffle_buffer": len(shuffle_states(graph)),
+        "max_tokens / max_documents (the budgets, by name)": sorted(
+            str(st["name"]) for p, st in budget_states(graph).items() if p in kept([p])
+        ),
+        "transforms": len(
+            kept(p for p, x in nodes if isinstance(x, dict) and set(x) >= {"source", "skip"})
+        ),
+        "the pipeline's graph (the places of its readers)": kept(reader_states(graph)),
+    }
+
+
+_SHAPE_HINT = {
+    "shuffle_buffer": "a shuffle buffer is in the graph when shuffle_buffer > 1",
+    "max_tokens / max_documents (the budgets, by name)": "a budget (Take) is in the graph "
+    "when max_tokens / max_documents (or a phase's) is set",
+    "transforms": "a TransformDocuments node is in the graph for each dataset with transforms",
+    "the pipeline's graph (the places of its readers)": "the nodes between the loader and "
+    "the readers differ",
+}
+
+
+def _check_shape(where: str, graph: dict[str, Any], mine: dict[str, Any], added: list[str]) -> None:
+    """Refuse a saved graph state whose nodes are not this pipeline's (a node on one side
+    only), naming the config field that put it there; without this the first node whose
+    child differs fails reading its child's state with a bare KeyError."""
+    theirs, ours = _shape(graph, set(added)), _shape(mine, set(added))
+    for field, then in theirs.items():
+        if then != ours[field]:
+            raise ValueError(
+                f"cannot restore {where}: the checkpoint's pipeline has other nodes than this "
+                f"one: {field} differs (checkpoint {_shown(then)}, now {_shown(ours[field])}; "
+                f"{_SHAPE_HINT[field]}). A node cannot be added or removed across a "
+                f"checkpoint: restore with the checkpoint's {field.split(' (')[0]}, or start a "
+                "new run"
+            )
+
+
+def _shown(value: Any) -> str:
+    """A shape value as a message shows it (node counts, budget names, reader places)."""
+    if isinstance(value, int):
+        return f"{value} node{'s' * (value != 1)}"
+    if value and isinstance(value[0], tuple):
+        return "readers at " + ", ".join("/".join(map(str, p)) for p in value[:3])
+    return repr(value)
 
 
 def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:

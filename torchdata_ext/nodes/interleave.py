@@ -63,6 +63,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.order.walk import mix_seed
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
 __all__ = ["Interleave"]
 
@@ -80,6 +81,10 @@ def _counter_uniforms(key: int, start: int, count: int) -> np.ndarray:
     x = (x ^ (x >> np.uint64(27))) * _MUL2
     x ^= x >> np.uint64(31)
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+_ARGS = {"interleave_mode": "mode", "mix_quantum_tokens": "quantum_tokens"}
+"""The node arguments of the settings Interleave records (by config field)."""
 
 
 class Interleave(BaseNode[DocumentBlock]):
@@ -164,6 +169,8 @@ class Interleave(BaseNode[DocumentBlock]):
         self._switch_weights = False
         self.mode = mode
         self.seed = int(seed)
+        # what the saved counters mean (see state/settings.py); never mutated
+        self._settings = {"interleave_mode": mode, "mix_quantum_tokens": self.quantum_tokens}
         self._key = mix_seed(self.seed, _SAMPLES_TAG)
         n = len(self.names)
         self._blocks: list[DocumentBlock | None] = [None] * n
@@ -181,6 +188,8 @@ class Interleave(BaseNode[DocumentBlock]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        if initial_state is not None:
+            check_settings("Interleave", initial_state, self._settings, _ARGS)
         self._order(None if initial_state is None else list(initial_state[self.SOURCES_KEY]))
         n = len(self.names)
         self._blocks = [None] * n
@@ -301,6 +310,7 @@ class Interleave(BaseNode[DocumentBlock]):
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
+            SETTINGS_KEY: self._settings,
         }
 
     # -- provenance ----------------------------------------------------------------------------

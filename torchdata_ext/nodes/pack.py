@@ -41,6 +41,7 @@ from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pa
 from torchdata_ext.nodes.packed import Layout, PackedSequence
 from torchdata_ext.nodes.stream import ReplayMark, Specials, StreamCursor, StreamPiece
 from torchdata_ext.provenance import PROV_COLUMNS, resolve
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
 __all__ = ["Pack", "PackedSequence"]
 
@@ -67,6 +68,10 @@ class _Strategy(Protocol):
         """The document pieces pulled but not yet emitted, and the documents among them
         whose BOS was delivered (see :meth:`~._stream.StreamCursor.held`)."""
         ...
+
+
+_ARGS = {"best_fit_window": "window", "pack_mode": "mode", "seq_length": "seq_len"}
+"""The node arguments of the settings Pack records (by config field)."""
 
 
 class Pack(BaseNode[dict[str, np.ndarray]]):
@@ -227,6 +232,20 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         if drop_remainder and mode != "chunk":
             raise ValueError(f"drop_remainder=True is for mode='chunk' only (got {mode=})")
         self.drop_remainder = bool(drop_remainder)
+        # what the saved position means (see state/settings.py); never mutated
+        self._settings: dict[str, Any] = {
+            "pack_mode": mode,  # (also the state's "mode", "seq_len", "shift", read before
+            "seq_length": self.seq_len,  # these were recorded; here for the restore's
+            "shift": self.shift,  # check by config field, checkpoint/restore.py)
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "bol_token": self.bol_token,
+            "eol_token": self.eol_token,
+        }
+        if mode == "best_fit":
+            self._settings["best_fit_window"] = self.window
+        if mode == "chunk":
+            self._settings["drop_remainder"] = self.drop_remainder
         specials = Specials(
             self.bos_token, self.eos_token, self.bol_token, self.eol_token, self.pad_token
         )
@@ -342,6 +361,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             "open_docs": start.open_docs,
             "bos_done": start.bos_done,
             "dataset_names": list(self.dataset_names),
+            SETTINGS_KEY: self._settings,
         }
 
     # -- provenance ----------------------------------------------------------------------------
@@ -401,3 +421,4 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
                     f"cannot restore Pack: the checkpoint has {key}={state[key]!r} but this Pack "
                     f"has {key}={mine!r}; restore with the packing settings of the checkpoint"
                 )
+        check_settings("Pack", state, self._settings, _ARGS)

@@ -71,6 +71,7 @@ from torchdata_ext.state.reader_state import (
     narrow,
     reader_cursors,
 )
+from torchdata_ext.state.settings import SETTINGS_KEY
 from torchdata_ext.world import World
 
 __all__ = ["ShardReader", "merge_reader_states"]
@@ -188,6 +189,15 @@ class ShardReader(BaseNode[DocumentBlock]):
         self.strip_tokens = tuple(int(t) for t in strip_tokens)
         self._strip_arr = np.asarray(self.strip_tokens, np.int64)
         self.max_chunksize = max_chunksize
+        # what the blocks the nodes above replay from a saved state depend on (see
+        # state/settings.py; checked by checkpoint/restore.py: the cursors alone restore under
+        # other values, tests/test_reader.py); never mutated
+        self._settings = {
+            "block_docs": self.block_docs,
+            "max_chunksize": None if max_chunksize is None else int(max_chunksize),
+            "min_length": self.min_length,
+            "strip_tokens": list(self.strip_tokens),
+        }
         self.on_error = on_error
         self.dtype = np.dtype(dtype)
         self._given_world = world
@@ -294,6 +304,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             "seed": self.seed,
             "n_logical_shards": self.n_logical_shards,
             "split": self._split_state(),
+            SETTINGS_KEY: self._settings,
             "cursors": self._columns,
             "extras": self._extras,
             "active": active,

@@ -56,6 +56,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.checks import check_int
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 from torchdata_ext.world import World
 
 __all__ = ["Take", "budget_share"]
@@ -118,6 +119,8 @@ class Take(BaseNode[DocumentBlock]):
             raise ValueError(f"{name=} must be a non-empty string (it keys the budget's state)")
         self.source = source
         self.name = name
+        # the run's budget the saved shares are of (see state/settings.py); never mutated
+        self._settings = {"max_tokens": self.max_tokens, "max_documents": self.max_documents}
         self._given_world = world
         self.world: World | None = None
         self._tokens: int | None = None
@@ -157,6 +160,7 @@ class Take(BaseNode[DocumentBlock]):
                 f"max_documents={self.max_documents}; a budget cannot be added or removed "
                 "across a checkpoint"
             )
+        check_settings(f"Take (budget {self.name!r})", initial_state, self._settings)
         self._tokens = None if tokens is None else int(tokens)
         self._docs = None if docs is None else int(docs)
         self.source.reset(initial_state[self.SOURCE_KEY])
@@ -211,6 +215,7 @@ class Take(BaseNode[DocumentBlock]):
             self.DOCUMENTS_KEY: self._docs,
             self.SOURCE_KEY: src,
             self.CUT_KEY: list(self._cut) if self._cut is not None else None,
+            SETTINGS_KEY: self._settings,
         }
 
     # -- provenance / rescale ------------------------------------------------------------------

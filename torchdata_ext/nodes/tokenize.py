@@ -23,7 +23,8 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock, handed_back_piece
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.tokenizers.load import Encoder, as_encoder
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
+from torchdata_ext.tokenizers.load import Encoder, as_encoder, tokenizer_identity
 
 __all__ = ["Tokenize", "ensure_bos_eos"]
 
@@ -223,6 +224,7 @@ class Tokenize(BaseNode[DocumentBlock]):
                 raise ValueError(f"{name}={value} must be >= {low}")
         self.source = source
         self.encoder = as_encoder(tokenizer)
+        self._settings: dict[str, Any] | None = None  # tokenizer_identity, found when first needed
         self.bos_token = None if bos_token is None else int(bos_token)
         self.eos_token = None if eos_token is None else int(eos_token)
         self.num_threads = num_threads
@@ -244,11 +246,22 @@ class Tokenize(BaseNode[DocumentBlock]):
         self._exhausted = False
         self._replay = False
         if initial_state is not None:
+            check_settings("Tokenize", initial_state, self.settings)
             self.source.reset(initial_state[self.SOURCE_KEY])
         else:
             self.source.reset()
         self._source_state = self.source.state_dict()
         self._skip = 0
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The tokenizer this node's positions are counted in (``tokenizer``: ``"byte"`` with
+        its ``byte_offset``, or the hash of a Hugging Face tokenizer; see
+        :func:`~torchdata_ext.tokenizers.load.tokenizer_identity`), recorded in the state so a
+        restore with another tokenizer is refused by name. Never mutated."""
+        if self._settings is None:
+            self._settings = tokenizer_identity(self.encoder)
+        return self._settings
 
     def skip_next(self, pieces: int) -> None:
         """Called by the node above right after a restore (``Interleave``): it will drop the
@@ -278,7 +291,7 @@ class Tokenize(BaseNode[DocumentBlock]):
         return block
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self._source_state}
+        return {self.SOURCE_KEY: self._source_state, SETTINGS_KEY: self.settings}
 
     # -- provenance ----------------------------------------------------------------------------
     def inflight(self) -> list[tuple[str, int, int, int, int]]:

@@ -35,7 +35,56 @@ from torchdata_ext.tokenizers.load import (
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 
-__all__ = ["PipelineConfig"]
+__all__ = ["RESTORE_CONTRACT", "PipelineConfig"]
+
+RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
+    # field: (class, why) -- "may_change": a restore with another value is exact;
+    # "opt_in": refused unless load_checkpoint(allow_...=True) accepts it;
+    # "must_match": refused by name (docs/checkpoint.md has this table;
+    # tests/test_restore_contract.py checks every field is here)
+    "data_path": ("may_change", "the data may move; its files and counts must match (checked)"),
+    "datasets": ("opt_in", "order is free; added needs allow_new_datasets, removed refused"),
+    "weights": ("opt_in", "allow_weight_changes: the mix moves to the new targets from there"),
+    "file_type": ("must_match", "selects the files read (checked as the data's files)"),
+    "col_name": ("must_match", "another column is other documents (not checked)"),
+    "seq_length": ("must_match", "the packer's position counts tokens of a row"),
+    "shift": ("must_match", "changes the tokens packed per row"),
+    "bos_token": ("must_match", "the packer's position counts the specials it placed"),
+    "eos_token": ("must_match", "the packer's position counts the specials it placed"),
+    "bol_token": ("must_match", "changes the document tokens per row"),
+    "eol_token": ("must_match", "changes the document tokens per row"),
+    "strip_tokens": ("must_match", "changes document lengths the saved offsets count in"),
+    "logical_shards": ("must_match", "the cursors are per logical shard"),
+    "num_workers": ("may_change", "a rescale re-partitions the shards exactly"),
+    "batch_size": ("may_change", "rows are batched after every saved position"),
+    "seed": ("must_match", "the shard walk and the buffer's draws come from it"),
+    "tokenizer": ("must_match", "token offsets of text count its tokens"),
+    "byte_offset": ("must_match", "another offset is another tokenizer"),
+    "pack_mode": ("must_match", "the packer's position means another strategy's"),
+    "best_fit_window": ("must_match", "the best_fit window replays as it was"),
+    "shuffle_buffer": ("may_change", "its size, above 1; adding or removing it is refused"),
+    "shuffle_fill": ("may_change", "only how a fresh buffer fills"),
+    "interleave_mode": ("must_match", "the replayed block is decided as it was"),
+    "mix_quantum_tokens": ("must_match", "the replayed block is decided as it was"),
+    "epochs": ("may_change", "cursors count epochs; the run ends after the new count"),
+    "min_length": ("must_match", "changes the blocks the packer replays"),
+    "max_chunksize": ("must_match", "changes the blocks the packer replays"),
+    "block_docs": ("must_match", "changes the blocks the packer replays"),
+    "pad_token": ("may_change", "padding is written when a row is made"),
+    "storage_options": ("may_change", "only how the files are reached"),
+    "dtype": ("may_change", "only the output tensors' type"),
+    "output_keys": ("may_change", "only which arrays a batch carries"),
+    "eval_fraction": ("must_match", "the held-out split (checked)"),
+    "eval_seed": ("must_match", "the held-out split (checked)"),
+    "transforms": ("must_match", "adding or removing is refused; a changed step is not checked"),
+    "drop_remainder": ("must_match", "changes what the chunk packer keeps"),
+    "phases": ("must_match", "phase states and budgets go by place (checked)"),
+    "max_tokens": ("must_match", "the saved shares are of the budget saved"),
+    "max_documents": ("must_match", "the saved shares are of the budget saved"),
+    "max_dropped_documents": ("may_change", "only when an endless stream gives up"),
+}
+"""What each :class:`PipelineConfig` field may do across a checkpoint restore, with the reason
+(the table of ``docs/checkpoint.md``)."""
 
 
 @dataclass

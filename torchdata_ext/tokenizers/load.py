@@ -39,6 +39,7 @@ __all__ = [
     "load_tokenizer",
     "token_ids",
     "tokenizer_hash",
+    "tokenizer_identity",
     "tokenizer_location",
     "worker_threads",
 ]
@@ -421,6 +422,29 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
     if isinstance(tokenizer, ByteTokenizer):
         return None
     return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """What a restore of tokenized-text positions must find again: ``{"tokenizer": ...,
+    "byte_offset": ...}``, ``"byte"`` and its offset for a :class:`ByteTokenizer`, else
+    ``"sha256:<tokenizer_hash>"`` of the Hugging Face tokenizer (found inside a wrapper or a
+    ``transformers`` tokenizer) and None; ``"tokenizer"`` None when it cannot be told."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"tokenizer": "byte", "byte_offset": int(tokenizer.offset)}
+    for inner in (
+        tokenizer,
+        getattr(tokenizer, "tokenizer", None),  # an as_encoder wrapper
+        getattr(tokenizer, "backend_tokenizer", None),  # a transformers fast tokenizer
+        getattr(getattr(tokenizer, "tokenizer", None), "backend_tokenizer", None),
+    ):
+        if isinstance(inner, ByteTokenizer):
+            return tokenizer_identity(inner)
+        if callable(getattr(inner, "to_str", None)):
+            try:
+                return {"tokenizer": f"sha256:{tokenizer_hash(inner)}", "byte_offset": None}
+            except Exception:  # not a tokenizers.Tokenizer after all: unknown
+                break
+    return {"tokenizer": None, "byte_offset": None}
 
 
 _ROLES = {

@@ -1,0 +1,87 @@
+"""The settings a node's state depends on: recorded in the state, refused by name on restore.
+
+A node whose saved position means something only under its settings (the reader's block size,
+the mix's quantum, the packer's BOS/EOS, the tokenizer) records them under :data:`SETTINGS_KEY`
+as a small dict of plain values keyed by the :class:`~torchdata_ext.pipeline.config.PipelineConfig`
+field name, and calls :func:`check_settings` in ``reset(initial_state)``: a restore with another
+value would repeat or lose data silently, so it is refused naming the field, both values and
+the way out. A state saved before a setting was recorded lacks it: unknown, not checked.
+:func:`check_graph_settings` makes the same check over a whole saved graph state before
+anything is restored (:mod:`torchdata_ext.checkpoint.restore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["SETTINGS_KEY", "check_graph_settings", "check_settings", "settings_mismatch"]
+
+SETTINGS_KEY = "settings"
+
+
+def settings_mismatch(
+    saved: Any, mine: Mapping[str, Any], args: Mapping[str, str] | None = None
+) -> str | None:
+    """The description of the first setting of ``mine`` that ``saved`` (a state's
+    :data:`SETTINGS_KEY` value, or None) records with another value; None if none does.
+    ``args`` names a node argument where it differs from the config field."""
+    if not isinstance(saved, Mapping):
+        return None
+    for key, now in mine.items():
+        if key not in saved:  # recorded later than this state: unknown
+            continue
+        then = saved[key]
+        if then == now:
+            continue
+        arg = (args or {}).get(key)
+        name = f"{key} (node argument {arg})" if arg and arg != key else key
+        return (
+            f"{name} differs: the checkpoint was taken with {key}={then!r}, this pipeline has "
+            f"{key}={now!r}; the saved position means something else under another {key}, so "
+            "the restore would repeat or lose data. Restore with the checkpoint's value "
+            f"({key}={then!r}), or start a new run"
+        )
+    return None
+
+
+def check_settings(
+    node: str,
+    state: Mapping[str, Any],
+    mine: Mapping[str, Any],
+    args: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse restoring ``node`` (its class name) from ``state`` if a recorded setting differs
+    from ``mine``.
+
+    Raises:
+        ValueError: naming the setting, the checkpoint's value, this one's and what to do.
+    """
+    problem = settings_mismatch(state.get(SETTINGS_KEY), mine, args)
+    if problem is not None:
+        raise ValueError(f"cannot restore {node}: {problem}")
+
+
+def check_graph_settings(saved: Any, mine: Any, where: str = "this checkpoint") -> None:
+    """Refuse a saved graph state whose recorded settings differ from those of the graph state
+    ``mine`` (a fresh graph of the current pipeline) at the same place. Places only one side
+    has (a dataset added since) are not compared here.
+
+    Raises:
+        ValueError: naming the setting (see :func:`check_settings`).
+    """
+    if isinstance(saved, Mapping) and isinstance(mine, Mapping):
+        if isinstance(saved.get(SETTINGS_KEY), Mapping) and isinstance(
+            mine.get(SETTINGS_KEY), Mapping
+        ):
+            problem = settings_mismatch(saved[SETTINGS_KEY], mine[SETTINGS_KEY])
+            if problem is not None:
+                raise ValueError(f"cannot restore {where}: {problem}")
+        if "cursors" in saved or "shards" in saved:  # a reader: its cursors hold no node state
+            return
+        for k, v in saved.items():
+            if k != SETTINGS_KEY and k in mine:
+                check_graph_settings(v, mine[k], where)
+    elif isinstance(saved, list) and isinstance(mine, list):
+        for a, b in zip(saved, mine):
+            check_graph_settings(a, b, where)
