@@ -748,3 +748,32 @@ def test_slow_listing_counting_and_downloads_log_progress(s3, tmp_path, monkeypa
     assert lines[-1].startswith(f"downloading {index.files[0]}: done, {size:,} of {size:,} B in")
     cache.release(index.files[0], so)
     cache.close()
+
+
+def test_a_release_from_a_finalizer_under_the_cache_lock_is_deferred(s3, s3_corpus, tmp_path):
+    """The garbage collector can run a dropped reader's finalizer (which releases its holds) at
+    any allocation, including one made while this thread holds the cache's lock (acquire
+    builds a Future under it): that release must not wait for the lock (it hung the test
+    suite once). It is deferred, and the next call of the cache drops the hold exactly once."""
+    index = build(s3_corpus, "web", s3.storage_options)
+    cache = ShardCache(tmp_path / "cache", retry=FAST)
+    url = index.files[0]
+    cache.acquire(url, s3.storage_options)
+    cache.acquire(url, s3.storage_options)
+    rt = cache._runtime()
+    (slot,) = rt.slots.values()
+    assert slot.refs == 2
+
+    done = threading.Event()
+
+    def finalizer_under_the_lock() -> None:
+        with rt.mu:  # as acquire holds it when the collector runs a finalizer
+            cache.release(url, s3.storage_options)
+        done.set()
+
+    worker = threading.Thread(target=finalizer_under_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(10), "a release under the cache lock waited for the lock"
+    assert slot.refs == 2 and rt.deferred == [(url, s3.storage_options)]
+    cache.release(url, s3.storage_options)  # drains the deferred release, then its own
+    assert slot.refs == 0 and rt.deferred == []

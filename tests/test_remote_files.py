@@ -75,6 +75,24 @@ def test_a_killed_writer_leaves_a_whole_file(tmp_path) -> None:
 
 
 # -- one reset in a forked child ----------------------------------------------------------------
+def _free_for_another_thread(lock) -> bool:
+    """Whether a thread other than this one can take ``lock`` (a re-entrant lock copied by the
+    fork while the parent held it is taken by the parent's thread ident, maybe this one's)."""
+    import threading
+
+    got: list[bool] = []
+
+    def take() -> None:
+        got.append(lock.acquire(timeout=2))
+        if got[0]:
+            lock.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join()
+    return got == [True]
+
+
 def _after_fork_report(cache, queue) -> None:
     from torchdata_ext.remote import process_state as ps
 
@@ -89,7 +107,7 @@ def _after_fork_report(cache, queue) -> None:
             # read before any call of the cache's own: the reset ran at the fork
             "cache_pid": cache._rt.pid,
             "cache_downloads": cache._rt.stats["downloads"],
-            "cache_locked": cache._rt.mu.locked(),
+            "cache_locked": not _free_for_another_thread(cache._rt.mu),
             "pid": os.getpid(),
         }
     )

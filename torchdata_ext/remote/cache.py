@@ -74,7 +74,10 @@ class _Runtime:
     """Per-process state of a :class:`ShardCache` (rebuilt after fork or unpickling)."""
 
     pid: int = field(default_factory=os.getpid)
-    mu: threading.Lock = field(default_factory=threading.Lock)
+    # re-entrant, and ``release`` defers when this thread holds it: the garbage collector can run
+    # a dropped reader's finalizer (which releases its holds) at any allocation made under it
+    mu: threading.RLock = field(default_factory=threading.RLock)
+    deferred: list[tuple[str, dict[str, Any] | None]] = field(default_factory=list)
     slots: dict[str, _Slot] = field(default_factory=dict)
     pool: ThreadPoolExecutor | None = None
     stats: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_STAT_KEYS, 0.0))
@@ -163,6 +166,13 @@ class ShardCache:
         self._rt = _Runtime()
         CACHES.add(self)
 
+    def _release_deferred(self, rt: _Runtime) -> None:
+        """Drop the holds that finalizers released while this thread held the lock (not held
+        now: the caller is outside it)."""
+        while rt.deferred:
+            url, storage_options = rt.deferred.pop()
+            self.release(url, storage_options)
+
     def _runtime(self) -> _Runtime:
         if self._rt.pid != os.getpid():
             self.after_fork()
@@ -229,6 +239,7 @@ class ShardCache:
             return url
         entry = self._entry(url, storage_options, companions)
         rt = self._runtime()
+        self._release_deferred(rt)
         t0 = time.perf_counter()
         waited = False
         while True:
@@ -285,6 +296,7 @@ class ShardCache:
             return
         entry = self._entry(url, storage_options, companions)
         rt = self._runtime()
+        self._release_deferred(rt)
         with rt.mu:
             slot = rt.slots.setdefault(entry.local, _Slot())
             slot.refs += 1
@@ -302,8 +314,12 @@ class ShardCache:
         started yet is cancelled."""
         if not self.is_cached(url):
             return
-        entry = self._entry(url, storage_options, ())
         rt = self._runtime()
+        if rt.mu._is_owned():  # type: ignore[attr-defined]  # a finalizer run under the lock
+            rt.deferred.append((url, storage_options))  # list.append: atomic, takes no lock
+            return
+        self._release_deferred(rt)
+        entry = self._entry(url, storage_options, ())
         with rt.mu:
             slot = rt.slots.get(entry.local)
             if slot is None or slot.refs <= 0:
