@@ -141,6 +141,7 @@ def _bpe(words: list[str], vocab: int = 280) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],  # id 0: the EOS, inside the vocabulary
         show_progress=False,
     )
     tok.train_from_iterator([" ".join(words * 3)] * 50, trainer)
@@ -150,7 +151,7 @@ def _bpe(words: list[str], vocab: int = 280) -> Any:
 def _text_cfg(root: str, **extra: Any) -> PipelineConfig:
     return PipelineConfig(
         data_path=root, datasets="web,code", weights="2,1", file_type="jsonl",
-        col_name="text", seq_length=32, eos_token=1000, pad_token=1001, logical_shards=12,
+        col_name="text", seq_length=32, eos_token=0, pad_token=1001, logical_shards=12,
         batch_size=2, seed=9, shuffle_buffer=5, block_docs=4, epochs=1, mix_quantum_tokens=0,
         output_keys="input_ids", **extra,
     )  # fmt: skip
