@@ -47,14 +47,27 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TextIO, cast
-
-from torchdata_ext.audit.inspect_data import MORE_HINT, inspect_dataset
-from torchdata_ext.audit.report import audit_checkpoint
-from torchdata_ext.prepare_data.tokenize_text import prepare
-from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+from typing import Any, TextIO, cast
 
 __all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
+
+# The library is imported by the command that needs it, not here: `--help` and an argument
+# error load no torch and no NumPy (tests/test_cli_startup.py). The three library calls stay
+# importable from this module as before (`from torchdata_ext.cli import prepare`).
+_LIBRARY = {
+    "audit_checkpoint": "torchdata_ext.audit.report",
+    "inspect_dataset": "torchdata_ext.audit.inspect_data",
+    "prepare": "torchdata_ext.prepare_data.tokenize_text",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``prepare``, ``inspect_dataset``, ``audit_checkpoint``: imported on first use (PEP 562)."""
+    if name not in _LIBRARY:
+        raise AttributeError(f"module 'torchdata_ext.cli' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LIBRARY[name]), name)
 
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name
@@ -87,6 +100,16 @@ def _json_object(text: str) -> dict[str, object]:
     return value
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, unless it has none (``None``, a flag off) or its
+    help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 # -- command line ------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -95,13 +118,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser(
         "prepare",
+        formatter_class=_DefaultsShown,
         help="tokenize text files into shard files",
         description="Tokenize JSONL/Parquet/.txt text into Arrow, flat .npy or MDS token shards "
         "(resumable; see python -m pydoc torchdata_ext.prepare_data.tokenize_text).",
     )
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
-    pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
+    pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow",
+                    help="token shard format")  # fmt: skip
     pp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
                     help=_STORAGE_HELP + "; for the inputs and --out")  # fmt: skip
     pp.add_argument(
@@ -110,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument(
         "--byte-offset",
         type=int,
-        default=DEFAULT_BYTE_OFFSET,
-        help="byte tokenizer: byte b is id b + this (default 1, as in the pipeline config)",
+        default=None,
+        help="byte tokenizer: byte b is id b + this (default: 1, as in the pipeline config)",
     )
     pp.add_argument("--text-field", default="text", help="JSONL field / Parquet text column")
     pp.add_argument(
@@ -122,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     pp.add_argument("--encoding", default="utf-8", help=".txt inputs' text encoding")
     pp.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL inputs")
-    pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000)
+    pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000,
+                    help="cap of tokens per output file")  # fmt: skip
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
@@ -322,6 +348,9 @@ def _run(args: argparse.Namespace) -> None:
         return
     compression = None if args.compression == "none" else args.compression
     if args.command == "prepare":
+        from torchdata_ext.prepare_data.tokenize_text import prepare
+        from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+
         shard_id, num_shards = args.shard_id, args.num_shards
         if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
             shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
@@ -332,7 +361,7 @@ def _run(args: argparse.Namespace) -> None:
             format=args.format,
             storage_options=args.storage_options,
             tokenizer=args.tokenizer,
-            byte_offset=args.byte_offset,
+            byte_offset=DEFAULT_BYTE_OFFSET if args.byte_offset is None else args.byte_offset,
             text_field=args.text_field,
             eos_token=args.eos_token,
             max_tokens_per_file=args.max_tokens_per_file,
@@ -351,6 +380,8 @@ def _run(args: argparse.Namespace) -> None:
         what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
         print(json.dumps({"status": what, **asdict(res)}, indent=1))
     else:
+        from torchdata_ext.audit.inspect_data import inspect_dataset
+
         inspect_dataset(
             args.path,
             file_type=args.file_type,
@@ -375,6 +406,8 @@ class _Flagged(io.TextIOBase):
         self._out = out
 
     def write(self, s: str) -> int:
+        from torchdata_ext.audit.inspect_data import MORE_HINT
+
         self._out.write(s.replace(MORE_HINT, "(--all shows all)"))
         return len(s)
 
@@ -384,6 +417,8 @@ class _Flagged(io.TextIOBase):
 
 def _audit(args: argparse.Namespace) -> None:
     """``torchdata-ext audit``: print the report, write the list and the picture."""
+    from torchdata_ext.audit.report import audit_checkpoint
+
     report = audit_checkpoint(
         args.checkpoint,
         args.config,
