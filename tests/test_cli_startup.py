@@ -34,8 +34,13 @@ def _imported(*args: str) -> tuple[set[str], subprocess.CompletedProcess[str]]:
 
 @pytest.mark.parametrize(
     "args",
-    [("--help",), ("index", "--help"), ("prepare", "--help"), ("audit", "--help"),
-     ("inspect", "--help")],  # fmt: skip
+    [
+        ("--help",),
+        ("index", "--help"),
+        ("prepare", "--help"),
+        ("audit", "--help"),
+        ("inspect", "--help"),
+    ],  # fmt: skip
     ids=lambda a: " ".join(a),
 )
 def test_help_imports_no_heavy_module(args: tuple[str, ...]) -> None:

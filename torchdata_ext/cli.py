@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, TextIO, cast
 
-__all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
+__all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]  # noqa: F822
 
 # The library is imported by the command that needs it, not here: `--help` and an argument
 # error load no torch and no NumPy (tests/test_cli_startup.py). The three library calls stay
@@ -68,6 +68,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     return getattr(importlib.import_module(_LIBRARY[name]), name)
+
 
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name

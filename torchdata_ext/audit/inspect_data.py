@@ -129,7 +129,9 @@ def inspect_dataset(
         tok = None
         if tokenizer is not None:
             try:
-                tok = load_tokenizer(tokenizer, byte_offset=byte_offset)
+                tok = load_tokenizer(
+                    tokenizer, byte_offset=byte_offset, storage_options=storage_options
+                )
             except (OSError, ValueError, ImportError) as exc:
                 if not recorded or found is None:
                     raise

@@ -97,7 +97,7 @@ from torchdata_ext.prepare_data.tokenize_inputs import (
 )
 from torchdata_ext.progress import DELAY_S, Progress
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.remote.urls import expand_urls, filesystem, unstrip
+from torchdata_ext.remote.urls import expand_urls, filesystem, storage_options_of, unstrip
 from torchdata_ext.sources.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.tokenizers.load import (
     DEFAULT_BYTE_OFFSET,
@@ -240,11 +240,11 @@ def prepare(
     doc_filter = DocFilter(data_fraction, seed, min_length, max_length)
     if format == "npy" and eos_token is None:
         eos_token = 0
-    storage_options = dict(storage_options or {})
+    storage_options = storage_options_of(storage_options)
     fs, out_path = _output_folder(out, storage_options)
     mine = _part_inputs(inputs, storage_options, shard_id, num_shards)
     # a bad tokenizer or an eos_token it can emit fails here, before anything is written
-    meta = _describe_tokens(tokenizer, byte_offset, eos_token, dtype, format)
+    meta = _describe_tokens(tokenizer, byte_offset, eos_token, dtype, format, storage_options)
     how = TokenizeSettings(
         tokenizer, byte_offset, text_field, encoding, compression, storage_options, doc_filter
     )
@@ -290,11 +290,16 @@ def _part_inputs(
 
 
 def _describe_tokens(
-    tokenizer: str, byte_offset: int, eos_token: int | None, dtype: str | None, format: str
+    tokenizer: str,
+    byte_offset: int,
+    eos_token: int | None,
+    dtype: str | None,
+    format: str,
+    storage_options: dict[str, Any],
 ) -> PreparedMeta:
     """Load the tokenizer, refuse an ``eos_token`` it can emit, and describe the tokens the
     part writes (the metadata file's content, with the stored dtype chosen)."""
-    tok = cached_tokenizer(tokenizer, byte_offset)
+    tok = cached_tokenizer(tokenizer, byte_offset, storage_options)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
     return PreparedMeta.describe(
         tok,
