@@ -109,6 +109,7 @@ class FileDocs:
     sampled_out: int = 0
     too_short: int = 0
     too_long: int = 0
+    empty: int = 0  # empty texts (from ``start``), never documents
 
 
 def _tokenize_file(task: tuple[str, int, TokenizeSettings]) -> FileDocs:
@@ -117,7 +118,9 @@ def _tokenize_file(task: tuple[str, int, TokenizeSettings]) -> FileDocs:
     url, start, how = task
     encoder = _encoder(how)
     all_texts, undecodable = _read_texts(url, how)
-    nonempty = np.flatnonzero([bool(t) for t in all_texts])[start:]  # record indexes
+    every_nonempty = np.flatnonzero([bool(t) for t in all_texts])  # record indexes
+    nonempty = every_nonempty[start:]
+    first_record = int(every_nonempty[start - 1]) + 1 if start else 0  # where this call reads
     in_sample = how.doc_filter.sampled(url, nonempty)
     records = nonempty[in_sample]
     positions = np.arange(start, start + nonempty.size)[in_sample]
@@ -140,6 +143,7 @@ def _tokenize_file(task: tuple[str, int, TokenizeSettings]) -> FileDocs:
         sampled_out=int(nonempty.size - records.size),
         too_short=int(short.sum()),
         too_long=int(long.sum()),
+        empty=len(all_texts) - first_record - int(nonempty.size),
     )
 
 

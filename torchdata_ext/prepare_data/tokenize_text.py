@@ -87,6 +87,7 @@ from torchdata_ext.prepare_data.progress_record import (
     progress_config,
     progress_path,
     saved_progress,
+    totals_summary,
 )
 from torchdata_ext.prepare_data.tokenize_inputs import (
     PARQUET_SUFFIXES,
@@ -121,7 +122,11 @@ class PrepareResult:
     Attributes:
         out: the output folder.
         outputs: this part's output file URLs, in order.
-        documents / tokens: written by this call (0 for a part that was already done).
+        documents / tokens: written by this call (0 for a part that was already done); a
+            resumed call counts only what it added.
+        total_documents / total_tokens: what the part's outputs hold, over every run of it
+            (this one and the interrupted ones it resumed); None for a part whose progress
+            record was started by a version that did not count them.
         resumed: the part continued from an earlier, interrupted run.
         skipped: the part was already complete; nothing was written.
         undecodable_documents: documents (of this call) with bytes that are not valid in
@@ -129,6 +134,8 @@ class PrepareResult:
         sampled_out: documents (of this call) left out by ``data_fraction``.
         too_short / too_long: documents (of this call, in the sample) left out by
             ``min_length`` / ``max_length``.
+        empty: records (of this call) left out because their text is empty (``""``): they
+            are no document.
     """
 
     out: str
@@ -141,6 +148,9 @@ class PrepareResult:
     sampled_out: int = 0
     too_short: int = 0
     too_long: int = 0
+    empty: int = 0
+    total_documents: int | None = None
+    total_tokens: int | None = None
 
 
 def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[str]:
@@ -356,6 +366,7 @@ class _PartRun:
         result.sampled_out += got.sampled_out
         result.too_short += got.too_short
         result.too_long += got.too_long
+        result.empty += got.empty
         eos = None if eos_token is None else np.array([eos_token], np.uint32)
         for doc, pos in zip(got.docs, got.positions.tolist()):
             if eos is not None:
@@ -380,6 +391,9 @@ class _PartRun:
         data = self.encode(self.buf)
         write_bytes_atomic(self.output_url(n_out), data, self.storage_options)
         self.result.outputs.append(self.output_url(n_out))
+        if "documents" in self.state:  # the part's totals (records started before: unknown)
+            self.state["documents"] += len(self.buf)
+            self.state["tokens"] += self.buf_tokens
         self.buf, self.buf_tokens = [], 0
         self.state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
         self.save_progress()
@@ -394,6 +408,8 @@ class _PartRun:
             self.write_output((len(self.files), 0))
         self.state.update(done=True, input=len(self.files), doc=0)
         self.save_progress()
+        self.result.total_documents = self.state.get("documents")
+        self.result.total_tokens = self.state.get("tokens")
 
 
 def _open_part(
@@ -417,6 +433,8 @@ def _open_part(
         state = new_progress(config, stats)
     else:
         result.resumed = True
+        result.total_documents = state.get("documents")
+        result.total_tokens = state.get("tokens")
     check_same_settings(out, meta, storage_options)
     check_same_filter(other_parts_configs(fs, out_path, shard_id), config, out)
     output_files.remove_stale_temps(fs, out_path, shard_id)
@@ -470,7 +488,8 @@ def _write_part(
             f"part {shard_id}/{num_shards}: {result.documents:,} documents, {result.tokens:,} "
             f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
             f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)"
-            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long)}",
+            f"{totals_summary(result.resumed, result.total_documents, result.total_tokens)}"
+            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long, result.empty)}",
             file=sys.stderr,
         )
     if run.undecodable_files:

@@ -201,13 +201,42 @@ def expand_urls(
             elif fs.exists(path):
                 found.append(path)  # a file named explicitly is taken whatever its suffix
             if not found:
-                raise FileNotFoundError(
+                other = _other_suffixes(fs, path) if suffixes else {}
+                error = FileNotFoundError(
                     f"no data files match {url!r}"
                     + (f" (looking for names ending in {list(suffixes)})" if suffixes else "")
-                    + "; check the path, the pattern and storage_options"
+                    + (
+                        f"; it holds {', '.join(f'{n} {s}' for s, n in other.items())} files"
+                        if other
+                        else "; check the path, the pattern and storage_options"
+                    )
                 )
+                error.other_suffixes = list(other)  # type: ignore[attr-defined]
+                raise error
             out.extend(unstrip(fs, p) for p in found)
     return sorted(set(out))
+
+
+def _other_suffixes(fs: Any, path: str) -> dict[str, int]:
+    """The name endings (``.jsonl``, ``.jsonl.gz``) of the files ``path`` holds (a folder or a
+    glob) and how many of each, most first: what a listing looking for others found."""
+    try:
+        paths = fs.glob(path) if any(c in path for c in _GLOB_CHARS) else [path]
+        files = [f for p in paths for f in _files_below(fs, p, None)]
+    except OSError:
+        return {}
+    counts: dict[str, int] = {}
+    for f in files:
+        name = posixpath.basename(f).lower()
+        parts = name.split(".")[1:]  # the endings after the base name
+        if parts:
+            compressed = len(parts) > 1 and parts[-1] in _COMPRESSED
+            ext = "." + ".".join(parts[-2:] if compressed else parts[-1:])
+            counts[ext] = counts.get(ext, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+_COMPRESSED = ("gz", "zst", "zstd", "bz2", "xz")
 
 
 def _files_below(fs: Any, path: str, suffixes: tuple[str, ...] | None) -> list[str]:
