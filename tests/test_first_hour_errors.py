@@ -193,8 +193,8 @@ def test_a_dcp_load_of_a_checkpoint_without_loader_state_says_so(tmp_path: Path)
 
 
 def test_dcp_save_on_a_full_disk_leaves_no_metadata_and_the_last_checkpoint_loads(
-    small_disk,
-    tmp_path: Path,  # noqa: F811
+    small_disk,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
 ) -> None:
     """What docs/reliability.md says DCP leaves: torch's error, partial ``.distcp`` files and no
     ``.metadata`` (written last), so the folder never loads; the checkpoint before it does."""
