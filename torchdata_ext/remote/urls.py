@@ -14,6 +14,7 @@ a mapping, refused otherwise, and for ``s3://`` every key must be one the S3 fil
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import posixpath
@@ -68,7 +69,7 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
         from torchdata_ext.remote.probe import probe_store  # (remote imports this module)
 
         bucket = str(path).split("/", 1)[0]
-        probe_store(url, protocol_of(fs), bucket, dict(storage_options or {}))
+        probe_store(url, protocol_of(fs), bucket, storage_options)
     return fs, path
 
 
@@ -107,19 +108,12 @@ def _check_option_keys(url: str, fs: Any, options: Mapping[str, Any]) -> None:
     session, which fails at the first request with a ``TypeError``)."""
     if not options or protocol_of(fs) not in ("s3", "s3a"):
         return
-    known = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
-    for cls in type(fs).__mro__:
-        init = cls.__dict__.get("__init__")
-        if init is not None:
-            known.update(_named_parameters(init))
-    from aiobotocore.session import AioSession  # where s3fs sends the keys it does not know
-
-    known.update(_named_parameters(AioSession.__init__))
+    known = _known_options(type(fs))
     unknown = sorted(set(options) - known)
     if unknown:
         import difflib
 
-        close = difflib.get_close_matches(unknown[0], sorted(known - {"self"}), n=1)
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         raise ValueError(
             f"storage_options for {url}: unknown option {', '.join(map(repr, unknown))}"
             + (f" (did you mean {close[0]!r}?)" if close else "")
@@ -127,6 +121,21 @@ def _check_option_keys(url: str, fs: Any, options: Mapping[str, Any]) -> None:
             f"{type(fs).__name__} (key, secret, token, anon, endpoint_url, client_kwargs, "
             "config_kwargs, ...)"
         )
+
+
+@functools.cache
+def _known_options(cls: type) -> frozenset[str]:
+    """The option keys an S3 filesystem class takes: its ``__init__``'s and its bases', the
+    listings cache's, and those of the client session it hands the rest to."""
+    known = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+    for c in cls.__mro__:
+        init = c.__dict__.get("__init__")
+        if init is not None:
+            known.update(_named_parameters(init))
+    from aiobotocore.session import AioSession  # where s3fs sends the keys it does not know
+
+    known.update(_named_parameters(AioSession.__init__))
+    return frozenset(known - {"self"})
 
 
 def _named_parameters(function: Any) -> set[str]:
