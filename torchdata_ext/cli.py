@@ -274,7 +274,7 @@ def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
         for a in sub._actions
         if a.option_strings and a.dest != "help"
     }
-    return {**flags, **_ALIASES[command]}
+    return {**flags, **_ALIASES.get(command, {})}
 
 
 _VALUE = r"""'[^']*'|"[^"]*"|\.\.\.|[^\s,;:)\]]+"""
@@ -341,62 +341,66 @@ def _report(command: str, caught: list[warnings.WarningMessage], flags: dict[str
 
 def _run(args: argparse.Namespace) -> None:
     """Do the parsed command."""
-    if args.command == "audit":
-        _audit(args)
-        return
-    if args.command == "index":
-        _index(args)
-        return
-    compression = None if args.compression == "none" else args.compression
-    if args.command == "prepare":
-        from torchdata_ext.prepare_data.tokenize_text import prepare
-        from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+    _COMMANDS[args.command](args)
 
-        shard_id, num_shards = args.shard_id, args.num_shards
-        if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-            shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
-            num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
-        res = prepare(
-            args.inputs,
-            args.out,
-            format=args.format,
-            storage_options=args.storage_options,
-            tokenizer=args.tokenizer,
-            byte_offset=DEFAULT_BYTE_OFFSET if args.byte_offset is None else args.byte_offset,
-            text_field=args.text_field,
-            eos_token=args.eos_token,
-            max_tokens_per_file=args.max_tokens_per_file,
-            num_proc=args.num_proc,
-            shard_id=shard_id or 0,
-            num_shards=num_shards or 1,
-            encoding=args.encoding,
-            compression=compression,
-            progress=args.progress,
-            slow_for_tests=args.slow_for_tests,
-            data_fraction=args.data_fraction,
-            seed=args.seed,
-            min_length=args.min_length,
-            max_length=args.max_length,
-        )
-        what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
-        print(json.dumps({"status": what, **asdict(res)}, indent=1))
-    else:
-        from torchdata_ext.audit.inspect_data import inspect_dataset
 
-        inspect_dataset(
-            args.path,
-            file_type=args.file_type,
-            col_name=args.col_name,
-            eos_token=args.eos_token,
-            doc=args.doc,
-            file=args.file,
-            tokenizer=args.tokenizer,
-            byte_offset=args.byte_offset,
-            compression=compression,
-            full=args.full,
-            storage_options=args.storage_options,
-            out=cast(TextIO, _Flagged(sys.stdout)),
-        )
+def _compression(args: argparse.Namespace) -> str | None:
+    return None if args.compression == "none" else args.compression
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """``torchdata-ext prepare``: tokenize, print the result as JSON."""
+    from torchdata_ext.prepare_data.tokenize_text import prepare
+    from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+
+    shard_id, num_shards = args.shard_id, args.num_shards
+    if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
+    res = prepare(
+        args.inputs,
+        args.out,
+        format=args.format,
+        storage_options=args.storage_options,
+        tokenizer=args.tokenizer,
+        byte_offset=DEFAULT_BYTE_OFFSET if args.byte_offset is None else args.byte_offset,
+        text_field=args.text_field,
+        eos_token=args.eos_token,
+        max_tokens_per_file=args.max_tokens_per_file,
+        num_proc=args.num_proc,
+        shard_id=shard_id or 0,
+        num_shards=num_shards or 1,
+        encoding=args.encoding,
+        compression=_compression(args),
+        progress=args.progress,
+        slow_for_tests=args.slow_for_tests,
+        data_fraction=args.data_fraction,
+        seed=args.seed,
+        min_length=args.min_length,
+        max_length=args.max_length,
+    )
+    what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
+    print(json.dumps({"status": what, **asdict(res)}, indent=1))
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    """``torchdata-ext inspect``: print the summary or the document."""
+    from torchdata_ext.audit.inspect_data import inspect_dataset
+
+    inspect_dataset(
+        args.path,
+        file_type=args.file_type,
+        col_name=args.col_name,
+        eos_token=args.eos_token,
+        doc=args.doc,
+        file=args.file,
+        tokenizer=args.tokenizer,
+        byte_offset=args.byte_offset,
+        compression=_compression(args),
+        full=args.full,
+        storage_options=args.storage_options,
+        out=cast(TextIO, _Flagged(sys.stdout)),
+    )
 
 
 class _Flagged(io.TextIOBase):
@@ -438,6 +442,10 @@ def _audit(args: argparse.Namespace) -> None:
         report.plot(args.plot, args.storage_options)
         print(f"wrote {args.plot}", file=sys.stderr)
 
+
+# command name -> what runs it (a new command: its parser in _parser, its function here; the
+# library it calls is imported inside that function, so --help stays fast)
+_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "audit": _audit, "index": _index}
 
 if __name__ == "__main__":
     sys.exit(main())
