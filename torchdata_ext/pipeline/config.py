@@ -142,7 +142,10 @@ class PipelineConfig:
             memory; None keeps them whole).
         block_docs: documents per block moving through the pipeline.
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
-        storage_options: fsspec options (credentials, endpoint) for ``data_path``.
+        storage_options: fsspec options (credentials, endpoint) for every URL of the config:
+            ``data_path`` and its index files, a ``tokenizer.json`` URL; also what
+            ``save_checkpoint`` / ``load_checkpoint`` use when given none. A mapping (a string
+            is refused); for ``s3://``, keys ``s3fs.S3FileSystem`` takes.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
         phases: a curriculum (``Concat``): a list of phases, each a mapping with ``datasets``
             (names, list or comma-separated string), optional ``weights`` (as ``weights``) and
