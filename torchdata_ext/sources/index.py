@@ -54,7 +54,7 @@ from torchdata_ext.remote import (
     with_retries,
     write_bytes_atomic,
 )
-from torchdata_ext.remote.urls import expand_urls, filesystem
+from torchdata_ext.remote.urls import expand_urls, filesystem, storage_options_of
 from torchdata_ext.sources.counts import (
     CACHE_HEADER,
     COUNTS_FILE,
@@ -255,7 +255,7 @@ class DatasetIndex:
         """
         if write_counts not in ("cache", "data", True, False):
             raise ValueError(f"{write_counts=} must be 'cache', 'data' or False")
-        storage_options = dict(storage_options or {})
+        storage_options = storage_options_of(storage_options)
         handler_options = dict(handler_options or {})
         if col_name is not None:
             handler_options["col_name"] = col_name
