@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,9 @@ from torchdata_ext.cli import main
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
+from torchdata_ext.prepare_data.tokenize_text import prepare
 from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.testing import write_jsonl
 from torchdata_ext.world import World
 
@@ -161,43 +162,19 @@ def test_an_unknown_option_key_is_one_line_naming_it(s3, capsys) -> None:
     assert "unknown option 'endpint_url'" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("where", ["python", "yaml"])
+@pytest.mark.parametrize("where", ["python", "yaml", "index", "prepare"])
 def test_storage_options_given_as_a_string_ask_for_a_mapping(where, tmp_path) -> None:
     text = '{"anon": true}'
+    write_jsonl(str(tmp_path / "a.jsonl"), ["some text"])
     with pytest.raises(
         ValueError, match=r"storage_options='\{\"anon\": true\}' is a string: give a mapping"
     ):
         if where == "python":
             PipelineConfig(data_path="s3://b/data", storage_options=text)  # type: ignore[arg-type]
-        else:
+        elif where == "yaml":
             (tmp_path / "c.yaml").write_text(f"data_path: s3://b/data\nstorage_options: '{text}'\n")
             PipelineConfig.from_file(str(tmp_path / "c.yaml"))
-
-
-def test_the_object_storage_guides_example_runs_as_written(s3) -> None:
-    """``docs/object-storage.md``'s S3 example, its bucket and endpoint made the test's and its
-    sizes small: the checkpoint calls reach the store with the config's options (the batch
-    after the restore is the one a restore given the options explicitly delivers)."""
-    text = (Path(__file__).parent.parent / "docs" / "object-storage.md").read_text()
-    block = text.split("```python\n")[1].split("```")[0]
-    small = {"https://...": s3.endpoint_url, "s3://bucket": s3.url(), "seq_length=4096": "seq_length=32",
-             "logical_shards=1024": "logical_shards=8", "shuffle_buffer=10_000": "shuffle_buffer=4",
-             "step == 1000": "step == 3", "step_1000": "step_3", "num_workers=4": "num_workers=2",
-             "num_workers=2)": "num_workers=1)"}  # fmt: skip
-    for old, new in small.items():
-        assert old in block, f"the example no longer says {old!r}: update this test"
-        block = block.replace(old, new)
-    write_random_arrow_datasets(s3.url("corpus"), (("web", 60, 30), ("code", 30, 40)), seed=1,
-                                storage_options=s3.storage_options)  # fmt: skip
-    names: dict[str, Any] = {}
-    exec(compile(block, "docs/object-storage.md", "exec"), names)
-    names["loader"].close()
-    again = TokenLoader(functools.partial(build_pipeline, names["cfg"]), num_workers=1)
-    load_checkpoint(again, s3.url("ckpt", "step_3", "data"), storage_options=s3.storage_options)
-    expected = next(iter(again))
-    again.close()
-    assert sorted(expected) == sorted(names["batch"]) and names["batch"]["input_ids"].shape == (
-        8,
-        32,
-    )
-    assert all(np.array_equal(names["batch"][k], expected[k]) for k in expected)
+        elif where == "index":
+            DatasetIndex.build(str(tmp_path), storage_options=text)  # type: ignore[arg-type]
+        else:
+            prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "o"), storage_options=text)  # type: ignore[arg-type]
