@@ -276,7 +276,7 @@ def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
         rest = argv[:i] + argv[i + 2 :]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), *rest,
-           "--data-dir", data_dir]  # fmt: skip
+           "--data-dir", data_dir, *(["--data-dir-is-temporary"] if tmp else [])]  # fmt: skip
     try:
         return subprocess.call(cmd)
     finally:
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
     )
     del loader
     say(f"phase 1: {args.steps} steps, loss {losses1[0]:.3f} -> {losses1[-1]:.3f}; "
-        f"checkpoint saved (loader folder {state_bytes:,} bytes)")  # fmt: skip
+        f"checkpoint saved in {ckpt} (loader folder {state_bytes:,} bytes)")  # fmt: skip
 
     # -- phase 2: a "new job": fresh model, optimizer and loader with 3 workers
     torch.manual_seed(args.seed + 1)
@@ -386,6 +386,12 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
         print(f"OK: trained {args.steps}+{args.resume_steps} steps, resumed from DCP + loader "
               f"checkpoint with {args.resume_workers} workers, no document repeated "
               f"({time.perf_counter() - t0:.1f}s)")  # fmt: skip
+        where = os.path.join(data_dir, "ckpt")
+        if args.data_dir is None or args.data_dir_is_temporary:
+            print(f"checkpoints and corpus were in the temporary folder {data_dir}, deleted at "
+                  "exit: pass --data-dir DIR to keep them")  # fmt: skip
+        else:
+            print(f"checkpoints kept in {where} (and the corpus in {data_dir})")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
@@ -396,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=60, help="training steps before the checkpoint")
     p.add_argument("--resume-steps", type=int, default=None, help="steps after (default steps/2)")
-    p.add_argument("--data-dir", default=None, help="where to prepare the corpus (default: tmp)")
+    p.add_argument("--data-dir", default=None,
+                   help="where to prepare the corpus and keep the checkpoints (default: a "
+                   "temporary folder, deleted at exit)")  # fmt: skip
+    p.add_argument("--data-dir-is-temporary", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, default=1, help="ranks (runs itself under torchrun)")
     p.add_argument("--max-files", type=int, default=120, help="standard-library files to use")
     p.add_argument("--resume-workers", type=int, default=3, help="workers after the resume")

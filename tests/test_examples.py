@@ -29,6 +29,7 @@ def test_train_tiny_lm_fast_mode(tmp_path: Path) -> None:
     assert "sequences on rank 0 equal the tokens their provenance names" in out
     assert ", 0 repeated (2 workers -> checkpoint -> 3 workers)" in out
     assert "OK: trained 8+4 steps, resumed from DCP + loader checkpoint with 3 workers" in out
+    assert f"checkpoints kept in {tmp_path / 'ckpt'} (and the corpus in {tmp_path})" in out
     assert (tmp_path / "code" / "meta" / "torchdata_ext_counts.csv").exists()
 
 

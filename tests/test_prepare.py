@@ -59,7 +59,8 @@ def test_arrow_files_documents_counts_and_progress(inputs: Path, tmp_path: Path)
     out = tmp_path / "out"
     res = torchdata_ext.prepare(str(inputs), str(out), max_tokens_per_file=4, progress=False)
     # ab (2 tokens) | cdé (4) | x\ny (3) | pq1 (3) | pq22 (4): no two fit in 4 tokens together
-    assert res == PrepareResult(out=str(out), outputs=_outputs(out, 5), documents=5, tokens=16)
+    assert res == PrepareResult(out=str(out), outputs=_outputs(out, 5), documents=5, tokens=16,
+                                empty=1, total_documents=5, total_tokens=16)  # fmt: skip
     assert [_arrow_docs(p) for p in res.outputs] == [[_ids(t)] for t in TEXTS]
     names = [Path(p).name for p in res.outputs]
     assert _counts(out) == [(n, 1, len(_ids(t))) for n, t in zip(names, TEXTS)]
@@ -92,7 +93,7 @@ def test_npy_flat_tokens_with_eos_and_data_sources(inputs: Path, tmp_path: Path)
     docs = [_ids(t) + [0] for t in TEXTS]  # EOS 0 after every document
     # 3+5 | 4+4 | 5 tokens
     assert res == PrepareResult(out=str(out), outputs=_outputs(out, 3, ".npy"), documents=5,
-                                tokens=21)  # fmt: skip
+                                tokens=21, empty=1, total_documents=5, total_tokens=21)  # fmt: skip
     arrays = [np.load(p) for p in res.outputs]
     assert all(a.dtype == np.uint16 and a.ndim == 1 for a in arrays)
     assert [a.tolist() for a in arrays] == [docs[0] + docs[1], docs[2] + docs[3], docs[4]]
@@ -159,7 +160,7 @@ def test_parts_split_the_sorted_inputs(inputs: Path, tmp_path: Path) -> None:
     # more parts than files: part 0 of 5 gets files [0, 3 * 1 // 5) = none
     empty = torchdata_ext.prepare(str(inputs), str(tmp_path / "e"), shard_id=0, num_shards=5,
                                   progress=False)  # fmt: skip
-    assert empty == PrepareResult(out=str(tmp_path / "e"))
+    assert empty == PrepareResult(out=str(tmp_path / "e"), total_documents=0, total_tokens=0)
 
 
 def test_a_finished_part_is_skipped(inputs: Path, tmp_path: Path) -> None:
@@ -167,7 +168,8 @@ def test_a_finished_part_is_skipped(inputs: Path, tmp_path: Path) -> None:
     first = torchdata_ext.prepare(str(inputs), str(out), max_tokens_per_file=4, progress=False)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     again = torchdata_ext.prepare(str(inputs), str(out), max_tokens_per_file=4, progress=False)
-    assert again == PrepareResult(out=str(out), outputs=first.outputs, resumed=True, skipped=True)
+    assert again == PrepareResult(out=str(out), outputs=first.outputs, resumed=True, skipped=True,
+                                  total_documents=5, total_tokens=16)  # fmt: skip
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
@@ -195,8 +197,8 @@ def test_an_interrupted_part_resumes_where_it_stopped(
     assert (progress["next_output"], progress["input"], progress["doc"]) == (2, 1, 0)
     res = torchdata_ext.prepare(str(inputs), str(out), max_tokens_per_file=4, progress=False)
     # only x\ny, pq1 and pq22 are tokenized again
-    assert res == PrepareResult(out=str(out), outputs=_outputs(out, 5),
-                                documents=3, tokens=10, resumed=True)  # fmt: skip
+    assert res == PrepareResult(out=str(out), outputs=_outputs(out, 5), documents=3, tokens=10,
+                                resumed=True, total_documents=5, total_tokens=16)  # fmt: skip
     assert [(tmp_path / "ref" / Path(p).name).read_bytes() for p in ref.outputs] == [
         Path(p).read_bytes() for p in res.outputs
     ]

@@ -279,9 +279,11 @@ def test_cli_flags_summary_and_errors(inputs, tmp_path: Path, capsys) -> None:
         sampled
     )
     assert printed["too_short"] + printed["too_long"] == len(sampled) - len(kept)
+    empty = sum(len([t for t in ts if not t]) for ts in files.values())
+    assert printed["empty"] == empty > 0
     assert (
-        f"left out: {printed['sampled_out']} not in the sample, {printed['too_short']} too "
-        f"short, {printed['too_long']} too long\n" in captured.err
+        f"left out: {empty} empty, {printed['sampled_out']} not in the sample, "
+        f"{printed['too_short']} too short, {printed['too_long']} too long\n" in captured.err
     )
     assert main(["prepare", str(root), "--out", str(tmp_path / "x"), "--data-fraction", "0"]) == 2
     assert "error: --data-fraction 0.0 must be a number in (0, 1]" in capsys.readouterr().err

@@ -13,35 +13,82 @@ restores and rescales it. :func:`prepare` tokenizes text files into token shards
 consumed (the ``torchdata-ext`` command calls all three).
 """
 
-from torchdata_ext.audit.inspect_data import inspect_dataset
-from torchdata_ext.audit.report import AuditReport, audit_checkpoint
-from torchdata_ext.document import Document, DocumentBlock
-from torchdata_ext.loader.evaluation import EvalLoader
-from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
-from torchdata_ext.nodes import (
-    Collate,
-    Concat,
-    FilterDocuments,
-    Interleave,
-    MapDocuments,
-    Pack,
-    ShardReader,
-    ShuffleBuffer,
-    Take,
-    Tokenize,
-    TransformDocuments,
-    merge_reader_states,
-)
-from torchdata_ext.order.split import EvalSplit
-from torchdata_ext.order.walk import RandomWalk, mix_seed
-from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline, build_pipeline
-from torchdata_ext.pipeline.config import PipelineConfig
-from torchdata_ext.prepare_data.tokenize_text import prepare
-from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
-from torchdata_ext.sources.index import DatasetIndex
-from torchdata_ext.state.reader_state import ReaderCursors, reader_cursors
-from torchdata_ext.tokenizers.load import ByteTokenizer
-from torchdata_ext.world import World
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as type checkers and IDEs see them; at run time, __getattr__
+    from torchdata_ext.audit.inspect_data import inspect_dataset
+    from torchdata_ext.audit.report import AuditReport, audit_checkpoint
+    from torchdata_ext.document import Document, DocumentBlock
+    from torchdata_ext.loader.evaluation import EvalLoader
+    from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
+    from torchdata_ext.nodes import (
+        Collate,
+        Concat,
+        FilterDocuments,
+        Interleave,
+        MapDocuments,
+        Pack,
+        ShardReader,
+        ShuffleBuffer,
+        Take,
+        Tokenize,
+        TransformDocuments,
+        merge_reader_states,
+    )
+    from torchdata_ext.order.split import EvalSplit
+    from torchdata_ext.order.walk import RandomWalk, mix_seed
+    from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline, build_pipeline
+    from torchdata_ext.pipeline.config import PipelineConfig
+    from torchdata_ext.prepare_data.tokenize_text import prepare
+    from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
+    from torchdata_ext.sources.index import DatasetIndex
+    from torchdata_ext.state.reader_state import ReaderCursors, reader_cursors
+    from torchdata_ext.tokenizers.load import ByteTokenizer
+    from torchdata_ext.world import World
+
+# public name -> the module defining it, imported on first use (PEP 562): `import torchdata_ext`
+# and the command line's `--help` load no torch; `from torchdata_ext import X` works as before
+_MODULE_OF = {
+    "AuditReport": "torchdata_ext.audit.report",
+    "ByteTokenizer": "torchdata_ext.tokenizers.load",
+    "Collate": "torchdata_ext.nodes",
+    "Concat": "torchdata_ext.nodes",
+    "DatasetIndex": "torchdata_ext.sources.index",
+    "Document": "torchdata_ext.document",
+    "DocumentBlock": "torchdata_ext.document",
+    "EvalLoader": "torchdata_ext.loader.evaluation",
+    "EvalSplit": "torchdata_ext.order.split",
+    "FilterDocuments": "torchdata_ext.nodes",
+    "Interleave": "torchdata_ext.nodes",
+    "MapDocuments": "torchdata_ext.nodes",
+    "Pack": "torchdata_ext.nodes",
+    "PipelineConfig": "torchdata_ext.pipeline.config",
+    "PipelineDataset": "torchdata_ext.loader.token_loader",
+    "RandomWalk": "torchdata_ext.order.walk",
+    "ReaderCursors": "torchdata_ext.state.reader_state",
+    "RemoteError": "torchdata_ext.remote",
+    "RetryPolicy": "torchdata_ext.remote",
+    "ShardCache": "torchdata_ext.remote",
+    "ShardReader": "torchdata_ext.nodes",
+    "ShuffleBuffer": "torchdata_ext.nodes",
+    "Take": "torchdata_ext.nodes",
+    "TokenLoader": "torchdata_ext.loader.token_loader",
+    "Tokenize": "torchdata_ext.nodes",
+    "TransformDocuments": "torchdata_ext.nodes",
+    "World": "torchdata_ext.world",
+    "audit_checkpoint": "torchdata_ext.audit.report",
+    "build_datasets": "torchdata_ext.pipeline.build",
+    "build_eval_pipeline": "torchdata_ext.pipeline.build",
+    "build_pipeline": "torchdata_ext.pipeline.build",
+    "inspect_dataset": "torchdata_ext.audit.inspect_data",
+    "merge_reader_states": "torchdata_ext.nodes",
+    "mix_seed": "torchdata_ext.order.walk",
+    "prepare": "torchdata_ext.prepare_data.tokenize_text",
+    "reader_cursors": "torchdata_ext.state.reader_state",
+}
 
 __all__ = [
     "ReaderCursors",
@@ -83,3 +130,17 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and keep the name here (PEP 562)."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchdata_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -47,14 +47,28 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TextIO, cast
+from typing import Any, TextIO, cast
 
-from torchdata_ext.audit.inspect_data import MORE_HINT, inspect_dataset
-from torchdata_ext.audit.report import audit_checkpoint
-from torchdata_ext.prepare_data.tokenize_text import prepare
-from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+__all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]  # noqa: F822
 
-__all__ = ["audit_checkpoint", "cli_message", "inspect_dataset", "main", "prepare"]
+# The library is imported by the command that needs it, not here: `--help` and an argument
+# error load no torch and no NumPy (tests/test_cli_startup.py). The three library calls stay
+# importable from this module as before (`from torchdata_ext.cli import prepare`).
+_LIBRARY = {
+    "audit_checkpoint": "torchdata_ext.audit.report",
+    "inspect_dataset": "torchdata_ext.audit.inspect_data",
+    "prepare": "torchdata_ext.prepare_data.tokenize_text",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``prepare``, ``inspect_dataset``, ``audit_checkpoint``: imported on first use (PEP 562)."""
+    if name not in _LIBRARY:
+        raise AttributeError(f"module 'torchdata_ext.cli' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LIBRARY[name]), name)
+
 
 _COMPRESSIONS = ("infer", "none", "gzip", "zstd")
 # library parameters that a command takes under another flag's name
@@ -87,6 +101,16 @@ def _json_object(text: str) -> dict[str, object]:
     return value
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, unless it has none (``None``, a flag off) or its
+    help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 # -- command line ------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -95,13 +119,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser(
         "prepare",
+        formatter_class=_DefaultsShown,
         help="tokenize text files into shard files",
         description="Tokenize JSONL/Parquet/.txt text into Arrow, flat .npy or MDS token shards "
         "(resumable; see python -m pydoc torchdata_ext.prepare_data.tokenize_text).",
     )
     pp.add_argument("inputs", nargs="+", help="input files, folders, globs or braces (URLs)")
     pp.add_argument("--out", "-o", required=True, help="output folder (URL)")
-    pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow")
+    pp.add_argument("--format", choices=("arrow", "npy", "mds"), default="arrow",
+                    help="token shard format")  # fmt: skip
     pp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
                     help=_STORAGE_HELP + "; for the inputs and --out")  # fmt: skip
     pp.add_argument(
@@ -110,8 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument(
         "--byte-offset",
         type=int,
-        default=DEFAULT_BYTE_OFFSET,
-        help="byte tokenizer: byte b is id b + this (default 1, as in the pipeline config)",
+        default=None,
+        help="byte tokenizer: byte b is id b + this (default: 1, as in the pipeline config)",
     )
     pp.add_argument("--text-field", default="text", help="JSONL field / Parquet text column")
     pp.add_argument(
@@ -122,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     pp.add_argument("--encoding", default="utf-8", help=".txt inputs' text encoding")
     pp.add_argument("--compression", choices=_COMPRESSIONS, default="infer", help="of JSONL inputs")
-    pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000)
+    pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000,
+                    help="cap of tokens per output file")  # fmt: skip
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
@@ -247,7 +274,7 @@ def _flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
         for a in sub._actions
         if a.option_strings and a.dest != "help"
     }
-    return {**flags, **_ALIASES[command]}
+    return {**flags, **_ALIASES.get(command, {})}
 
 
 _VALUE = r"""'[^']*'|"[^"]*"|\.\.\.|[^\s,;:)\]]+"""
@@ -314,57 +341,66 @@ def _report(command: str, caught: list[warnings.WarningMessage], flags: dict[str
 
 def _run(args: argparse.Namespace) -> None:
     """Do the parsed command."""
-    if args.command == "audit":
-        _audit(args)
-        return
-    if args.command == "index":
-        _index(args)
-        return
-    compression = None if args.compression == "none" else args.compression
-    if args.command == "prepare":
-        shard_id, num_shards = args.shard_id, args.num_shards
-        if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-            shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
-            num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
-        res = prepare(
-            args.inputs,
-            args.out,
-            format=args.format,
-            storage_options=args.storage_options,
-            tokenizer=args.tokenizer,
-            byte_offset=args.byte_offset,
-            text_field=args.text_field,
-            eos_token=args.eos_token,
-            max_tokens_per_file=args.max_tokens_per_file,
-            num_proc=args.num_proc,
-            shard_id=shard_id or 0,
-            num_shards=num_shards or 1,
-            encoding=args.encoding,
-            compression=compression,
-            progress=args.progress,
-            slow_for_tests=args.slow_for_tests,
-            data_fraction=args.data_fraction,
-            seed=args.seed,
-            min_length=args.min_length,
-            max_length=args.max_length,
-        )
-        what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
-        print(json.dumps({"status": what, **asdict(res)}, indent=1))
-    else:
-        inspect_dataset(
-            args.path,
-            file_type=args.file_type,
-            col_name=args.col_name,
-            eos_token=args.eos_token,
-            doc=args.doc,
-            file=args.file,
-            tokenizer=args.tokenizer,
-            byte_offset=args.byte_offset,
-            compression=compression,
-            full=args.full,
-            storage_options=args.storage_options,
-            out=cast(TextIO, _Flagged(sys.stdout)),
-        )
+    _COMMANDS[args.command](args)
+
+
+def _compression(args: argparse.Namespace) -> str | None:
+    return None if args.compression == "none" else args.compression
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """``torchdata-ext prepare``: tokenize, print the result as JSON."""
+    from torchdata_ext.prepare_data.tokenize_text import prepare
+    from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET
+
+    shard_id, num_shards = args.shard_id, args.num_shards
+    if shard_id is None and num_shards is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        shard_id = int(os.environ["SLURM_ARRAY_TASK_ID"])
+        num_shards = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", "1"))
+    res = prepare(
+        args.inputs,
+        args.out,
+        format=args.format,
+        storage_options=args.storage_options,
+        tokenizer=args.tokenizer,
+        byte_offset=DEFAULT_BYTE_OFFSET if args.byte_offset is None else args.byte_offset,
+        text_field=args.text_field,
+        eos_token=args.eos_token,
+        max_tokens_per_file=args.max_tokens_per_file,
+        num_proc=args.num_proc,
+        shard_id=shard_id or 0,
+        num_shards=num_shards or 1,
+        encoding=args.encoding,
+        compression=_compression(args),
+        progress=args.progress,
+        slow_for_tests=args.slow_for_tests,
+        data_fraction=args.data_fraction,
+        seed=args.seed,
+        min_length=args.min_length,
+        max_length=args.max_length,
+    )
+    what = "already complete" if res.skipped else "resumed" if res.resumed else "done"
+    print(json.dumps({"status": what, **asdict(res)}, indent=1))
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    """``torchdata-ext inspect``: print the summary or the document."""
+    from torchdata_ext.audit.inspect_data import inspect_dataset
+
+    inspect_dataset(
+        args.path,
+        file_type=args.file_type,
+        col_name=args.col_name,
+        eos_token=args.eos_token,
+        doc=args.doc,
+        file=args.file,
+        tokenizer=args.tokenizer,
+        byte_offset=args.byte_offset,
+        compression=_compression(args),
+        full=args.full,
+        storage_options=args.storage_options,
+        out=cast(TextIO, _Flagged(sys.stdout)),
+    )
 
 
 class _Flagged(io.TextIOBase):
@@ -375,6 +411,8 @@ class _Flagged(io.TextIOBase):
         self._out = out
 
     def write(self, s: str) -> int:
+        from torchdata_ext.audit.inspect_data import MORE_HINT
+
         self._out.write(s.replace(MORE_HINT, "(--all shows all)"))
         return len(s)
 
@@ -384,6 +422,8 @@ class _Flagged(io.TextIOBase):
 
 def _audit(args: argparse.Namespace) -> None:
     """``torchdata-ext audit``: print the report, write the list and the picture."""
+    from torchdata_ext.audit.report import audit_checkpoint
+
     report = audit_checkpoint(
         args.checkpoint,
         args.config,
@@ -402,6 +442,10 @@ def _audit(args: argparse.Namespace) -> None:
         report.plot(args.plot, args.storage_options)
         print(f"wrote {args.plot}", file=sys.stderr)
 
+
+# command name -> what runs it (a new command: its parser in _parser, its function here; the
+# library it calls is imported inside that function, so --help stays fast)
+_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "audit": _audit, "index": _index}
 
 if __name__ == "__main__":
     sys.exit(main())

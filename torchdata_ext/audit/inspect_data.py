@@ -29,7 +29,7 @@ import numpy as np
 
 from torchdata_ext.handlers.base import format_for_url, registered_formats
 from torchdata_ext.handlers.mds import drop_mds_side_files
-from torchdata_ext.remote.urls import expand_urls, filesystem, join
+from torchdata_ext.remote.urls import expand_urls, filesystem, join, storage_options_of
 from torchdata_ext.sources.index import DatasetIndex, read_data_sources
 from torchdata_ext.sources.prepared_meta import PreparedMeta, other_tokenizer, read_meta
 from torchdata_ext.tokenizers.load import DEFAULT_BYTE_OFFSET, as_encoder, load_tokenizer
@@ -129,7 +129,9 @@ def inspect_dataset(
         tok = None
         if tokenizer is not None:
             try:
-                tok = load_tokenizer(tokenizer, byte_offset=byte_offset)
+                tok = load_tokenizer(
+                    tokenizer, byte_offset=byte_offset, storage_options=storage_options
+                )
             except (OSError, ValueError, ImportError) as exc:
                 if not recorded or found is None:
                     raise
@@ -169,7 +171,7 @@ def open_index(
     ``eos_token`` (default 0) splits flat token files into documents. ``compression`` is that
     of JSONL files (``"infer"``: from the content and the name).
     """
-    storage_options = dict(storage_options or {})
+    storage_options = storage_options_of(storage_options)
     kind = _file_type_of(path, file_type, storage_options)
     options: dict[str, Any] = {}
     if compression != "infer":

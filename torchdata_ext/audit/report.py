@@ -69,6 +69,7 @@ types) is in ``consumption.py``, the table and the picture in ``render.py``.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -99,6 +100,7 @@ from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.remote import write_bytes_atomic
+from torchdata_ext.remote.urls import storage_options_of
 from torchdata_ext.sources.fingerprint import check_data_files, compared
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.state.graph import (
@@ -245,7 +247,9 @@ def audit_checkpoint(
             (any fsspec URL).
         cfg: the pipeline config the run used: a :class:`PipelineConfig`, a mapping of its
             fields, or the path of a YAML/JSON config file.
-        storage_options: fsspec options for ``url`` (the data's are ``cfg.storage_options``).
+        storage_options: fsspec options for ``url`` and a config file's URL; the data's are
+            ``cfg.storage_options``, these when the config has none (and the config's for
+            ``url`` when these are None).
         replay: find the pieces tokenize / interleave / pack hold by replaying the blocks they
             were working on (a few blocks per dataset per worker; see the module docstring);
             False reads only the checkpoint and the counts files.
@@ -282,7 +286,11 @@ def audit_checkpoint(
             "allow_changed_files=True needs verify=True: without verify no data file is "
             "re-checked, so there is nothing to allow; pass verify=True as well"
         )
-    cfg = _as_config(cfg)
+    cfg = _as_config(cfg, storage_options)
+    if storage_options and not cfg.storage_options:  # given once, they reach every URL
+        cfg = copy.copy(cfg)
+        cfg.storage_options = storage_options_of(storage_options)
+    storage_options = storage_options_of(storage_options, cfg.storage_options)
     manifest, workers = _reader(url, storage_options, key)
     datasets = build_datasets(cfg, World())  # this process alone, never a collective
     _check_matches(url, manifest, cfg, datasets)
@@ -472,14 +480,14 @@ def _with_token_shares(audits: list[DatasetAudit]) -> list[DatasetAudit]:
     return audits
 
 
-def _as_config(cfg: Any) -> PipelineConfig:
+def _as_config(cfg: Any, storage_options: dict[str, Any] | None) -> PipelineConfig:
     if isinstance(cfg, PipelineConfig):
         return cfg
     if isinstance(cfg, Mapping):
         return PipelineConfig.from_dict(cfg)
     if isinstance(cfg, (str, os.PathLike)):
         try:
-            return PipelineConfig.from_file(os.fspath(cfg))
+            return PipelineConfig.from_file(os.fspath(cfg), storage_options)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"cfg={os.fspath(cfg)!r} does not exist; pass the pipeline config (.yaml or "

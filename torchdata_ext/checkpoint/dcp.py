@@ -171,6 +171,8 @@ class DCPLoaderState:
         metadata = reader.read_metadata()
         if key is None:
             held = dcp_entries.loader_keys(metadata)
+            if not held:
+                raise ValueError(dcp_entries.no_loader_state(metadata, None))
             if len(held) != 1:
                 raise ValueError(
                     f"the DCP checkpoint holds {len(held)} loader states (under {held}): pass "
@@ -178,6 +180,8 @@ class DCPLoaderState:
                 )
             key = held[0]
         keys = dcp_entries.keys_under(metadata, key)
+        if not any(k == dcp_entries.MANIFEST or dcp_entries.rank_of(k) is not None for k in keys):
+            raise ValueError(dcp_entries.no_loader_state(metadata, key))
         old = dcp_entries.topology_of(keys)
         self._listed = True
         if old is None:  # saved before entries per worker: this rank's entry, same topology

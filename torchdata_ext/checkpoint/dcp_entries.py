@@ -225,6 +225,23 @@ def worker_of(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def no_loader_state(metadata: Any, key: str | None) -> str:
+    """Why a ``dcp.load`` cannot restore a loader from the checkpoint of ``metadata``: it holds
+    no loader state under ``key`` (None: under any key), with what it does hold."""
+    held = loader_keys(metadata)
+    tops = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata})
+    shown = ", ".join(map(repr, tops[:8])) + (", ..." if len(tops) > 8 else "")
+    where = f"under the key {key!r}" if key is not None else "under any key"
+    if held:
+        fix = f"its loader state is under {held}: give DCPLoaderState that key in dcp.load's state dict"
+    else:
+        fix = (
+            "it was saved without DCPLoaderState(loader) in dcp.save's state dict; start the "
+            "loader fresh (leave DCPLoaderState out of this load) or load a checkpoint saved with it"
+        )
+    return f"the DCP checkpoint holds no loader state {where} (its keys: {shown or 'none'}); {fix}"
+
+
 def keys_under(metadata: Any, prefix: str) -> list[str]:
     """The keys of a DCP ``Metadata`` under ``prefix`` (without it)."""
     head = prefix + "."

@@ -52,7 +52,7 @@ from torchdata_ext.checkpoint.dcp_entries import dcp_loader_call, is_dcp_checkpo
 from torchdata_ext.checkpoint.restore import CHECKPOINT_FORMAT, loader_config, restore_loader
 from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.remote import remove_file, write_bytes_atomic
-from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.remote.urls import filesystem, storage_options_of
 from torchdata_ext.sources.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
@@ -173,6 +173,22 @@ def _read_worker(
         ) from exc
 
 
+def loader_storage_options(loader: TokenLoader) -> dict[str, Any]:
+    """The ``storage_options`` of the config ``loader`` was built from: what a checkpoint call
+    given none uses (the options given once reach every URL of the run).
+
+    Found in the loader's build function, ``functools.partial(build_pipeline, cfg)`` (or any
+    ``functools.partial`` given a config): the config's ``storage_options``. None for a build
+    function of another kind: pass ``storage_options=`` to the checkpoint call then.
+    """
+    build = loader.build
+    for arg in (*getattr(build, "args", ()), *getattr(build, "keywords", {}).values()):
+        options = getattr(arg, "storage_options", None)
+        if isinstance(options, dict) and hasattr(arg, "data_path"):  # a PipelineConfig
+            return dict(options)
+    return {}
+
+
 # -- folder checkpoints -------------------------------------------------------------------------------
 def save_checkpoint(
     loader: TokenLoader, url: str, *, storage_options: dict[str, Any] | None = None
@@ -186,8 +202,10 @@ def save_checkpoint(
     Args:
         loader: the loader, at the step to checkpoint.
         url: the checkpoint folder (any fsspec URL; created if missing).
-        storage_options: fsspec options for ``url``.
+        storage_options: fsspec options for ``url`` (default: the loader config's
+            ``storage_options``, see :func:`loader_storage_options`).
     """
+    storage_options = storage_options_of(storage_options, loader_storage_options(loader))
     state = loader.state_dict()
     # before anything in url changes: a failure here leaves an earlier checkpoint there intact
     configured = None
@@ -370,7 +388,8 @@ def load_checkpoint(
     Args:
         loader: a new loader with the same pipeline builder.
         url: the checkpoint folder (any fsspec URL).
-        storage_options: fsspec options for ``url``.
+        storage_options: fsspec options for ``url`` (default: the loader config's
+            ``storage_options``, see :func:`loader_storage_options`).
         allow_weight_changes: accept sub-dataset weights that differ from the checkpoint's
             (the token counters carry on; the mix moves to the new targets).
         allow_new_datasets: accept sub-datasets that the checkpoint does not have; they start
@@ -389,6 +408,7 @@ def load_checkpoint(
             another order (same weight per name) restore.
         FileNotFoundError: no complete checkpoint at ``url``.
     """
+    storage_options = storage_options_of(storage_options, loader_storage_options(loader))
     manifest = read_manifest(url, storage_options)
     checked = manifest.get("checksums") == _CHECKSUMS
 

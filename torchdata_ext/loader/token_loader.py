@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 633 lines: the worker side (the messages and their iterator) and the loader side
+This module is 654 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state) are the two ends of one message format.
 """
 
@@ -304,6 +304,7 @@ class TokenLoader:
         background: bool = True,
         shared_tokens: bool = True,
     ) -> None:
+        check_build(build)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{num_workers=} must be an integer >= 0")
         for name, value in (
@@ -604,6 +605,26 @@ def _accelerator() -> bool:
     if accelerator is not None:
         return bool(accelerator.is_available())
     return torch.cuda.is_available()
+
+
+def check_build(build: Any) -> None:
+    """Refuse, saying what to pass, a ``build`` that is not a function of a :class:`World`: a
+    config (not callable) or ``build_pipeline`` itself (which takes the config first).
+
+    Raises:
+        TypeError: naming what was passed and ``functools.partial(build_pipeline, cfg)``.
+    """
+    fix = "pass functools.partial(build_pipeline, cfg): a function of the World"
+    if not callable(build):
+        raise TypeError(f"TokenLoader(build): {type(build).__name__} is not callable; {fix}")
+    name = getattr(build, "__name__", "")
+    if name in ("build_pipeline", "build_eval_pipeline") and str(
+        getattr(build, "__module__", "")
+    ).startswith("torchdata_ext."):
+        raise TypeError(
+            f"TokenLoader(build): {name} needs the config first; "
+            f"pass functools.partial({name}, cfg): a function of the World"
+        )
 
 
 def _as_is(message: _Message) -> _Message:

@@ -163,6 +163,7 @@ def _build(
     """The stages of the module docstring, in order, for ``subset`` (``"eval"``: one epoch of
     the held-out documents, no budgets, no shuffle buffer)."""
     evaluating = subset == "eval"
+    cfg.check_memory()  # an absurd size is refused before anything is listed or allocated
     indexes = _indexes_to_read(cfg, world, datasets, evaluating)
     tokenizer = _checked_tokenizer(cfg, indexes)
     sources: dict[str, BaseNode] = {}
@@ -215,7 +216,9 @@ def _checked_tokenizer(cfg: PipelineConfig, datasets: Mapping[str, DatasetIndex]
         _check_tokens(cfg, datasets)
     tokenizer = None
     if cfg.tokenizer is not None:
-        tokenizer = load_tokenizer(cfg.tokenizer, byte_offset=cfg.byte_offset)
+        tokenizer = load_tokenizer(
+            cfg.tokenizer, byte_offset=cfg.byte_offset, storage_options=cfg.storage_options
+        )
         cfg.check_special_ids(tokenizer)
     for name, index in datasets.items():  # data prepare wrote says how it was tokenized
         found = read_meta(index.root, index.storage_options, index.side_files)

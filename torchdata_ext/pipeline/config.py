@@ -26,7 +26,7 @@ from torchdata_ext.checks import check_int, split_list
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED
 from torchdata_ext.order.split import EvalSplit
 from torchdata_ext.pipeline.curriculum import check_budget, check_phases
-from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.remote.urls import filesystem, storage_options_of
 from torchdata_ext.tokenizers.load import (
     DEFAULT_BYTE_OFFSET,
     ByteTokenizer,
@@ -123,7 +123,8 @@ class PipelineConfig:
         drop_remainder: ``chunk`` mode: drop each document's last, partial piece instead of
             padding it.
         best_fit_window: documents considered at once in ``best_fit`` mode.
-        shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables.
+        shuffle_buffer: packed sequences held by the shuffle buffer (Bamba: 10,000); 1 disables
+            (0 and negative values are refused).
         shuffle_fill: ``"stream"`` (default): the buffer delivers from the first batch and
             grows by one sequence per draw until full (as fms-fsdp's); ``"full"``: it fills
             before the first batch (which waits for ``shuffle_buffer`` sequences). See
@@ -141,7 +142,10 @@ class PipelineConfig:
             memory; None keeps them whole).
         block_docs: documents per block moving through the pipeline.
         pad_token: token id of padding (pad mode, best-fit mode and the final flush).
-        storage_options: fsspec options (credentials, endpoint) for ``data_path``.
+        storage_options: fsspec options (credentials, endpoint) for every URL of the config:
+            ``data_path`` and its index files, a ``tokenizer.json`` URL; also what
+            ``save_checkpoint`` / ``load_checkpoint`` use when given none. A mapping (a string
+            is refused); for ``s3://``, keys ``s3fs.S3FileSystem`` takes.
         dtype: ``"int64"`` or ``"int32"`` for the output tensors.
         phases: a curriculum (``Concat``): a list of phases, each a mapping with ``datasets``
             (names, list or comma-separated string), optional ``weights`` (as ``weights``) and
@@ -225,6 +229,7 @@ class PipelineConfig:
     max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
 
     def __post_init__(self) -> None:
+        self._check_shapes()
         self._check_phases()
         self.datasets = split_list(self.datasets, "datasets")
         dups = sorted({d for d in self.datasets if self.datasets.count(d) > 1})
@@ -285,6 +290,66 @@ class PipelineConfig:
         names = list(self.dataset_weights)
         for budget in ("max_tokens", "max_documents"):
             setattr(self, budget, check_budget(budget, getattr(self, budget), names))
+
+    def _check_shapes(self) -> None:
+        """Refuse, naming the field, values of the wrong shape that would fail later with a
+        misleading message (a file path made of a mapping, a string splatted as options)."""
+        self.storage_options = storage_options_of(self.storage_options)
+        for name in ("datasets", "weights"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping) or (
+                isinstance(value, Sequence)
+                and not isinstance(value, str)
+                and any(isinstance(v, Mapping) for v in value)
+            ):
+                raise ValueError(
+                    f"{name}={value!r} holds mappings; give the dataset folder names as a list "
+                    "(datasets: [web, code] or 'web,code') and their weights apart, in the same "
+                    "order (weights: [3, 1])"
+                )
+        check_int("shuffle_buffer", self.shuffle_buffer, None)
+        if self.shuffle_buffer < 1:
+            raise ValueError(
+                f"shuffle_buffer={self.shuffle_buffer} must be >= 1; 1 disables the shuffle "
+                "buffer (sequences come out in packing order)"
+            )
+        tok = self.tokenizer
+        if isinstance(tok, str) and tok != "byte" and tok.strip().lower() == "byte":
+            raise ValueError(f"tokenizer={tok!r}: the byte tokenizer is named 'byte' (lower case)")
+
+    def check_memory(self, available_bytes: int | None = None) -> None:
+        """Refuse a config whose buffers cannot fit in this machine's memory, before any is
+        allocated, naming the fields that size them.
+
+        One pipeline holds at least its shuffle buffer (``shuffle_buffer`` sequences of
+        ``seq_length + shift`` tokens of ``dtype``) and a batch (``batch_size`` such
+        sequences for each of the ``output_keys``); each dataloader worker holds its own
+        pipeline. A config whose one pipeline needs more than the memory available is an
+        error (an out-of-memory kill with no message otherwise).
+
+        Args:
+            available_bytes: the memory available, in bytes (default: ``MemAvailable`` of
+                ``/proc/meminfo``; nothing is checked where it cannot be read).
+
+        Raises:
+            ValueError: the estimate exceeds the memory available, naming ``seq_length``,
+                ``shuffle_buffer`` and ``batch_size`` and both sizes.
+        """
+        available = _available_memory() if available_bytes is None else available_bytes
+        if available is None:
+            return
+        row = (self.seq_length + int(self.shift)) * np.dtype(self.dtype).itemsize
+        buffer = self.shuffle_buffer * row
+        batch = self.batch_size * row * len(split_list(self.output_keys, "output_keys"))
+        needed = buffer + batch
+        if needed > available:
+            raise ValueError(
+                f"seq_length={self.seq_length}, shuffle_buffer={self.shuffle_buffer} and "
+                f"batch_size={self.batch_size} need at least {_size(needed)} of memory per "
+                f"pipeline (the shuffle buffer {_size(buffer)}, a batch {_size(batch)}; "
+                f"{self.dtype} tokens), more than the {_size(available)} available; lower "
+                "seq_length, shuffle_buffer or batch_size"
+            )
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -415,6 +480,27 @@ class PipelineConfig:
 
     def _single_name(self) -> str:
         return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+def _available_memory() -> int | None:
+    """This machine's available memory in bytes (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _size(n: float) -> str:
+    """``n`` bytes as ``12.3 GB``."""
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
 
 
 def _yaml_where(exc: Exception) -> str:

@@ -146,11 +146,13 @@ def check_same_filter(others: dict[str, dict[str, Any]], config: dict[str, Any],
             )
 
 
-def left_out_summary(sampled_out: int, too_short: int, too_long: int) -> str:
-    """The summary line's account of the documents the filters left out ("" when none)."""
+def left_out_summary(sampled_out: int, too_short: int, too_long: int, empty: int = 0) -> str:
+    """The summary line's account of the documents left out, by the filters or for their empty
+    text ("" when none)."""
     parts = [
         f"{n:,} {what}"
         for n, what in (
+            (empty, "empty"),
             (sampled_out, "not in the sample"),
             (too_short, "too short"),
             (too_long, "too long"),

@@ -37,6 +37,7 @@ __all__ = [
     "progress_config",
     "progress_path",
     "saved_progress",
+    "totals_summary",
 ]
 
 PROGRESS_VERSION = 1
@@ -91,11 +92,24 @@ def input_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[l
 
 
 def new_progress(config: dict[str, Any], stats: list[list[Any]] | None = None) -> dict[str, Any]:
-    """The progress record of a part that has not started (``stats``: :func:`input_stats`)."""
-    state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False}
+    """The progress record of a part that has not started (``stats``: :func:`input_stats`);
+    ``documents`` and ``tokens`` count what its written outputs hold, over every run."""
+    state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False,
+             "documents": 0, "tokens": 0}  # fmt: skip
     if stats is not None:
         state["input_stats"] = stats
     return state
+
+
+def totals_summary(resumed: bool, documents: int | None, tokens: int | None) -> str:
+    """The summary line's totals of a resumed part, from its record ("" for a part written in
+    one run, or whose record did not count them)."""
+    if not resumed or documents is None:
+        return ""
+    return (
+        f" added by this run; the part holds {documents:,} documents, {tokens or 0:,} tokens in "
+        "all (the rest from the run it resumed)"
+    )
 
 
 def _changed(then: Sequence[Any], now: Sequence[Any]) -> bool:

@@ -80,17 +80,22 @@ def _read_texts(url: str, how: TokenizeSettings) -> tuple[list[str], set[int]]:
 _TOKENIZERS: dict[tuple[str, int], Any] = {}  # per process (pool workers too)
 
 
-def cached_tokenizer(spec: str, byte_offset: int) -> Any:
-    """The tokenizer ``spec``, loaded once per process."""
+def cached_tokenizer(
+    spec: str, byte_offset: int, storage_options: dict[str, Any] | None = None
+) -> Any:
+    """The tokenizer ``spec`` (a ``tokenizer.json`` URL read with ``storage_options``, the
+    call's), loaded once per process."""
     key = (spec, byte_offset)
     if key not in _TOKENIZERS:
-        _TOKENIZERS[key] = load_tokenizer(spec, byte_offset=byte_offset)
+        _TOKENIZERS[key] = load_tokenizer(
+            spec, byte_offset=byte_offset, storage_options=storage_options
+        )
     return _TOKENIZERS[key]
 
 
-def _encoder(spec: str, byte_offset: int) -> Encoder:
-    """The tokenizer ``spec`` as an :class:`~torchdata_ext.tokenizers.load.Encoder`."""
-    return as_encoder(cached_tokenizer(spec, byte_offset))
+def _encoder(how: TokenizeSettings) -> Encoder:
+    """The tokenizer of ``how`` as an :class:`~torchdata_ext.tokenizers.load.Encoder`."""
+    return as_encoder(cached_tokenizer(how.tokenizer, how.byte_offset, how.storage_options))
 
 
 @dataclass
@@ -104,15 +109,18 @@ class FileDocs:
     sampled_out: int = 0
     too_short: int = 0
     too_long: int = 0
+    empty: int = 0  # empty texts (from ``start``), never documents
 
 
 def _tokenize_file(task: tuple[str, int, TokenizeSettings]) -> FileDocs:
     """Tokens (``uint32``) of the non-empty texts of one input file, from non-empty text
     ``start`` on, that ``how.doc_filter`` keeps (the sample is drawn before tokenizing)."""
     url, start, how = task
-    encoder = _encoder(how.tokenizer, how.byte_offset)
+    encoder = _encoder(how)
     all_texts, undecodable = _read_texts(url, how)
-    nonempty = np.flatnonzero([bool(t) for t in all_texts])[start:]  # record indexes
+    every_nonempty = np.flatnonzero([bool(t) for t in all_texts])  # record indexes
+    nonempty = every_nonempty[start:]
+    first_record = int(every_nonempty[start - 1]) + 1 if start else 0  # where this call reads
     in_sample = how.doc_filter.sampled(url, nonempty)
     records = nonempty[in_sample]
     positions = np.arange(start, start + nonempty.size)[in_sample]
@@ -135,6 +143,7 @@ def _tokenize_file(task: tuple[str, int, TokenizeSettings]) -> FileDocs:
         sampled_out=int(nonempty.size - records.size),
         too_short=int(short.sum()),
         too_long=int(long.sum()),
+        empty=len(all_texts) - first_record - int(nonempty.size),
     )
 
 

@@ -87,6 +87,7 @@ from torchdata_ext.prepare_data.progress_record import (
     progress_config,
     progress_path,
     saved_progress,
+    totals_summary,
 )
 from torchdata_ext.prepare_data.tokenize_inputs import (
     PARQUET_SUFFIXES,
@@ -97,7 +98,7 @@ from torchdata_ext.prepare_data.tokenize_inputs import (
 )
 from torchdata_ext.progress import DELAY_S, Progress
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.remote.urls import expand_urls, filesystem, unstrip
+from torchdata_ext.remote.urls import expand_urls, filesystem, storage_options_of, unstrip
 from torchdata_ext.sources.prepared_meta import PreparedMeta, check_same_settings, write_meta
 from torchdata_ext.tokenizers.load import (
     DEFAULT_BYTE_OFFSET,
@@ -121,7 +122,11 @@ class PrepareResult:
     Attributes:
         out: the output folder.
         outputs: this part's output file URLs, in order.
-        documents / tokens: written by this call (0 for a part that was already done).
+        documents / tokens: written by this call (0 for a part that was already done); a
+            resumed call counts only what it added.
+        total_documents / total_tokens: what the part's outputs hold, over every run of it
+            (this one and the interrupted ones it resumed); None for a part whose progress
+            record was started by a version that did not count them.
         resumed: the part continued from an earlier, interrupted run.
         skipped: the part was already complete; nothing was written.
         undecodable_documents: documents (of this call) with bytes that are not valid in
@@ -129,6 +134,8 @@ class PrepareResult:
         sampled_out: documents (of this call) left out by ``data_fraction``.
         too_short / too_long: documents (of this call, in the sample) left out by
             ``min_length`` / ``max_length``.
+        empty: records (of this call) left out because their text is empty (``""``): they
+            are no document.
     """
 
     out: str
@@ -141,6 +148,9 @@ class PrepareResult:
     sampled_out: int = 0
     too_short: int = 0
     too_long: int = 0
+    empty: int = 0
+    total_documents: int | None = None
+    total_tokens: int | None = None
 
 
 def split_inputs(files: Sequence[str], shard_id: int, num_shards: int) -> list[str]:
@@ -240,11 +250,11 @@ def prepare(
     doc_filter = DocFilter(data_fraction, seed, min_length, max_length)
     if format == "npy" and eos_token is None:
         eos_token = 0
-    storage_options = dict(storage_options or {})
+    storage_options = storage_options_of(storage_options)
     fs, out_path = _output_folder(out, storage_options)
     mine = _part_inputs(inputs, storage_options, shard_id, num_shards)
     # a bad tokenizer or an eos_token it can emit fails here, before anything is written
-    meta = _describe_tokens(tokenizer, byte_offset, eos_token, dtype, format)
+    meta = _describe_tokens(tokenizer, byte_offset, eos_token, dtype, format, storage_options)
     how = TokenizeSettings(
         tokenizer, byte_offset, text_field, encoding, compression, storage_options, doc_filter
     )
@@ -290,11 +300,16 @@ def _part_inputs(
 
 
 def _describe_tokens(
-    tokenizer: str, byte_offset: int, eos_token: int | None, dtype: str | None, format: str
+    tokenizer: str,
+    byte_offset: int,
+    eos_token: int | None,
+    dtype: str | None,
+    format: str,
+    storage_options: dict[str, Any],
 ) -> PreparedMeta:
     """Load the tokenizer, refuse an ``eos_token`` it can emit, and describe the tokens the
     part writes (the metadata file's content, with the stored dtype chosen)."""
-    tok = cached_tokenizer(tokenizer, byte_offset)
+    tok = cached_tokenizer(tokenizer, byte_offset, storage_options)
     check_special_tokens({"eos_token": eos_token}, dtype="uint32", ids=token_ids(tok, tokenizer))
     return PreparedMeta.describe(
         tok,
@@ -351,6 +366,7 @@ class _PartRun:
         result.sampled_out += got.sampled_out
         result.too_short += got.too_short
         result.too_long += got.too_long
+        result.empty += got.empty
         eos = None if eos_token is None else np.array([eos_token], np.uint32)
         for doc, pos in zip(got.docs, got.positions.tolist()):
             if eos is not None:
@@ -375,6 +391,9 @@ class _PartRun:
         data = self.encode(self.buf)
         write_bytes_atomic(self.output_url(n_out), data, self.storage_options)
         self.result.outputs.append(self.output_url(n_out))
+        if "documents" in self.state:  # the part's totals (records started before: unknown)
+            self.state["documents"] += len(self.buf)
+            self.state["tokens"] += self.buf_tokens
         self.buf, self.buf_tokens = [], 0
         self.state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
         self.save_progress()
@@ -389,6 +408,8 @@ class _PartRun:
             self.write_output((len(self.files), 0))
         self.state.update(done=True, input=len(self.files), doc=0)
         self.save_progress()
+        self.result.total_documents = self.state.get("documents")
+        self.result.total_tokens = self.state.get("tokens")
 
 
 def _open_part(
@@ -412,6 +433,8 @@ def _open_part(
         state = new_progress(config, stats)
     else:
         result.resumed = True
+        result.total_documents = state.get("documents")
+        result.total_tokens = state.get("tokens")
     check_same_settings(out, meta, storage_options)
     check_same_filter(other_parts_configs(fs, out_path, shard_id), config, out)
     output_files.remove_stale_temps(fs, out_path, shard_id)
@@ -465,7 +488,8 @@ def _write_part(
             f"part {shard_id}/{num_shards}: {result.documents:,} documents, {result.tokens:,} "
             f"tokens into {len(result.outputs)} files in {elapsed:.1f}s "
             f"({result.tokens / max(elapsed, 1e-9):,.0f} tokens/s)"
-            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long)}",
+            f"{totals_summary(result.resumed, result.total_documents, result.total_tokens)}"
+            f"{left_out_summary(result.sampled_out, result.too_short, result.too_long, result.empty)}",
             file=sys.stderr,
         )
     if run.undecodable_files:

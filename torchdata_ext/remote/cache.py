@@ -35,6 +35,7 @@ from torchdata_ext.remote.files import default_cache_dir, is_remote, private_fil
 from torchdata_ext.remote.process_state import CACHES
 from torchdata_ext.remote.rangefile import RangeFile
 from torchdata_ext.remote.retry import IncompleteDownload, RetryPolicy, with_retries
+from torchdata_ext.remote.urls import storage_options_of
 
 __all__ = ["ShardCache"]
 
@@ -146,7 +147,7 @@ class ShardCache:
             raise TypeError(f"retry={retry!r} must be a RetryPolicy")
         self.cache_dir = os.path.abspath(os.fspath(cache_dir or default_cache_dir()))
         self.max_bytes = max_bytes
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options_of(storage_options)
         self.retry = retry or RetryPolicy()
         self.prefetch_threads = prefetch_threads
         self.range_reads = bool(range_reads)

@@ -24,7 +24,7 @@ from fsspec.core import split_protocol
 
 from torchdata_ext.remote.process_state import FILESYSTEMS
 from torchdata_ext.remote.retry import RetryPolicy, with_retries
-from torchdata_ext.remote.urls import filesystem, is_local
+from torchdata_ext.remote.urls import filesystem, is_local, storage_options_of
 
 __all__ = [
     "check_access",
@@ -175,5 +175,5 @@ def _client(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]
     """The filesystem of the whole-object helpers: private (retries left to
     :class:`~torchdata_ext.remote.RetryPolicy`) for object stores, the shared one otherwise."""
     if is_remote(url):
-        return private_filesystem(url, dict(storage_options or {}), own_retries=True)
+        return private_filesystem(url, storage_options_of(storage_options), own_retries=True)
     return filesystem(url, storage_options)

@@ -54,7 +54,7 @@ from torchdata_ext.remote import (
     with_retries,
     write_bytes_atomic,
 )
-from torchdata_ext.remote.urls import expand_urls, filesystem
+from torchdata_ext.remote.urls import expand_urls, filesystem, storage_options_of
 from torchdata_ext.sources.counts import (
     CACHE_HEADER,
     COUNTS_FILE,
@@ -255,7 +255,7 @@ class DatasetIndex:
         """
         if write_counts not in ("cache", "data", True, False):
             raise ValueError(f"{write_counts=} must be 'cache', 'data' or False")
-        storage_options = dict(storage_options or {})
+        storage_options = storage_options_of(storage_options)
         handler_options = dict(handler_options or {})
         if col_name is not None:
             handler_options["col_name"] = col_name
@@ -446,9 +446,18 @@ def list_data_files(
                 listed_files.update(found)
                 progress.unit = f"patterns ({len(listed_files):,} files)"
                 progress.update()
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
         for u in expanded:  # say so if the bucket is missing or refuses these credentials
             check_access(u, storage_options)
+        other = getattr(exc, "other_suffixes", None)
+        if file_type is not None and other:
+            formats = {s: n for n, sfx in registered_formats().items() for s in sfx}
+            fits = sorted({formats[s] for s in other if s in formats})
+            raise FileNotFoundError(
+                f"{exc}, not {file_type} files: set file_type to their format"
+                + (f" ({', '.join(map(repr, fits))})" if fits else "")
+                + " or None to choose by suffix"
+            ) from None
         raise
     files = sorted(listed_files)
     # an offsets sidecar next to its data file (``x.npy.offsets.npy``) is not data, nor is

@@ -47,7 +47,7 @@ import numpy as np
 
 from torchdata_ext.handlers.base import get_handler_class, handler_accepts
 from torchdata_ext.remote import is_remote, write_bytes_atomic
-from torchdata_ext.remote.urls import filesystem, join, unstrip
+from torchdata_ext.remote.urls import filesystem, join, storage_options_of, unstrip
 from torchdata_ext.sources.fingerprint import compare, file_fingerprint, file_stat
 from torchdata_ext.sources.index import DatasetIndex, list_data_files
 from torchdata_ext.sources.prepared_meta import meta_url, read_side_file
@@ -260,7 +260,7 @@ def load_index_file(
         StaleIndexError: ``verify`` and the listing differs from the index file.
         ValueError: the index file is not one this version reads.
     """
-    storage_options = dict(storage_options or {})
+    storage_options = storage_options_of(storage_options)
     url = index_file_url(folder)
     if file_type is None:  # the format is found from the files: the listing decides it
         return None

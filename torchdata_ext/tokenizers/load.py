@@ -281,7 +281,12 @@ def tokenizer_location(spec: str) -> str:
     return os.path.abspath(spec)
 
 
-def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
+def load_tokenizer(
+    spec: str,
+    *,
+    byte_offset: int = DEFAULT_BYTE_OFFSET,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
     """The tokenizer named by ``spec``.
 
     Args:
@@ -291,6 +296,8 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
         byte_offset: the byte tokenizer's id offset (ignored for a ``tokenizer.json``); the
             config, ``prepare`` and ``inspect`` all pass theirs, default
             :data:`DEFAULT_BYTE_OFFSET`.
+        storage_options: fsspec options of a ``tokenizer.json`` URL (the call's options: the
+            config's ``storage_options``, ``prepare``'s and ``inspect``'s ``--storage-options``).
 
     Returns:
         A :class:`ByteTokenizer` or a ``tokenizers.Tokenizer`` (wrap it with :func:`as_encoder`
@@ -299,17 +306,20 @@ def load_tokenizer(spec: str, *, byte_offset: int = DEFAULT_BYTE_OFFSET) -> Any:
     Raises:
         ImportError: ``tokenizers`` is not installed.
         FileNotFoundError: no file at ``spec`` (nor a cached model of that name).
-        ValueError: the file is not a ``tokenizer.json``.
+        ValueError: the file is not a ``tokenizer.json``; ``spec`` is ``"byte"`` in other
+            letter case or with spaces (the name is ``"byte"``).
     """
     if spec == "byte":
         return ByteTokenizer(offset=byte_offset)
+    if isinstance(spec, str) and spec.strip().lower() == "byte":
+        raise ValueError(f"tokenizer={spec!r}: the byte tokenizer is named 'byte' (lower case)")
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ImportError(
             "text data needs the tokenizers package: pip install 'torchdata-ext[text]'"
         ) from None
-    fs, path = filesystem(spec)
+    fs, path = filesystem(spec, storage_options)
     if not fs.exists(path):
         from torchdata_ext.tokenizers.names import is_model_name, load_cached_tokenizer
 
