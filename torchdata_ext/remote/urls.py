@@ -108,7 +108,7 @@ def _check_option_keys(url: str, fs: Any, options: Mapping[str, Any]) -> None:
     session, which fails at the first request with a ``TypeError``)."""
     if not options or protocol_of(fs) not in ("s3", "s3a"):
         return
-    known = _known_options(type(fs))
+    known = _known_options(type(fs))  # type: ignore[arg-type]  # classes are hashable
     unknown = sorted(set(options) - known)
     if unknown:
         import difflib
