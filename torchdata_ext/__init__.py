@@ -16,6 +16,7 @@ consumed (the ``torchdata-ext`` command calls all three).
 from torchdata_ext.audit.inspect_data import inspect_dataset
 from torchdata_ext.audit.report import AuditReport, audit_checkpoint
 from torchdata_ext.document import Document, DocumentBlock
+from torchdata_ext.forensics.replay import show_batches
 from torchdata_ext.loader.evaluation import EvalLoader
 from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
 from torchdata_ext.nodes import (
@@ -80,6 +81,7 @@ __all__ = [
     "mix_seed",
     "prepare",
     "reader_cursors",
+    "show_batches",
 ]
 
 __version__ = "0.1.0"

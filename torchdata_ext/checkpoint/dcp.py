@@ -145,11 +145,13 @@ class DCPLoaderState:
             "loader_format": STATE_FORMAT,
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
+            "step": state["step"],
             "datasets": summary,
         }
         meta = {
             "next_worker": state["next_worker"],
             "skip_batches": state["skip_batches"],
+            "step": state["step"],
             "file_fingerprints": fingerprint_share(
                 datasets, rank=loader.rank, world_size=loader.world_size
             ),

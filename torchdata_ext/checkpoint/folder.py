@@ -206,6 +206,7 @@ def save_checkpoint(
     meta = {
         "next_worker": state["next_worker"],
         "skip_batches": state["skip_batches"],
+        "step": state["step"],
         "files": files,
     }
     write_bytes_atomic(
@@ -225,6 +226,7 @@ def save_checkpoint(
             "loader_format": STATE_FORMAT,
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
+            "step": state["step"],
             "datasets": datasets,
             "checksums": _CHECKSUMS,
             "file_fingerprints": {"sample_bytes": SAMPLE_BYTES, "datasets": data_files},

@@ -93,6 +93,7 @@ def restore_loader(
             graphs,
             next_worker=meta["next_worker"],
             skip_batches=int(meta.get("skip_batches", 0)),
+            step=int(meta.get("step", 0)),
         )
         return
     old_total = old_ranks * old_workers
@@ -127,7 +128,7 @@ def restore_loader(
         "rescaled loader %s from %dx%d to %dx%d (read %d of %d worker states)",
         where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
     )  # fmt: skip
-    loader.load_worker_states(new_graphs, next_worker=0)
+    loader.load_worker_states(new_graphs, next_worker=0, step=int(manifest.get("step", 0)))
 
 
 def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:

@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 633 lines: the worker side (the messages and their iterator) and the loader side
+This module is 643 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state) are the two ends of one message format.
 """
 
@@ -335,6 +335,7 @@ class TokenLoader:
         self._initial: dict[int, dict[str, Any]] = {}
         self._offset = 0
         self._skip = 0  # batches to drop after a restore (see state_dict)
+        self._step0 = 0  # the run's step when the state was loaded (see state_dict)
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._reset_live()
@@ -346,6 +347,7 @@ class TokenLoader:
         self._io: dict[int, dict[str, float]] = {}
         self._next = self._offset
         self._yielded = 0
+        self._step = self._step0  # batches the training loop received in the whole run
         self._snap = self._live_snapshot()
 
     @property
@@ -423,6 +425,7 @@ class TokenLoader:
             if self._skip:  # delivered before the checkpoint, after its state
                 self._skip -= 1
                 continue
+            self._step += 1
             yield d.item
 
     def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
@@ -479,7 +482,9 @@ class TokenLoader:
         """This rank's state: one graph state per worker, keyed by global worker id.
 
         ``{"format", "rank", "world_size", "num_workers", "next_worker", "skip_batches",
-        "workers": {global worker id: {"world", "graph", "io"}}}``. Costs no copy: the graph
+        "step", "workers": {global worker id: {"world", "graph", "io"}}}``; ``step``: the
+        batches this rank delivered in the whole run, across restores (the training loop's
+        step when it counts from 1). Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
         W = self.logical_workers
         if self.num_workers and self.snapshot_every_n_steps > 1:
@@ -506,6 +511,7 @@ class TokenLoader:
             "num_workers": W,
             "next_worker": next_worker,
             "skip_batches": skip,
+            "step": self._step,
             "workers": workers,
         }
 
@@ -554,6 +560,7 @@ class TokenLoader:
             {w: s["graph"] for w, s in workers.items()},
             next_worker=int(state["next_worker"]),
             skip_batches=int(state.get("skip_batches", 0)),
+            step=int(state.get("step", 0)),
         )
 
     def load_worker_states(
@@ -561,9 +568,11 @@ class TokenLoader:
         graphs: dict[int, dict[str, Any]],
         next_worker: int = 0,
         skip_batches: int = 0,
+        step: int = 0,
     ) -> None:
         """Start each logical worker (0 .. W-1) of this rank from the given graph state; the
-        first ``skip_batches`` batches are produced again and dropped (see ``state_dict``)."""
+        first ``skip_batches`` batches are produced again and dropped (see ``state_dict``);
+        ``step``: the run's step the state was saved at (batches delivered before it)."""
         if self._it is not None:
             raise RuntimeError("load the state before iteration starts")
         W = self.logical_workers
@@ -573,6 +582,7 @@ class TokenLoader:
         self._initial = dict(graphs)
         self._offset = int(next_worker) % W
         self._skip = int(skip_batches)
+        self._step0 = int(step)
         self._reset_live()
 
 

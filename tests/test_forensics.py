@@ -1,0 +1,158 @@
+"""Run forensics (issue 30): a checkpoint replays the batches the trainer received.
+
+A real run (2 ranks x 2 dataloader workers, ranks simulated one after the other as in
+``test_rescale.py``) records every batch it delivers and saves at steps 10 and 20; the replay
+of steps 25-35 from either checkpoint must be, token for token and piece for piece, what the
+trainer recorded; and after a restore at 1 x 3 from step 20, what that job recorded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+from harness import text_config, write_random_text_datasets
+
+from torchdata_ext import TokenLoader
+from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest, save_checkpoint
+from torchdata_ext.cli import main
+from torchdata_ext.forensics import row_record, show_batches
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.tokenizers.load import load_tokenizer
+
+STEPS = range(25, 36)
+LAST = 40
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The config, the checkpoints at steps 10 and 20 (2 x 2), what each rank received at
+    each step of the run and of a restore at 1 x 3 from step 20 (saved again at step 30)."""
+    tmp = tmp_path_factory.mktemp("forensics")
+    words = ["data", "loader", "rescale", "token", "é", "shard"]
+    write_random_text_datasets(str(tmp / "data"), [("web", 200, 12), ("code", 100, 12)], words, 11)
+    cfg = text_config(str(tmp / "data"), output_keys=["input_ids", "labels", "provenance"])
+    build = functools.partial(build_pipeline, cfg)
+    recorded: dict[tuple[int, int], dict] = {}
+    for r in range(2):
+        loader = TokenLoader(build, num_workers=2, rank=r, world_size=2)
+        for step, batch in enumerate(loader, 1):
+            recorded[(step, r)] = batch
+            if step in (10, 20):
+                save_checkpoint(loader, str(tmp / f"step_{step}"))
+            if step == LAST:
+                break
+        loader.close()
+    rescaled: dict[tuple[int, int], dict] = {}
+    loader = TokenLoader(build, num_workers=3, rank=0, world_size=1)
+    load_checkpoint(loader, str(tmp / "step_20"))
+    for step, batch in enumerate(loader, 21):
+        rescaled[(step, 0)] = batch
+        if step == 30:
+            save_checkpoint(loader, str(tmp / "step_30_1x3"))
+        if step == LAST:
+            break
+    loader.close()
+    config = tmp / "cfg.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    return cfg, tmp, recorded, rescaled, str(config)
+
+
+def _as_shown(cfg, recorded, steps, ranks) -> list[dict]:
+    """The recorded batches in :func:`show_batches`' form."""
+    files = {name: index.file_names() for name, index in build_datasets(cfg).items()}
+    out = []
+    for step in steps:
+        for r in range(ranks):
+            b = recorded[(step, r)]
+            rows = [
+                row_record(
+                    {k: b[k][i].numpy() for k in ("input_ids", "labels", "provenance")},
+                    cfg.datasets,
+                    files,
+                )
+                for i in range(len(b["input_ids"]))
+            ]
+            out.append({"step": step, "rank": r, "rows": rows})
+    return out
+
+
+def _without_worker(batches: list[dict]) -> list[dict]:
+    return [{k: v for k, v in b.items() if k != "worker"} for b in batches]
+
+
+def test_replay_from_either_checkpoint_is_what_the_trainer_received(run) -> None:
+    cfg, tmp, recorded, _, _ = run
+    want = _as_shown(cfg, recorded, STEPS, 2)
+    from10 = show_batches(str(tmp / "step_10"), cfg, STEPS)
+    from20 = show_batches(str(tmp / "step_20"), cfg, STEPS)
+    assert from10 == from20
+    assert _without_worker(from10) == want
+    # the rows are real: pieces of documents, an EOS after each document end
+    pieces = [p for b in from10 for row in b["rows"] for p in row["pieces"]]
+    assert {p["dataset"] for p in pieces} == {"web", "code"}
+    assert {p["file_name"] for p in pieces} == {"p0.jsonl", "p1.jsonl"}
+    specials = [s for b in from10 for row in b["rows"] for s in row["specials"]]
+    assert specials and all(s["token"] == 0 and "doc" in s for s in specials)
+    # the workers alternate as the loader delivers them
+    assert [b["worker"] for b in from10 if b["rank"] == 0][:4] in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_replay_on_another_topology_is_what_the_rescaled_job_received(run) -> None:
+    cfg, tmp, _, rescaled, _ = run
+    got = show_batches(str(tmp / "step_20"), cfg, STEPS, ranks=1, workers=3)
+    assert _without_worker(got) == _as_shown(cfg, rescaled, STEPS, 1)
+    assert [b["worker"] for b in got][:3] == [1, 2, 0]  # step 21 was worker 0's
+
+
+def test_the_checkpoint_knows_its_step_across_a_restore(run) -> None:
+    cfg, tmp, _, rescaled, _ = run
+    assert read_manifest(str(tmp / "step_20"))["step"] == 20
+    assert read_manifest(str(tmp / "step_30_1x3"))["step"] == 30
+    got = show_batches(str(tmp / "step_30_1x3"), cfg, range(31, 36))
+    assert _without_worker(got) == _as_shown(cfg, rescaled, range(31, 36), 1)
+
+
+def test_a_step_the_checkpoint_is_past_is_refused(run) -> None:
+    cfg, tmp, _, _, _ = run
+    with pytest.raises(ValueError, match=r"saved after step 20, so it replays steps from 21"):
+        show_batches(str(tmp / "step_20"), cfg, range(15, 25))
+    with pytest.raises(ValueError, match=r"rank=2 is not a rank of the 2 ranks"):
+        show_batches(str(tmp / "step_20"), cfg, 25, rank=2)
+    with pytest.raises(ValueError, match=r"steps='25-30': give a step A or a range A:B"):
+        show_batches(str(tmp / "step_20"), cfg, "25-30")
+
+
+def test_command_prints_json_text_and_parquet(run, tmp_path, capsys) -> None:
+    import pyarrow.parquet as pq
+
+    cfg, tmp, recorded, _, config = run
+    ckpt = str(tmp / "step_10")
+    assert main(["batches", ckpt, "--config", config, "--steps", "25:36", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert _without_worker(shown) == _as_shown(cfg, recorded, STEPS, 2)
+
+    assert main(["batches", ckpt, "--config", config, "--steps", "25", "--rank", "1",
+                 "--text"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    (batch,) = show_batches(ckpt, cfg, 25, rank=1, text=True)
+    first = batch["rows"][0]["pieces"][0]
+    ids = recorded[(25, 1)]["input_ids"][0].numpy()
+    piece = ids[first["at"] : first["stop"] - first["start"] + first["at"]]
+    decode = load_tokenizer("byte", byte_offset=cfg.byte_offset).decode
+    assert first["text"] == decode(piece) and len(first["text"]) > 0
+    assert text.startswith(f"step 25 rank 1 (worker {batch['worker']})\n  row 0\n")
+    assert f"{first['dataset']} {first['file_name']} doc {first['doc']}" in text
+    assert repr(first["text"][:200]) in text
+
+    out = tmp_path / "b.parquet"
+    assert main(["batches", ckpt, "--config", config, "--steps", "25:27", "--parquet",
+                 str(out)]) == 0  # fmt: skip
+    table = pq.read_table(out).to_pylist()
+    shown = show_batches(ckpt, cfg, range(25, 27))
+    n = sum(len(r["pieces"]) + len(r["specials"]) for b in shown for r in b["rows"])
+    assert len(table) == n
+    assert {r["kind"] for r in table} == {"piece", "special"}
+    assert main(["batches", ckpt, "--config", config, "--steps", "5"]) == 2
+    assert "saved after step 10, so it replays steps from 11" in capsys.readouterr().err
