@@ -8,6 +8,7 @@ trainer recorded; and after a restore at 1 x 3 from step 20, what that job recor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -156,3 +157,104 @@ def test_command_prints_json_text_and_parquet(run, tmp_path, capsys) -> None:
     assert {r["kind"] for r in table} == {"piece", "special"}
     assert main(["batches", ckpt, "--config", config, "--steps", "5"]) == 2
     assert "saved after step 10, so it replays steps from 11" in capsys.readouterr().err
+
+
+# -- skip_steps ---------------------------------------------------------------------------------
+def _text_lengths(cfg) -> dict[tuple[str, int, int], int]:
+    """Byte-tokenizer tokens of every document of ``cfg``'s JSONL datasets."""
+    out = {}
+    for name in cfg.datasets:
+        for f in range(2):
+            with open(f"{cfg.data_path}/{name}/p{f}.jsonl", encoding="utf-8") as fh:
+                for d, line in enumerate(fh):
+                    out[(name, f, d)] = len(json.loads(line)["text"].encode())
+    return out
+
+
+def _pieces(batch, names) -> list[tuple]:
+    prov = batch["provenance"].reshape(-1, 5).numpy()
+    rows = prov[(prov[:, 0] >= 0) & (prov[:, 4] > 0)].tolist()
+    return [(names[ds], f, d, start, n) for ds, f, d, start, n in rows]
+
+
+@pytest.fixture(scope="module")
+def skipped(run):
+    """A restore at 2 x 2 from step 20 skipping [30, 35), run to the end of the epoch (saved
+    at step 40); each rank's batches by step and its last state."""
+    cfg, tmp, _, _, _ = run
+    cfg_skip = dataclasses.replace(cfg, skip_steps=[[30, 35]])
+    got: dict[tuple[int, int], dict] = {}
+    states = {}
+    for r in range(2):
+        loader = TokenLoader(
+            functools.partial(build_pipeline, cfg_skip), num_workers=2, rank=r, world_size=2
+        )
+        load_checkpoint(loader, str(tmp / "step_20"))
+        for step, batch in enumerate(loader, 21):
+            got[(step, r)] = batch
+            if step == 40:
+                save_checkpoint(loader, str(tmp / "skip_40"))
+        states[r] = loader.state_dict()
+    return cfg_skip, got, states
+
+
+def test_skip_steps_gives_step_a_what_step_b_would_have(run, skipped) -> None:
+    cfg, _, recorded, _, _ = run
+    _, got, states = skipped
+    for r in range(2):
+        for step in range(21, 30):
+            assert got[(step, r)]["input_ids"].equal(recorded[(step, r)]["input_ids"]), step
+        for step in range(30, LAST - 4):
+            assert got[(step, r)]["input_ids"].equal(recorded[(step + 5, r)]["input_ids"]), step
+        assert states[r]["skip_steps"] == [[30, 35]]
+        # what was skipped is exactly what steps 30..34 held
+        want = sorted(p for s in range(30, 35) for p in _pieces(recorded[(s, r)], cfg.datasets))
+        assert sorted(map(tuple, states[r]["skipped_documents"])) == want
+
+
+def test_skipped_documents_are_listed_and_never_delivered(run, skipped) -> None:
+    """Over the epoch (steps 1-20 of the run, then the restore that skipped [30, 35)), every
+    token of every document is delivered once or listed as skipped, never both, never twice."""
+    from harness import check_exactly_once
+
+    cfg, _, recorded, _, _ = run
+    _, got, states = skipped
+    coverage: dict = {}
+    delivered = [b for (s, _r), b in recorded.items() if s <= 20] + list(got.values())
+    for batch in delivered:
+        for ds, f, d, start, n in _pieces(batch, cfg.datasets):
+            coverage.setdefault((ds, f, d), []).append((start, start + n))
+    skipped_pieces = [p for st in states.values() for p in st["skipped_documents"]]
+    assert skipped_pieces
+    for ds, f, d, start, n in skipped_pieces:
+        coverage.setdefault((ds, f, d), []).append((start, start + n))
+    check_exactly_once(coverage, _text_lengths(cfg))
+
+
+def test_a_skip_the_checkpoint_is_past_is_refused(run) -> None:
+    cfg, tmp, _, _, _ = run
+    late = dataclasses.replace(cfg, skip_steps=[[15, 25]])
+    loader = TokenLoader(functools.partial(build_pipeline, late), num_workers=2, world_size=2)
+    with pytest.raises(ValueError, match=r"skip_steps: the range \[15, 25\] starts at step 15, "
+                       r"but checkpoint .*step_20 was saved after step 20"):  # fmt: skip
+        load_checkpoint(loader, str(tmp / "step_20"))
+    with pytest.raises(ValueError, match=r"skip_steps: ranges \[30, 35\] and \[32, 40\] overlap"):
+        dataclasses.replace(cfg, skip_steps=[[32, 40], [30, 35]])
+
+
+def test_the_skip_is_recorded_for_a_rescale_and_a_replay(run, skipped) -> None:
+    cfg, tmp, _, _, _ = run
+    cfg_skip, got, states = skipped
+    # replayed from before the skip with the config that skipped: what the trainer received
+    shown = show_batches(str(tmp / "step_20"), cfg_skip, range(28, 33))
+    assert _without_worker(shown) == _as_shown(cfg, got, range(28, 33), 2)
+    # a rescale from after it, with a config that no longer lists it, still knows it
+    assert read_manifest(str(tmp / "skip_40"))["skip_steps"] == [[30, 35]]
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=3)
+    load_checkpoint(loader, str(tmp / "skip_40"))
+    state = loader.state_dict()
+    assert state["step"] == 40 and state["skip_steps"] == [[30, 35]]
+    ranks = [st["skipped_documents"] for st in states.values()]
+    assert sorted(map(tuple, state["skipped_documents"])) == sorted(
+        tuple(p) for pieces in ranks for p in pieces
+    )

@@ -148,24 +148,29 @@ def replay_rank(
         root.reset(state["workers"][str(r * W + w)]["graph"][Collate.SOURCE_KEY])
         roots[w] = root
     step = int(state.get("step", 0)) - int(state["skip_batches"])
-    live, w = list(range(W)), int(state["next_worker"]) % W
+    skips = {int(a): int(b) - int(a) for a, b in state.get("skip_steps", [])}
+    live, w, dropping = list(range(W)), int(state["next_worker"]) % W, 0
     while live and step < steps.stop - 1:
         if w not in live:
             w = (w + 1) % W
             continue
-        root = roots[w]
-        show = step + 1 >= steps.start
-        rows = _take(root, cfg.batch_size, show)
+        if not dropping:  # the data of a skipped range is made and dropped, as the loader does
+            dropping = skips.pop(step + 1, 0)
+        show = not dropping and step + 1 >= steps.start
+        rows = _take(roots[w], cfg.batch_size, show)
         if not rows:  # the worker's stream ended: the loader goes on with the next one
             live.remove(w)
             w = (w + 1) % W
             continue
-        step += 1
-        if show:
-            names = list(packs[w].dataset_names)
-            for row in rows:
-                row["_names"] = names
-            yield step, w, rows
+        if dropping:
+            dropping -= 1
+        else:
+            step += 1
+            if show:
+                names = list(packs[w].dataset_names)
+                for row in rows:
+                    row["_names"] = names
+                yield step, w, rows
         w = (w + 1) % W
 
 
