@@ -258,3 +258,26 @@ def test_the_skip_is_recorded_for_a_rescale_and_a_replay(run, skipped) -> None:
     assert sorted(map(tuple, state["skipped_documents"])) == sorted(
         tuple(p) for pieces in ranks for p in pieces
     )
+
+
+# -- the batch log ------------------------------------------------------------------------------
+def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
+    from torchdata_ext.forensics import BatchLog, batch_documents
+
+    cfg, tmp, recorded, _, _ = run
+    path = tmp_path / "log.jsonl"
+    with BatchLog(str(path), cfg.datasets, flush_every=3) as log:
+        for step in STEPS:
+            log.write(step, recorded[(step, 1)], rank=1, loss=float(step) / 10)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    shown = show_batches(str(tmp / "step_20"), cfg, STEPS, rank=1)
+    assert [(x["step"], x["rank"], x["loss"]) for x in lines] == [
+        (s, 1, s / 10) for s in STEPS
+    ]
+    for line, b in zip(lines, shown, strict=True):
+        assert line["rows"] == [
+            [[p["dataset"], p["file"], p["doc"], p["start"], p["stop"]] for p in row["pieces"]]
+            for row in b["rows"]
+        ]
+    with pytest.raises(KeyError, match="add 'provenance' to the config's output_keys"):
+        batch_documents({"input_ids": recorded[(25, 1)]["input_ids"]}, cfg.datasets)
