@@ -5,7 +5,9 @@ delivering ``--steps`` batches, alternately ``--repeat`` times, in one run:
 * provenance: ``provenance`` added to the batch keys (what the log needs);
 * logged: with provenance, and each step written to a JSONL file by ``BatchLog``.
 
-It prints the median time per step of each and the differences, per loading path.
+It prints the median time per step of each and the differences, per loading path; then the
+log's own time per step (``BatchLog.write`` alone, over batches taken from the loader), which
+a loaded machine measures more precisely than the difference of two loader runs.
 
 Corpus: 3 sub-datasets 3:1:1 of uint32 Arrow (Bamba layout), seq 1024 + 1, batch 8,
 1,000-sequence shuffle buffer, 64 logical shards (as ``benchmarks/replay.py``).
@@ -84,6 +86,21 @@ def main() -> None:
                 print(f"  {k:<11} {v:7.3f}")
             print(f"  provenance - plain: {med['provenance'] - med['plain']:+.3f} ms; "
                   f"logged - provenance: {med['logged'] - med['provenance']:+.3f} ms")  # fmt: skip
+        own = []
+        batches = []
+        loader = TokenLoader(functools.partial(build_pipeline, prov), num_workers=0)
+        for batch in loader:
+            batches.append(batch)
+            if len(batches) == args.steps:
+                break
+        loader.close()
+        for _ in range(args.repeat):
+            with BatchLog(os.path.join(tmp, "alone.jsonl"), prov.datasets) as writer:
+                start = time.perf_counter()
+                for step, batch in enumerate(batches, 1):
+                    writer.write(step, batch, loss=0.0)
+                own.append((time.perf_counter() - start) / len(batches) * 1e6)
+        print(f"BatchLog.write alone: {statistics.median(own):.0f} us per step")
         with open(log, "rb") as f:
             lines = sum(1 for _ in f)
         print(f"log: {os.path.getsize(log) / lines:.0f} bytes per step")

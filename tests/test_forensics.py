@@ -281,3 +281,26 @@ def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
         ]
     with pytest.raises(KeyError, match="add 'provenance' to the config's output_keys"):
         batch_documents({"input_ids": recorded[(25, 1)]["input_ids"]}, cfg.datasets)
+
+
+def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
+    """At step 40 of the run that skipped [30, 35): the documents all of whose tokens the
+    trainer received are exactly those the audit calls delivered, and the skipped ones are
+    counted apart."""
+    from torchdata_ext import audit_checkpoint
+
+    cfg, tmp, recorded, _, _ = run
+    _, got, states = skipped
+    lengths = _text_lengths(cfg)
+    covered: dict = {}
+    for batch in [b for (s, _r), b in recorded.items() if s <= 20] + [
+        b for (s, _r), b in got.items() if s <= 40
+    ]:
+        for ds, f, d, _start, n in _pieces(batch, cfg.datasets):
+            covered[(ds, f, d)] = covered.get((ds, f, d), 0) + n
+    report = audit_checkpoint(str(tmp / "skip_40"), cfg)
+    skipped_docs = {(p[0], p[1], p[2]) for st in states.values() for p in st["skipped_documents"]}
+    for a in report.datasets:
+        whole = sum(1 for k, n in covered.items() if k[0] == a.name and n == lengths[k])
+        assert a.documents_delivered == whole
+        assert a.step_skipped_documents == len({k for k in skipped_docs if k[0] == a.name}) > 0

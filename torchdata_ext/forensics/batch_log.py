@@ -48,13 +48,13 @@ def batch_documents(batch: dict[str, Any], names: Sequence[str]) -> list[list[li
     if prov.ndim == 2:  # one row (a packed sequence, not a batch)
         prov = prov[None]
     keep = (prov[..., 0] >= 0) & (prov[..., 4] > 0)
+    sel = prov[keep]  # the data pieces of all rows, row after row
     label = list(names)
-    out: list[list[list[Any]]] = []
-    for rows, mask in zip(prov.tolist(), keep.tolist(), strict=True):
-        out.append(
-            [[label[ds], f, d, s, s + n] for (ds, f, d, s, n), k in zip(rows, mask) if k]
-        )
-    return out
+    pieces = [
+        [label[ds], f, d, s, s + n] for ds, f, d, s, n in sel.tolist()
+    ]
+    ends = np.cumsum(keep.sum(axis=1)).tolist()
+    return [pieces[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 class BatchLog:
