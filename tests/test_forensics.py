@@ -304,3 +304,31 @@ def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
         whole = sum(1 for k, n in covered.items() if k[0] == a.name and n == lengths[k])
         assert a.documents_delivered == whole
         assert a.step_skipped_documents == len({k for k in skipped_docs if k[0] == a.name}) > 0
+
+
+def test_replay_from_a_dcp_checkpoint(run, tmp_path) -> None:
+    """A DCP checkpoint (the loader state beside a model tensor) replays the same."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+
+    cfg, _, _, _, _ = run
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2)
+    recorded = {}
+    for step, batch in enumerate(loader, 1):
+        recorded[(step, 0)] = batch
+        if step == 10:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+                state = {"model": {"w": torch.arange(4.0)}, "data": DCPLoaderState(loader)}
+                dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+        if step == 16:
+            break
+    loader.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = show_batches(str(tmp_path / "dcp"), cfg, range(12, 17))
+    assert _without_worker(got) == _as_shown(cfg, recorded, range(12, 17), 1)

@@ -134,9 +134,10 @@ def restore_loader(
         where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
     )  # fmt: skip
     step = int(manifest.get("step", 0))
-    skipped = []  # every old rank's skipped pieces go on with new rank 0, listed once
-    if loader.rank == 0 and manifest.get("skip_steps"):
-        skipped = [p for r in range(old_ranks) for p in rank_meta(r).get("skipped_documents", [])]
+    skipped = []  # old rank r's skipped pieces go on with new rank r % world_size: listed once
+    if manifest.get("skip_steps"):
+        mine = range(loader.rank, old_ranks, loader.world_size)  # the entries it reads anyway
+        skipped = [p for r in mine for p in rank_meta(r).get("skipped_documents", [])]
     loader.load_worker_states(
         new_graphs,
         next_worker=0,
