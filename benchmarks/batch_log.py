@@ -67,7 +67,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=lambda s: int(s.replace("_", "")), default=12_000_000)
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "bench_data"))
+    ap.add_argument(
+        "--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "bench_data")
+    )
     args = ap.parse_args()
     root = bamba_corpus(args.data_dir, args.tokens)
     plain = config(root, ["input_ids", "labels", "position_ids"])

@@ -98,7 +98,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=lambda s: int(s.replace("_", "")), default=12_000_000)
     ap.add_argument("--ahead", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "bench_data"))
+    ap.add_argument(
+        "--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "bench_data")
+    )
     args = ap.parse_args()
     cfg = config(bamba_corpus(args.data_dir, args.tokens))
     with tempfile.TemporaryDirectory() as tmp:

@@ -271,9 +271,7 @@ def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
             log.write(step, recorded[(step, 1)], rank=1, loss=float(step) / 10)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     shown = show_batches(str(tmp / "step_20"), cfg, STEPS, rank=1)
-    assert [(x["step"], x["rank"], x["loss"]) for x in lines] == [
-        (s, 1, s / 10) for s in STEPS
-    ]
+    assert [(x["step"], x["rank"], x["loss"]) for x in lines] == [(s, 1, s / 10) for s in STEPS]
     for line, b in zip(lines, shown, strict=True):
         assert line["rows"] == [
             [[p["dataset"], p["file"], p["doc"], p["start"], p["stop"]] for p in row["pieces"]]

@@ -63,7 +63,7 @@ _ALIASES = {
     "inspect": {},
     "audit": {"cfg": "--config"},
     "index": {},
-    "batches": {"ranks": "--ranks", "steps": "--steps"},
+    "batches": {},
 }
 _STORAGE_HELP = (
     'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '

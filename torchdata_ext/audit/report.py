@@ -499,7 +499,9 @@ def _with_step_skips(
                 documents_delivered=None
                 if a.documents_delivered is None
                 else a.documents_delivered - gone,
-                tokens_delivered=None if a.tokens_delivered is None else a.tokens_delivered - tokens,
+                tokens_delivered=None
+                if a.tokens_delivered is None
+                else a.tokens_delivered - tokens,
             )
         )
     return out

@@ -154,7 +154,9 @@ def _names(root: BaseNode) -> list[str]:
     return list(packs[0].dataset_names) if packs else []
 
 
-def _skip_steps(where: str, root: BaseNode, recorded: list[list[int]], step: int) -> list[list[int]]:
+def _skip_steps(
+    where: str, root: BaseNode, recorded: list[list[int]], step: int
+) -> list[list[int]]:
     """The step ranges to skip from here: those the state recorded and the config's
     ``skip_steps`` (read off the configured root); a new range the checkpoint is past is
     refused, naming its step."""

@@ -50,9 +50,7 @@ def batch_documents(batch: dict[str, Any], names: Sequence[str]) -> list[list[li
     keep = (prov[..., 0] >= 0) & (prov[..., 4] > 0)
     sel = prov[keep]  # the data pieces of all rows, row after row
     label = list(names)
-    pieces = [
-        [label[ds], f, d, s, s + n] for ds, f, d, s, n in sel.tolist()
-    ]
+    pieces = [[label[ds], f, d, s, s + n] for ds, f, d, s, n in sel.tolist()]
     ends = np.cumsum(keep.sum(axis=1)).tolist()
     return [pieces[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 

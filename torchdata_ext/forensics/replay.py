@@ -292,8 +292,8 @@ def show_batches(
     saved = int(manifest.get("step", 0))
     if span.start <= saved:
         raise ValueError(
-            f"steps={span.start}:{span.stop}: checkpoint {checkpoint} was saved after step "
-            f"{saved}, so it replays steps from {saved + 1}; pass an earlier checkpoint"
+            f"step {span.start}: checkpoint {checkpoint} was saved after step {saved}, so it "
+            f"replays steps from {saved + 1}; pass a checkpoint saved before step {span.start}"
         )
     if rank is not None and not 0 <= rank < R:
         raise ValueError(f"rank={rank} is not a rank of the {R} ranks; pass 0..{R - 1}")
