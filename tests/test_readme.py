@@ -91,11 +91,36 @@ def _raw_jsonl(tmp: Path) -> dict[str, Any]:
     return {}
 
 
+def _spike_run(tmp: Path) -> dict[str, Any]:
+    """docs/forensics.md: a text run saved after step 10 (``ckpt/step_10``, config
+    ``cfg.yaml``), as ``cfg``."""
+    import json
+
+    from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
+    from torchdata_ext.checkpoint.folder import save_checkpoint
+
+    _text_corpus(tmp)
+    cfg = PipelineConfig(
+        data_path="data", datasets="web,code", file_type="jsonl", col_name="text",
+        tokenizer="byte", seq_length=64, batch_size=2, logical_shards=8, shuffle_buffer=4,
+        eos_token=0, output_keys=["input_ids", "labels", "provenance"],
+    )  # fmt: skip
+    (tmp / "cfg.yaml").write_text(json.dumps(cfg.to_dict()))  # JSON is YAML
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    for step, _ in enumerate(loader, 1):
+        if step == 10:
+            save_checkpoint(loader, "ckpt/step_10")
+            break
+    loader.close()
+    return {"cfg": cfg}
+
+
 SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "text_corpus": _text_corpus,
     "checkpoint": _checkpoint,
     "hf_tokenized": _hf_tokenized,
     "raw_jsonl": _raw_jsonl,
+    "spike_run": _spike_run,
 }
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them; at run time, 
     from torchdata_ext.audit.inspect_data import inspect_dataset
     from torchdata_ext.audit.report import AuditReport, audit_checkpoint
     from torchdata_ext.document import Document, DocumentBlock
+    from torchdata_ext.forensics.replay import show_batches
     from torchdata_ext.loader.evaluation import EvalLoader
     from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
     from torchdata_ext.nodes import (
@@ -88,6 +89,7 @@ _MODULE_OF = {
     "mix_seed": "torchdata_ext.order.walk",
     "prepare": "torchdata_ext.prepare_data.tokenize_text",
     "reader_cursors": "torchdata_ext.state.reader_state",
+    "show_batches": "torchdata_ext.forensics.replay",
 }
 
 __all__ = [
@@ -127,6 +129,7 @@ __all__ = [
     "mix_seed",
     "prepare",
     "reader_cursors",
+    "show_batches",
 ]
 
 __version__ = "0.1.0"

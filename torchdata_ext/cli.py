@@ -77,6 +77,7 @@ _ALIASES = {
     "inspect": {},
     "audit": {"cfg": "--config"},
     "index": {},
+    "batches": {},
 }
 _STORAGE_HELP = (
     'fsspec options of the URLs as a JSON object, e.g. \'{"client_kwargs": {"endpoint_url": '
@@ -226,6 +227,7 @@ def _parser() -> argparse.ArgumentParser:
                     "in the report instead of failing; implies --verify. Files added, removed "
                     "or resized are always refused")  # fmt: skip
     _add_index_command(sub)
+    _add_batches_command(sub)
     return p
 
 
@@ -246,6 +248,53 @@ def _add_index_command(sub: argparse._SubParsersAction) -> None:
     xp.add_argument("--eos-token", type=int, default=0, help="EOS of flat .npy token files")
     xp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
                     help=_STORAGE_HELP)  # fmt: skip
+
+
+def _add_batches_command(sub: argparse._SubParsersAction) -> None:
+    """``torchdata-ext batches CKPT --config CFG --steps A[:B]``: what steps held."""
+    bp = sub.add_parser(
+        "batches",
+        help="replay steps from a checkpoint: each row's documents, token ranges and specials",
+        description="Replay the training loop's steps A..B-1 (counted from 1 over the run) "
+        "from a loader checkpoint taken before them, without the training job, and print per "
+        "step, rank and row the documents' token ranges and the specials the packer placed "
+        "(see python -m pydoc torchdata_ext.forensics.replay).",
+    )
+    bp.add_argument("checkpoint", help="checkpoint folder (URL) or DCP checkpoint")
+    bp.add_argument("--config", required=True, help="the run's pipeline config (.yaml/.json)")
+    bp.add_argument("--steps", required=True, help="A (one step) or A:B (B excluded)")
+    bp.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
+    bp.add_argument("--ranks", type=int, default=None,
+                    help="ranks of the run at these steps (default: the checkpoint's)")  # fmt: skip
+    bp.add_argument("--workers", type=int, default=None,
+                    help="dataloader workers per rank (default: the checkpoint's)")  # fmt: skip
+    bp.add_argument("--text", action="store_true",
+                    help="decode each piece with the config's tokenizer")  # fmt: skip
+    out = bp.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the batches as JSON")
+    out.add_argument("--parquet", default=None, metavar="OUT.parquet",
+                     help="write one row per piece and special to this Parquet file")  # fmt: skip
+    bp.add_argument("--key", default=None, help="DCP checkpoint: the loader state's key")
+    bp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
+                    help=_STORAGE_HELP)  # fmt: skip
+
+
+def _batches(args: argparse.Namespace) -> None:
+    """``torchdata-ext batches``: replay and print (or write) the steps."""
+    from torchdata_ext.forensics.replay import show_batches
+    from torchdata_ext.forensics.show import format_batches, write_pieces
+
+    batches = show_batches(
+        args.checkpoint, args.config, args.steps, args.rank, args.ranks, args.workers,
+        text=args.text, storage_options=args.storage_options, key=args.key,
+    )  # fmt: skip
+    if args.parquet:
+        n = write_pieces(batches, args.parquet, args.storage_options)
+        print(f"wrote {n:,} pieces and specials to {args.parquet}", file=sys.stderr)
+    elif args.json:
+        print(json.dumps(batches, indent=1, ensure_ascii=False))
+    else:
+        print(format_batches(batches))
 
 
 def _index(args: argparse.Namespace) -> None:
@@ -445,7 +494,13 @@ def _audit(args: argparse.Namespace) -> None:
 
 # command name -> what runs it (a new command: its parser in _parser, its function here; the
 # library it calls is imported inside that function, so --help stays fast)
-_COMMANDS = {"prepare": _prepare, "inspect": _inspect, "audit": _audit, "index": _index}
+_COMMANDS = {
+    "prepare": _prepare,
+    "inspect": _inspect,
+    "audit": _audit,
+    "index": _index,
+    "batches": _batches,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -88,7 +88,11 @@ class DatasetAudit:
             unknown (text).
         token_share: ``tokens_delivered`` over all datasets' (None if nothing delivered yet).
         documents_delivered: the documents consumed in every epoch so far less those in
-            flight: all of whose tokens the trainer received (or dropped).
+            flight and those skipped by ``skip_steps``: all of whose tokens the trainer
+            received (or dropped).
+        step_skipped_documents: documents with pieces in the batches of steps skipped by
+            ``PipelineConfig.skip_steps`` (never delivered later: their readers passed them).
+        step_skipped_tokens: the tokens of those pieces (not in ``tokens_delivered``).
     """
 
     name: str
@@ -110,6 +114,8 @@ class DatasetAudit:
     tokens_delivered: int | None
     token_share: float | None
     documents_delivered: int | None = None
+    step_skipped_documents: int = 0
+    step_skipped_tokens: int = 0
 
     @property
     def current(self) -> EpochConsumption:

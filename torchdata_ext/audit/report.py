@@ -37,6 +37,10 @@ Definitions (what the numbers mean exactly):
   as the other numbers, so ``delivered = consumed - in flight`` holds at every checkpoint,
   right after a restore too (a restore delivers nothing: its audit equals the audit of the
   checkpoint it restored). Tokens unknown (text): None.
+* **Skipped steps** (``PipelineConfig.skip_steps``): the pieces of the batches a restore
+  skipped, which each rank's state lists, are consumed and never delivered: their documents
+  (``step_skipped_documents``, unless still in flight for another piece) and tokens
+  (``step_skipped_tokens``) leave the delivered counts.
 * A block the pack had pulled but used nothing of when the state was taken (a state just
   restored or rescaled, or one taken right at a block's start) is not in the checkpoint: a
   restore reads it again, and the audit does not count its documents as consumed.
@@ -97,6 +101,7 @@ from torchdata_ext.checkpoint.rescale import live_cut
 from torchdata_ext.checkpoint.restore import dataset_differs
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
+from torchdata_ext.order.shards import file_offsets
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.remote import write_bytes_atomic
@@ -300,8 +305,10 @@ def audit_checkpoint(
         changed, verified = _changed_files(url, manifest, datasets, allow_changed_files)
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: Held(ix, lengths[name]) for name, ix in datasets.items()}
-    live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay)
+    skipped: list[list[Any]] = []
+    live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay, skipped=skipped)
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
+    audits = _with_step_skips(audits, skipped, datasets, held)
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
@@ -368,11 +375,13 @@ def _read_workers(
     held: dict[str, Held],
     *,
     replay: bool,
+    skipped: list[list[Any]],
 ) -> tuple[dict[str, list[dict[str, Any]]], int]:
     """Every worker's state in the checkpoint read: the pieces its shuffle buffer and (with
     ``replay``) its pipeline hold go into ``held``. Returns each dataset's reader states, one
     per worker (live with ``replay``, else as recorded), and the batches delivered after the
-    workers' last snapshots (summed once per rank)."""
+    workers' last snapshots (summed once per rank); each rank's pieces skipped by
+    ``skip_steps`` go into ``skipped``."""
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lagging = 0
     counted_ranks: set[int] = set()
@@ -380,6 +389,7 @@ def _read_workers(
         if world.rank not in counted_ranks:
             counted_ranks.add(world.rank)
             lagging += int(meta.get("skip_batches", 0))
+            skipped.extend(meta.get("skipped_documents", []))
         # the outermost pack and shuffle buffer; every mix (one per curriculum phase)
         pack_state = next(iter(pack_states(graph).values()), None)  # the outermost
         shuffle_state = next(iter(shuffle_states(graph).values()), None)
@@ -468,6 +478,41 @@ def _audit_datasets(
         cursors[name] = c
         audits.append(audit)
     return cursors, audits
+
+
+def _with_step_skips(
+    audits: list[DatasetAudit],
+    skipped: list[list[Any]],
+    datasets: dict[str, DatasetIndex],
+    held: dict[str, Held],
+) -> list[DatasetAudit]:
+    """``audits`` with the pieces ``[dataset, file, doc, start, length]`` of the steps skipped
+    by ``skip_steps`` counted as skipped: their documents (unless still in flight for another
+    piece) and tokens leave the delivered counts."""
+    out = []
+    for a in audits:
+        mine = [p[1:] for p in skipped if p[0] == a.name]
+        if not mine:
+            out.append(a)
+            continue
+        arr = np.asarray(mine, np.int64).reshape(-1, 4)
+        ids = np.unique(file_offsets(datasets[a.name].doc_counts)[arr[:, 0]] + arr[:, 1])
+        gone = len(np.setdiff1d(ids, held[a.name].documents()))
+        tokens = int(arr[:, 3].sum())
+        out.append(
+            replace(
+                a,
+                step_skipped_documents=len(ids),
+                step_skipped_tokens=tokens,
+                documents_delivered=None
+                if a.documents_delivered is None
+                else a.documents_delivered - gone,
+                tokens_delivered=None
+                if a.tokens_delivered is None
+                else a.tokens_delivered - tokens,
+            )
+        )
+    return out
 
 
 def _with_token_shares(audits: list[DatasetAudit]) -> list[DatasetAudit]:

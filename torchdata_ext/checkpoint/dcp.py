@@ -145,11 +145,16 @@ class DCPLoaderState:
             "loader_format": STATE_FORMAT,
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
+            "step": state["step"],
+            "skip_steps": state["skip_steps"],
             "datasets": summary,
         }
         meta = {
             "next_worker": state["next_worker"],
             "skip_batches": state["skip_batches"],
+            "step": state["step"],
+            "skip_steps": state["skip_steps"],
+            "skipped_documents": state["skipped_documents"],
             "file_fingerprints": fingerprint_share(
                 datasets, rank=loader.rank, world_size=loader.world_size
             ),

@@ -224,6 +224,9 @@ def save_checkpoint(
     meta = {
         "next_worker": state["next_worker"],
         "skip_batches": state["skip_batches"],
+        "step": state["step"],
+        "skip_steps": state["skip_steps"],
+        "skipped_documents": state["skipped_documents"],
         "files": files,
     }
     write_bytes_atomic(
@@ -243,6 +246,8 @@ def save_checkpoint(
             "loader_format": STATE_FORMAT,
             "world_size": loader.world_size,
             "num_workers": loader.logical_workers,
+            "step": state["step"],
+            "skip_steps": state["skip_steps"],
             "datasets": datasets,
             "checksums": _CHECKSUMS,
             "file_fingerprints": {"sample_bytes": SAMPLE_BYTES, "datasets": data_files},

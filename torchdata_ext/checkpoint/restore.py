@@ -24,6 +24,7 @@ from torchdata_ext.checkpoint.rescale import old_workers_needed, rescale_worker_
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.pipeline.config import step_ranges
 from torchdata_ext.sources.fingerprint import describe, listed_changes
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.state.graph import (
@@ -89,10 +90,15 @@ def restore_loader(
                 "restore with the checkpoint's weights, or change them at a checkpoint taken at a "
                 "multiple of snapshot_every_n_steps"
             )
+        step = int(meta.get("step", 0))
         loader.load_worker_states(
             graphs,
             next_worker=meta["next_worker"],
             skip_batches=int(meta.get("skip_batches", 0)),
+            step=step,
+            skip_steps=_skip_steps(where, root, meta.get("skip_steps", []), step),
+            skipped_documents=meta.get("skipped_documents", []),
+            dataset_names=_names(root),
         )
         return
     old_total = old_ranks * old_workers
@@ -127,7 +133,44 @@ def restore_loader(
         "rescaled loader %s from %dx%d to %dx%d (read %d of %d worker states)",
         where, old_ranks, old_workers, loader.world_size, W, len(cache), old_total,
     )  # fmt: skip
-    loader.load_worker_states(new_graphs, next_worker=0)
+    step = int(manifest.get("step", 0))
+    skipped = []  # old rank r's skipped pieces go on with new rank r % world_size: listed once
+    if manifest.get("skip_steps"):
+        old = range(loader.rank, old_ranks, loader.world_size)  # the entries it reads anyway
+        skipped = [p for r in old for p in rank_meta(r).get("skipped_documents", [])]
+    loader.load_worker_states(
+        new_graphs,
+        next_worker=0,
+        step=step,
+        skip_steps=_skip_steps(where, root, manifest.get("skip_steps", []), step),
+        skipped_documents=skipped,
+        dataset_names=_names(root),
+    )
+
+
+def _names(root: BaseNode) -> list[str]:
+    """The dataset names the provenance ids of ``root``'s batches index."""
+    packs = [n for n in graph_nodes(root) if isinstance(n, Pack)]
+    return list(packs[0].dataset_names) if packs else []
+
+
+def _skip_steps(
+    where: str, root: BaseNode, recorded: list[list[int]], step: int
+) -> list[list[int]]:
+    """The step ranges to skip from here: those the state recorded and the config's
+    ``skip_steps`` (read off the configured root); a new range the checkpoint is past is
+    refused, naming its step."""
+    recorded = [list(map(int, r)) for r in recorded]
+    new = [r for r in getattr(root, "skip_steps", []) if r not in recorded]
+    past = [r for r in new if r[0] <= step]
+    if past:
+        a, b = past[0]
+        raise ValueError(
+            f"skip_steps: the range [{a}, {b}] starts at step {a}, but {where} was saved "
+            f"after step {step}, so step {a} is already past; restore from a checkpoint saved "
+            f"before step {a}, or remove the range from skip_steps"
+        )
+    return step_ranges(recorded + new)
 
 
 def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:

@@ -18,8 +18,9 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 654 lines: the worker side (the messages and their iterator) and the loader side
-(applying the deltas, the state) are the two ends of one message format.
+This module is 708 lines: the worker side (the messages and their iterator) and the loader side
+(applying the deltas, the state, the run's step and its skipped step ranges) are the two ends of
+one message format.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import contextlib
 import logging
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -336,6 +337,10 @@ class TokenLoader:
         self._initial: dict[int, dict[str, Any]] = {}
         self._offset = 0
         self._skip = 0  # batches to drop after a restore (see state_dict)
+        self._step0 = 0  # the run's step when the state was loaded (see state_dict)
+        self._skip_steps: list[list[int]] = []  # step ranges whose data is skipped
+        self._skipped0: list[list[Any]] = []  # documents skipped before the state was loaded
+        self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._reset_live()
@@ -347,6 +352,10 @@ class TokenLoader:
         self._io: dict[int, dict[str, float]] = {}
         self._next = self._offset
         self._yielded = 0
+        self._step = self._step0  # batches the training loop received in the whole run
+        self._skipped = list(self._skipped0)
+        self._dropping = 0  # batches of a skipped step range still to drop
+        self._applied = 0  # the first step of the skipped range dropped last
         self._snap = self._live_snapshot()
 
     @property
@@ -424,7 +433,28 @@ class TokenLoader:
             if self._skip:  # delivered before the checkpoint, after its state
                 self._skip -= 1
                 continue
+            if self._skipping(d.item):
+                continue
+            self._step += 1
             yield d.item
+
+    def _skipping(self, item: Any) -> bool:
+        """Whether ``item`` is data of a skipped step range (``skip_steps``): dropped, its
+        documents' pieces recorded in ``skipped_documents``."""
+        if not self._dropping:
+            due = [r for r in self._skip_steps if r[0] == self._step + 1 != self._applied]
+            if not due:
+                return False
+            (a, b), self._applied = due[0], due[0][0]  # once: the step stays a - 1 meanwhile
+            self._dropping = b - a
+        self._dropping -= 1
+        prov = item.get("provenance") if isinstance(item, dict) else None
+        if prov is not None:
+            rows = prov.reshape(-1, 5).numpy() if hasattr(prov, "numpy") else prov.reshape(-1, 5)
+            for ds, f, d, start, n in rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)].tolist():
+                name = self._names[ds] if ds < len(self._names) else ds
+                self._skipped.append([name, f, d, start, n])
+        return True
 
     def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
         """Batches one worker after the other (each worker's message holds several), each
@@ -480,7 +510,11 @@ class TokenLoader:
         """This rank's state: one graph state per worker, keyed by global worker id.
 
         ``{"format", "rank", "world_size", "num_workers", "next_worker", "skip_batches",
-        "workers": {global worker id: {"world", "graph", "io"}}}``. Costs no copy: the graph
+        "step", "skip_steps", "skipped_documents", "workers": {global worker id: {"world",
+        "graph", "io"}}}``; ``step``: the batches this rank delivered in the whole run, across
+        restores (the training loop's step when it counts from 1); ``skip_steps``: the step
+        ranges whose data is skipped (``PipelineConfig.skip_steps``), ``skipped_documents``:
+        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far. Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
         W = self.logical_workers
         if self.num_workers and self.snapshot_every_n_steps > 1:
@@ -507,6 +541,9 @@ class TokenLoader:
             "num_workers": W,
             "next_worker": next_worker,
             "skip_batches": skip,
+            "step": self._step,
+            "skip_steps": [list(r) for r in self._skip_steps],
+            "skipped_documents": list(self._skipped),
             "workers": workers,
         }
 
@@ -555,6 +592,9 @@ class TokenLoader:
             {w: s["graph"] for w, s in workers.items()},
             next_worker=int(state["next_worker"]),
             skip_batches=int(state.get("skip_batches", 0)),
+            step=int(state.get("step", 0)),
+            skip_steps=state.get("skip_steps", ()),
+            skipped_documents=state.get("skipped_documents", ()),
         )
 
     def load_worker_states(
@@ -562,9 +602,18 @@ class TokenLoader:
         graphs: dict[int, dict[str, Any]],
         next_worker: int = 0,
         skip_batches: int = 0,
+        step: int = 0,
+        skip_steps: Sequence[Sequence[int]] = (),
+        skipped_documents: Sequence[Sequence[Any]] = (),
+        dataset_names: Sequence[str] = (),
     ) -> None:
         """Start each logical worker (0 .. W-1) of this rank from the given graph state; the
-        first ``skip_batches`` batches are produced again and dropped (see ``state_dict``)."""
+        first ``skip_batches`` batches are produced again and dropped (see ``state_dict``);
+        ``step``: the run's step the state was saved at (batches delivered before it);
+        ``skip_steps``: step ranges ``[A, B]`` whose batches are dropped when step ``A`` is
+        due (checked by the restore: :mod:`torchdata_ext.checkpoint.restore`);
+        ``skipped_documents``: the pieces skipped before; ``dataset_names``: the names the
+        batches' provenance ids index (to record what is skipped)."""
         if self._it is not None:
             raise RuntimeError("load the state before iteration starts")
         W = self.logical_workers
@@ -574,6 +623,11 @@ class TokenLoader:
         self._initial = dict(graphs)
         self._offset = int(next_worker) % W
         self._skip = int(skip_batches)
+        self._step0 = int(step)
+        self._skip_steps = [[int(a), int(b)] for a, b in skip_steps]
+        self._skipped0 = [list(p) for p in skipped_documents]
+        if dataset_names:
+            self._names = list(dataset_names)
         self._reset_live()
 
 

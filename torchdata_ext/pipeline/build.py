@@ -401,7 +401,9 @@ def _collate(cfg: PipelineConfig, node: BaseNode) -> BaseNode:
     from torchdata_ext.nodes.collate import Collate
 
     dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
-    return Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
+    root = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
+    root.skip_steps = cfg.skip_steps  # read at a restore
+    return root
 
 
 def _worker_share(

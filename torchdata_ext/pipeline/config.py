@@ -35,7 +35,7 @@ from torchdata_ext.tokenizers.load import (
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 
-__all__ = ["RESTORE_CONTRACT", "PipelineConfig"]
+__all__ = ["RESTORE_CONTRACT", "PipelineConfig", "step_ranges"]
 
 RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     # field: (class, why) -- "may_change": a restore with another value is exact;
@@ -82,9 +82,31 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "max_tokens": ("must_match", "the saved shares are of the budget saved"),
     "max_documents": ("must_match", "the saved shares are of the budget saved"),
     "max_dropped_documents": ("may_change", "only when an endless stream gives up"),
+    "skip_steps": ("may_change", "applied at a restore and recorded in the loader state"),
 }
 """What each :class:`PipelineConfig` field may do across a checkpoint restore, with the reason
 (the table of ``docs/checkpoint.md``)."""
+
+
+def step_ranges(ranges: Any, name: str = "skip_steps") -> list[list[int]]:
+    """``ranges`` (pairs ``[A, B]`` of steps >= 1, ``A < B``) checked, sorted and apart."""
+    if not isinstance(ranges, (list, tuple)):
+        raise TypeError(f"{name}={ranges!r} must be a list of [A, B] step ranges, e.g. [[30, 35]]")
+    out: list[list[int]] = []
+    for r in ranges:
+        ok = isinstance(r, (list, tuple)) and len(r) == 2
+        ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        if not ok or not 1 <= r[0] < r[1]:
+            raise ValueError(
+                f"{name}: {r!r} is not a step range [A, B] with 1 <= A < B (B excluded); "
+                "e.g. [[30, 35]] skips steps 30..34"
+            )
+        out.append([int(r[0]), int(r[1])])
+    out.sort()
+    for a, b in zip(out, out[1:]):
+        if b[0] < a[1]:
+            raise ValueError(f"{name}: ranges {a} and {b} overlap; merge them into one")
+    return out
 
 
 @dataclass
@@ -185,6 +207,12 @@ class PipelineConfig:
             instead of waiting for a batch forever (default 1,000,000; also after a whole pass
             over a worker's documents with none kept); None: only after that pass. See
             ``docs/first-hour.md``.
+        skip_steps: ranges ``[A, B]`` of the training loop's steps (counted from 1 over the
+            run, ``B`` excluded) whose data is skipped when the loader is restored from a
+            checkpoint taken before step ``A``: the trainer's step ``A`` receives what step
+            ``B`` would have received. The skip is recorded in the loader state (later
+            restores, rescales and ``show_batches`` know it); a range starting at or before
+            the checkpoint's step is refused. See ``docs/forensics.md``.
     """
 
     data_path: str = ""
@@ -227,6 +255,7 @@ class PipelineConfig:
     max_tokens: int | dict[str, int] | None = None
     max_documents: int | dict[str, int] | None = None
     max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
+    skip_steps: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._check_shapes()
@@ -269,6 +298,7 @@ class PipelineConfig:
         check_int("byte_offset", self.byte_offset, 0)
         if self.max_dropped_documents is not None:
             check_int("max_dropped_documents", self.max_dropped_documents, 1)
+        self.skip_steps = step_ranges(self.skip_steps)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
         self.check_special_ids(byte)

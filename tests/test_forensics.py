@@ -1,0 +1,332 @@
+"""Run forensics (issue 30): a checkpoint replays the batches the trainer received.
+
+A real run (2 ranks x 2 dataloader workers, ranks simulated one after the other as in
+``test_rescale.py``) records every batch it delivers and saves at steps 10 and 20; the replay
+of steps 25-35 from either checkpoint must be, token for token and piece for piece, what the
+trainer recorded; and after a restore at 1 x 3 from step 20, what that job recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+from harness import text_config, write_random_text_datasets
+
+from torchdata_ext import TokenLoader
+from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest, save_checkpoint
+from torchdata_ext.cli import main
+from torchdata_ext.forensics import row_record, show_batches
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.tokenizers.load import load_tokenizer
+
+STEPS = range(25, 36)
+LAST = 40
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The config, the checkpoints at steps 10 and 20 (2 x 2), what each rank received at
+    each step of the run and of a restore at 1 x 3 from step 20 (saved again at step 30)."""
+    tmp = tmp_path_factory.mktemp("forensics")
+    words = ["data", "loader", "rescale", "token", "é", "shard"]
+    write_random_text_datasets(str(tmp / "data"), [("web", 200, 12), ("code", 100, 12)], words, 11)
+    cfg = text_config(str(tmp / "data"), output_keys=["input_ids", "labels", "provenance"])
+    build = functools.partial(build_pipeline, cfg)
+    recorded: dict[tuple[int, int], dict] = {}
+    for r in range(2):
+        loader = TokenLoader(build, num_workers=2, rank=r, world_size=2)
+        for step, batch in enumerate(loader, 1):
+            recorded[(step, r)] = batch
+            if step in (10, 20):
+                save_checkpoint(loader, str(tmp / f"step_{step}"))
+            if step == LAST:
+                break
+        loader.close()
+    rescaled: dict[tuple[int, int], dict] = {}
+    loader = TokenLoader(build, num_workers=3, rank=0, world_size=1)
+    load_checkpoint(loader, str(tmp / "step_20"))
+    for step, batch in enumerate(loader, 21):
+        rescaled[(step, 0)] = batch
+        if step == 30:
+            save_checkpoint(loader, str(tmp / "step_30_1x3"))
+        if step == LAST:
+            break
+    loader.close()
+    config = tmp / "cfg.json"
+    config.write_text(json.dumps(cfg.to_dict()))
+    return cfg, tmp, recorded, rescaled, str(config)
+
+
+def _as_shown(cfg, recorded, steps, ranks) -> list[dict]:
+    """The recorded batches in :func:`show_batches`' form."""
+    files = {name: index.file_names() for name, index in build_datasets(cfg).items()}
+    out = []
+    for step in steps:
+        for r in range(ranks):
+            b = recorded[(step, r)]
+            rows = [
+                row_record(
+                    {k: b[k][i].numpy() for k in ("input_ids", "labels", "provenance")},
+                    cfg.datasets,
+                    files,
+                )
+                for i in range(len(b["input_ids"]))
+            ]
+            out.append({"step": step, "rank": r, "rows": rows})
+    return out
+
+
+def _without_worker(batches: list[dict]) -> list[dict]:
+    return [{k: v for k, v in b.items() if k != "worker"} for b in batches]
+
+
+def test_replay_from_either_checkpoint_is_what_the_trainer_received(run) -> None:
+    cfg, tmp, recorded, _, _ = run
+    want = _as_shown(cfg, recorded, STEPS, 2)
+    from10 = show_batches(str(tmp / "step_10"), cfg, STEPS)
+    from20 = show_batches(str(tmp / "step_20"), cfg, STEPS)
+    assert from10 == from20
+    assert _without_worker(from10) == want
+    # the rows are real: pieces of documents, an EOS after each document end
+    pieces = [p for b in from10 for row in b["rows"] for p in row["pieces"]]
+    assert {p["dataset"] for p in pieces} == {"web", "code"}
+    assert {p["file_name"] for p in pieces} == {"p0.jsonl", "p1.jsonl"}
+    specials = [s for b in from10 for row in b["rows"] for s in row["specials"]]
+    assert specials and all(s["token"] == 0 and "doc" in s for s in specials)
+    # the workers alternate as the loader delivers them
+    assert [b["worker"] for b in from10 if b["rank"] == 0][:4] in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_replay_on_another_topology_is_what_the_rescaled_job_received(run) -> None:
+    cfg, tmp, _, rescaled, _ = run
+    got = show_batches(str(tmp / "step_20"), cfg, STEPS, ranks=1, workers=3)
+    assert _without_worker(got) == _as_shown(cfg, rescaled, STEPS, 1)
+    assert [b["worker"] for b in got][:3] == [1, 2, 0]  # step 21 was worker 0's
+
+
+def test_the_checkpoint_knows_its_step_across_a_restore(run) -> None:
+    cfg, tmp, _, rescaled, _ = run
+    assert read_manifest(str(tmp / "step_20"))["step"] == 20
+    assert read_manifest(str(tmp / "step_30_1x3"))["step"] == 30
+    got = show_batches(str(tmp / "step_30_1x3"), cfg, range(31, 36))
+    assert _without_worker(got) == _as_shown(cfg, rescaled, range(31, 36), 1)
+
+
+def test_a_step_the_checkpoint_is_past_is_refused(run) -> None:
+    cfg, tmp, _, _, _ = run
+    with pytest.raises(ValueError, match=r"saved after step 20, so it replays steps from 21"):
+        show_batches(str(tmp / "step_20"), cfg, range(15, 25))
+    with pytest.raises(ValueError, match=r"rank=2 is not a rank of the 2 ranks"):
+        show_batches(str(tmp / "step_20"), cfg, 25, rank=2)
+    with pytest.raises(ValueError, match=r"steps='25-30': give a step A or a range A:B"):
+        show_batches(str(tmp / "step_20"), cfg, "25-30")
+
+
+def test_command_prints_json_text_and_parquet(run, tmp_path, capsys) -> None:
+    import pyarrow.parquet as pq
+
+    cfg, tmp, recorded, _, config = run
+    ckpt = str(tmp / "step_10")
+    assert main(["batches", ckpt, "--config", config, "--steps", "25:36", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert _without_worker(shown) == _as_shown(cfg, recorded, STEPS, 2)
+
+    assert main(["batches", ckpt, "--config", config, "--steps", "25", "--rank", "1",
+                 "--text"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    (batch,) = show_batches(ckpt, cfg, 25, rank=1, text=True)
+    first = batch["rows"][0]["pieces"][0]
+    ids = recorded[(25, 1)]["input_ids"][0].numpy()
+    piece = ids[first["at"] : first["stop"] - first["start"] + first["at"]]
+    decode = load_tokenizer("byte", byte_offset=cfg.byte_offset).decode
+    assert first["text"] == decode(piece) and len(first["text"]) > 0
+    assert text.startswith(f"step 25 rank 1 (worker {batch['worker']})\n  row 0\n")
+    assert f"{first['dataset']} {first['file_name']} doc {first['doc']}" in text
+    assert repr(first["text"][:200]) in text
+
+    out = tmp_path / "b.parquet"
+    assert main(["batches", ckpt, "--config", config, "--steps", "25:27", "--parquet",
+                 str(out)]) == 0  # fmt: skip
+    table = pq.read_table(out).to_pylist()
+    shown = show_batches(ckpt, cfg, range(25, 27))
+    n = sum(len(r["pieces"]) + len(r["specials"]) for b in shown for r in b["rows"])
+    assert len(table) == n
+    assert {r["kind"] for r in table} == {"piece", "special"}
+    assert main(["batches", ckpt, "--config", config, "--steps", "5"]) == 2
+    assert "saved after step 10, so it replays steps from 11" in capsys.readouterr().err
+
+
+# -- skip_steps ---------------------------------------------------------------------------------
+def _text_lengths(cfg) -> dict[tuple[str, int, int], int]:
+    """Byte-tokenizer tokens of every document of ``cfg``'s JSONL datasets."""
+    out = {}
+    for name in cfg.datasets:
+        for f in range(2):
+            with open(f"{cfg.data_path}/{name}/p{f}.jsonl", encoding="utf-8") as fh:
+                for d, line in enumerate(fh):
+                    out[(name, f, d)] = len(json.loads(line)["text"].encode())
+    return out
+
+
+def _pieces(batch, names) -> list[tuple]:
+    prov = batch["provenance"].reshape(-1, 5).numpy()
+    rows = prov[(prov[:, 0] >= 0) & (prov[:, 4] > 0)].tolist()
+    return [(names[ds], f, d, start, n) for ds, f, d, start, n in rows]
+
+
+@pytest.fixture(scope="module")
+def skipped(run):
+    """A restore at 2 x 2 from step 20 skipping [30, 35), run to the end of the epoch (saved
+    at step 40); each rank's batches by step and its last state."""
+    cfg, tmp, _, _, _ = run
+    cfg_skip = dataclasses.replace(cfg, skip_steps=[[30, 35]])
+    got: dict[tuple[int, int], dict] = {}
+    states = {}
+    for r in range(2):
+        loader = TokenLoader(
+            functools.partial(build_pipeline, cfg_skip), num_workers=2, rank=r, world_size=2
+        )
+        load_checkpoint(loader, str(tmp / "step_20"))
+        for step, batch in enumerate(loader, 21):
+            got[(step, r)] = batch
+            if step == 40:
+                save_checkpoint(loader, str(tmp / "skip_40"))
+        states[r] = loader.state_dict()
+    return cfg_skip, got, states
+
+
+def test_skip_steps_gives_step_a_what_step_b_would_have(run, skipped) -> None:
+    cfg, _, recorded, _, _ = run
+    _, got, states = skipped
+    for r in range(2):
+        for step in range(21, 30):
+            assert got[(step, r)]["input_ids"].equal(recorded[(step, r)]["input_ids"]), step
+        for step in range(30, LAST - 4):
+            assert got[(step, r)]["input_ids"].equal(recorded[(step + 5, r)]["input_ids"]), step
+        assert states[r]["skip_steps"] == [[30, 35]]
+        # what was skipped is exactly what steps 30..34 held
+        want = sorted(p for s in range(30, 35) for p in _pieces(recorded[(s, r)], cfg.datasets))
+        assert sorted(map(tuple, states[r]["skipped_documents"])) == want
+
+
+def test_skipped_documents_are_listed_and_never_delivered(run, skipped) -> None:
+    """Over the epoch (steps 1-20 of the run, then the restore that skipped [30, 35)), every
+    token of every document is delivered once or listed as skipped, never both, never twice."""
+    from harness import check_exactly_once
+
+    cfg, _, recorded, _, _ = run
+    _, got, states = skipped
+    coverage: dict = {}
+    delivered = [b for (s, _r), b in recorded.items() if s <= 20] + list(got.values())
+    for batch in delivered:
+        for ds, f, d, start, n in _pieces(batch, cfg.datasets):
+            coverage.setdefault((ds, f, d), []).append((start, start + n))
+    skipped_pieces = [p for st in states.values() for p in st["skipped_documents"]]
+    assert skipped_pieces
+    for ds, f, d, start, n in skipped_pieces:
+        coverage.setdefault((ds, f, d), []).append((start, start + n))
+    check_exactly_once(coverage, _text_lengths(cfg))
+
+
+def test_a_skip_the_checkpoint_is_past_is_refused(run) -> None:
+    cfg, tmp, _, _, _ = run
+    late = dataclasses.replace(cfg, skip_steps=[[15, 25]])
+    loader = TokenLoader(functools.partial(build_pipeline, late), num_workers=2, world_size=2)
+    with pytest.raises(ValueError, match=r"skip_steps: the range \[15, 25\] starts at step 15, "
+                       r"but checkpoint .*step_20 was saved after step 20"):  # fmt: skip
+        load_checkpoint(loader, str(tmp / "step_20"))
+    with pytest.raises(ValueError, match=r"skip_steps: ranges \[30, 35\] and \[32, 40\] overlap"):
+        dataclasses.replace(cfg, skip_steps=[[32, 40], [30, 35]])
+
+
+def test_the_skip_is_recorded_for_a_rescale_and_a_replay(run, skipped) -> None:
+    cfg, tmp, _, _, _ = run
+    cfg_skip, got, states = skipped
+    # replayed from before the skip with the config that skipped: what the trainer received
+    shown = show_batches(str(tmp / "step_20"), cfg_skip, range(28, 33))
+    assert _without_worker(shown) == _as_shown(cfg, got, range(28, 33), 2)
+    # a rescale from after it, with a config that no longer lists it, still knows it
+    assert read_manifest(str(tmp / "skip_40"))["skip_steps"] == [[30, 35]]
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=3)
+    load_checkpoint(loader, str(tmp / "skip_40"))
+    state = loader.state_dict()
+    assert state["step"] == 40 and state["skip_steps"] == [[30, 35]]
+    ranks = [st["skipped_documents"] for st in states.values()]
+    assert sorted(map(tuple, state["skipped_documents"])) == sorted(
+        tuple(p) for pieces in ranks for p in pieces
+    )
+
+
+# -- the batch log ------------------------------------------------------------------------------
+def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
+    from torchdata_ext.forensics import BatchLog, batch_documents
+
+    cfg, tmp, recorded, _, _ = run
+    path = tmp_path / "log.jsonl"
+    with BatchLog(str(path), cfg.datasets, flush_every=3) as log:
+        for step in STEPS:
+            log.write(step, recorded[(step, 1)], rank=1, loss=float(step) / 10)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    shown = show_batches(str(tmp / "step_20"), cfg, STEPS, rank=1)
+    assert [(x["step"], x["rank"], x["loss"]) for x in lines] == [(s, 1, s / 10) for s in STEPS]
+    for line, b in zip(lines, shown, strict=True):
+        assert line["rows"] == [
+            [[p["dataset"], p["file"], p["doc"], p["start"], p["stop"]] for p in row["pieces"]]
+            for row in b["rows"]
+        ]
+    with pytest.raises(KeyError, match="add 'provenance' to the config's output_keys"):
+        batch_documents({"input_ids": recorded[(25, 1)]["input_ids"]}, cfg.datasets)
+
+
+def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
+    """At step 40 of the run that skipped [30, 35): the documents all of whose tokens the
+    trainer received are exactly those the audit calls delivered, and the skipped ones are
+    counted apart."""
+    from torchdata_ext import audit_checkpoint
+
+    cfg, tmp, recorded, _, _ = run
+    _, got, states = skipped
+    lengths = _text_lengths(cfg)
+    covered: dict = {}
+    for batch in [b for (s, _r), b in recorded.items() if s <= 20] + [
+        b for (s, _r), b in got.items() if s <= 40
+    ]:
+        for ds, f, d, _start, n in _pieces(batch, cfg.datasets):
+            covered[(ds, f, d)] = covered.get((ds, f, d), 0) + n
+    report = audit_checkpoint(str(tmp / "skip_40"), cfg)
+    skipped_docs = {(p[0], p[1], p[2]) for st in states.values() for p in st["skipped_documents"]}
+    for a in report.datasets:
+        whole = sum(1 for k, n in covered.items() if k[0] == a.name and n == lengths[k])
+        assert a.documents_delivered == whole
+        assert a.step_skipped_documents == len({k for k in skipped_docs if k[0] == a.name}) > 0
+
+
+def test_replay_from_a_dcp_checkpoint(run, tmp_path) -> None:
+    """A DCP checkpoint (the loader state beside a model tensor) replays the same."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+
+    cfg, _, _, _, _ = run
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2)
+    recorded = {}
+    for step, batch in enumerate(loader, 1):
+        recorded[(step, 0)] = batch
+        if step == 10:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+                state = {"model": {"w": torch.arange(4.0)}, "data": DCPLoaderState(loader)}
+                dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+        if step == 16:
+            break
+    loader.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = show_batches(str(tmp_path / "dcp"), cfg, range(12, 17))
+    assert _without_worker(got) == _as_shown(cfg, recorded, range(12, 17), 1)
