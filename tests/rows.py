@@ -39,6 +39,7 @@ def check_rows(
         p
         for s, stream in enumerate(streams)
         for r, item in enumerate(stream)
+        if "seq_lens" in item
         for p in boundary_problems(
             f"stream {s} row {r}",
             item["provenance"],

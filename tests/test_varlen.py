@@ -199,6 +199,10 @@ def test_boundary_problems_names_a_wrong_cut(small) -> None:
     assert msg.startswith("row 1: token 2 (") and "needs no cut" in msg
     (msg,) = boundary_problems("row 1", prov, names, np.array([7, 0]), 8)
     assert "do not tile the row's 8 tokens" in msg
+    short = prov.copy()
+    short[-1, 4] -= 1  # a row the provenance does not cover
+    (msg,) = boundary_problems("row 1", short, names, np.array([8, 0, 0]), 8)
+    assert msg == "row 1: the provenance covers 7 tokens, not the row's 8"
 
 
 def test_a_source_of_dicts_without_position_ids_is_refused() -> None:

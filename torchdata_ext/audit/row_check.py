@@ -274,6 +274,8 @@ def boundary_problems(
             toks.append((-1, (names[owner[0]], owner[1], owner[2]), kind, 0))
         else:  # a line special or the padding: a segment of its own
             toks.extend((u, None, "L", 0) for _ in range(n))
+    if len(toks) < width:
+        return [f"{where}: the provenance covers {len(toks)} tokens, not the row's {width}"]
     out = []
     for t in range(1, width):
         (pu, pk, pkind, pa), (cu, ck, ckind, ca) = toks[t - 1], toks[t]
