@@ -199,7 +199,7 @@ def test_boundary_problems_names_a_wrong_cut(small) -> None:
     assert msg.startswith("row 1: token 2 (") and "needs no cut" in msg
     (msg,) = boundary_problems("row 1", prov, names, np.array([7, 0]), 8)
     assert "do not tile the row's 8 tokens" in msg
-    short = prov.copy()
+    short = prov[prov[:, 4] > 0]  # without Collate's rows of length 0
     short[-1, 4] -= 1  # a row the provenance does not cover
     (msg,) = boundary_problems("row 1", short, names, np.array([8, 0, 0]), 8)
     assert msg == "row 1: the provenance covers 7 tokens, not the row's 8"
