@@ -67,12 +67,14 @@ def _take(node: Any, n: int | None, out: list[dict[str, Any]]) -> None:
             item = next(node)
         except StopIteration:
             return
-        starts = position_starts(np.asarray(item["position_ids"])[None])  # as Collate's
+        pos = np.asarray(item["position_ids"])[None]  # boundaries as Collate's of dicts
         out.append(
             {
                 "provenance": item["provenance"],
                 "_names": list(pack.dataset_names),
-                "seq_lens": boundaries(starts, ("seq_lens",))["seq_lens"][0],
+                "seq_lens": boundaries(position_starts(pos), 1, pos.shape[1], ("seq_lens",))[
+                    "seq_lens"
+                ][0],
             }
         )
         if n is not None:

@@ -37,7 +37,7 @@ __all__ = [
     "layout_runs",
     "loss_mask",
     "position_starts",
-    "run_starts",
+    "segment_starts",
 ]
 
 BOUNDARY_KEYS = ("seq_lens", "cu_seqlens", "max_seqlen")
@@ -83,7 +83,7 @@ def layout_runs(
         out["document_ids"][...] = flat.reshape(rows, size)[:, :n]
 
 
-def boundaries(starts: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]:
+def boundaries(flat: np.ndarray, rows: int, n: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
     """The document boundaries of a batch, for variable-length attention: the keys of
     :data:`BOUNDARY_KEYS` that ``keys`` names.
 
@@ -101,18 +101,20 @@ def boundaries(starts: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]
     * ``max_seqlen``: int32 0-d, the longest segment (``int(batch["max_seqlen"])``).
 
     Args:
-        starts: ``[B, L]`` bool, True where a segment starts (column 0 always is).
+        flat: where the segments start: increasing offsets into the ``rows * n`` tokens laid
+            end to end, every ``i * n`` among them (:func:`segment_starts`,
+            :func:`position_starts`).
+        rows: ``B``, the rows of the batch.
+        n: ``L``, tokens per row.
         keys: the keys wanted (others are ignored).
     """
-    rows, n = starts.shape
-    flat = np.flatnonzero(starts.reshape(-1))
     cu = np.empty(len(flat) + 1, np.int32)
     cu[:-1] = flat
     cu[-1] = rows * n
     lens = np.diff(cu)
     out: dict[str, np.ndarray] = {}
     if "seq_lens" in keys:
-        counts = np.count_nonzero(starts, axis=1)
+        counts = np.bincount(cu[:-1] // max(n, 1), minlength=rows)
         width = int(counts.max()) if rows else 0
         seq = np.zeros((rows, width), np.int32)
         seq[np.arange(width) < counts[:, None]] = lens
@@ -124,20 +126,22 @@ def boundaries(starts: np.ndarray, keys: Sequence[str]) -> dict[str, np.ndarray]
     return out
 
 
-def run_starts(cuts: np.ndarray, rows: int, size: int, n: int) -> np.ndarray:
-    """``[rows, n]`` bool, True where a run starts, from flat run starts ``cuts`` (offsets into
-    ``rows`` packed rows of ``size`` tokens laid end to end; see :func:`layout_runs`)."""
-    flat = np.zeros(rows * size, bool)
-    flat[cuts] = True
-    return flat.reshape(rows, size)[:, :n]
+def segment_starts(cuts: np.ndarray, size: int, n: int) -> np.ndarray:
+    """Where the segments of :func:`boundaries` start, from run starts ``cuts`` (increasing
+    offsets into rows of ``size`` tokens laid end to end, see :func:`layout_runs`): the runs
+    that start in a row's first ``n`` tokens, as offsets into rows of ``n`` laid end to end."""
+    row, at = np.divmod(np.asarray(cuts, np.int64), size)
+    keep = at < n
+    return row[keep] * n + at[keep]
 
 
 def position_starts(position_ids: np.ndarray) -> np.ndarray:
-    """``[B, L]`` bool, True where a run starts, from Pack's ``position_ids`` ``[B, L]`` (a
-    run's positions count from 0 at its start; column 0 always starts one)."""
+    """Where the segments of :func:`boundaries` start, from Pack's ``position_ids``
+    ``[B, L]`` (a run's positions count from 0 at its start; column 0 always starts one), as
+    offsets into the ``B * L`` tokens laid end to end."""
     starts = np.asarray(position_ids) == 0
     starts[:, 0] = True
-    return starts
+    return np.flatnonzero(starts)
 
 
 def loss_mask(pad: np.ndarray, n: int, shift: bool) -> np.ndarray:
@@ -227,8 +231,8 @@ class PackedBatch:
         if self.provenance is not None and "provenance" in keys:
             out["provenance"] = torch.from_numpy(self.provenance)
         if any(k in keys for k in BOUNDARY_KEYS):
-            starts = run_starts(self.cuts, rows, size, n)
-            for key, a in boundaries(starts, keys).items():
+            flat = segment_starts(self.cuts, size, n)
+            for key, a in boundaries(flat, rows, n, keys).items():
                 out[key] = torch.from_numpy(a)
         return {k: out[k] for k in keys if k in out}
 

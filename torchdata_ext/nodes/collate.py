@@ -10,7 +10,13 @@ import torch
 from torch.utils.data import get_worker_info
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.batch import BOUNDARY_KEYS, PackedBatch, boundaries, position_starts
+from torchdata_ext.batch import (
+    BOUNDARY_KEYS,
+    PackedBatch,
+    boundaries,
+    position_starts,
+    segment_starts,
+)
 from torchdata_ext.nodes.pack import PackedSequence
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
 
@@ -211,10 +217,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 )
         bounds: dict[str, np.ndarray] = {}
         if any(k in self.keys for k in BOUNDARY_KEYS):
-            starts = np.zeros((len(items), len(items[0].tokens)), bool)
-            for i, item in enumerate(items):
-                starts[i, item.cuts] = True
-            bounds = boundaries(starts[:, :width], self.keys)
+            size = len(items[0].tokens)
+            cuts = np.fromiter(
+                (c + i * size for i, it in enumerate(items) for c in it.cuts), np.int64
+            )
+            bounds = boundaries(segment_starts(cuts, size, width), len(items), width, self.keys)
         specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for key in self.keys:
             if key == "provenance" and key in produced:
@@ -244,7 +251,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 "items without it: collate Pack's output"
             )
         pos = self._stack("position_ids", [it["position_ids"] for it in items])
-        return boundaries(position_starts(pos), self.keys)
+        return boundaries(position_starts(pos), len(pos), pos.shape[1], self.keys)
 
     def _stack(self, key: str, arrays: list[np.ndarray]) -> np.ndarray:
         width = len(arrays[0])
