@@ -13,8 +13,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from torchdata_ext import World
-from torchdata_ext.audit.row_check import RowRules, row_problems
+from torchdata_ext.audit.row_check import RowRules, boundary_problems, row_problems
+from torchdata_ext.batch import boundaries, position_starts
 from torchdata_ext.checkpoint.rescale import rescale_worker_states
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -30,8 +33,22 @@ def check_rows(
     budget: bool = False,
 ) -> None:
     """Assert :func:`~torchdata_ext.audit.row_check.row_problems` finds nothing in ``streams`` (lists
-    of delivered item dicts with a ``provenance`` table and the ``_names`` its ids index)."""
-    problems = row_problems(
+    of delivered item dicts with a ``provenance`` table and the ``_names`` its ids index), nor
+    :func:`~torchdata_ext.audit.row_check.boundary_problems` in each row's ``seq_lens``."""
+    problems = [
+        p
+        for s, stream in enumerate(streams)
+        for r, item in enumerate(stream)
+        if "seq_lens" in item
+        for p in boundary_problems(
+            f"stream {s} row {r}",
+            item["provenance"],
+            item["_names"],
+            item["seq_lens"],
+            cfg.seq_length,
+        )  # fmt: skip
+    ]
+    problems += row_problems(
         [[(item["provenance"], item["_names"]) for item in stream] for stream in streams],
         lengths,
         RowRules.of(cfg),
@@ -50,7 +67,16 @@ def _take(node: Any, n: int | None, out: list[dict[str, Any]]) -> None:
             item = next(node)
         except StopIteration:
             return
-        out.append({"provenance": item["provenance"], "_names": list(pack.dataset_names)})
+        pos = np.asarray(item["position_ids"])[None]  # boundaries as Collate's of dicts
+        out.append(
+            {
+                "provenance": item["provenance"],
+                "_names": list(pack.dataset_names),
+                "seq_lens": boundaries(position_starts(pos), 1, pos.shape[1], ("seq_lens",))[
+                    "seq_lens"
+                ][0],
+            }
+        )
         if n is not None:
             n -= 1
 

@@ -179,3 +179,63 @@ def test_a_loader_without_a_pipeline_says_what_to_set() -> None:
         TokenDataLoader.Config().build(
             dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=16, local_batch_size=2
         )
+
+
+def test_torchtitans_varlen_boundaries_from_positions_are_the_packers(tmp_path: Path) -> None:
+    """torchtitan 0.3 builds its flex / varlen masks from ``positions == 0``
+    (``create_varlen_metadata_for_document``: per row, offsets ``b * L``; its module imports
+    triton, so it cannot be called here): on our batches that rule gives exactly the boundary
+    keys Pack emitted (``Config.boundaries`` adds them)."""
+    root = str(tmp_path / "data")
+    _write_corpus(root)
+    config = _loader_config(root, 0)
+    config.boundaries = ("cu_seqlens", "max_seqlen", "seq_lens")
+    loader = config.build(
+        dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=16, local_batch_size=2
+    )
+    n = 0
+    for inputs, labels in loader:
+        assert list(inputs) == ["input", "positions", "cu_seqlens", "max_seqlen", "seq_lens"]
+        rows, width = inputs["positions"].shape
+        starts = (inputs["positions"] == 0).nonzero()  # (row, column) in row-major order
+        theirs = [*(starts[:, 0] * width + starts[:, 1]).tolist(), rows * width]
+        assert theirs == inputs["cu_seqlens"].tolist()
+        assert max(b - a for a, b in zip(theirs, theirs[1:])) == int(inputs["max_seqlen"])
+        assert inputs["seq_lens"].sum(1).tolist() == [16] * len(labels)
+        n += 1
+    assert n > 20
+
+
+def test_token_budget_mode_yields_one_row_of_t_tokens(tmp_path: Path) -> None:
+    """``num_tokens_per_batch`` (the keyword torchtitan's next data API passes to ``build``):
+    each batch ``({"input": [T], "positions": [T], ...}, labels[T])``, every token once."""
+    root = str(tmp_path / "data")
+    tokens = _write_corpus(root)
+    config = _loader_config(root, 1)
+    config.boundaries = ("cu_seqlens", "max_seqlen", "seq_lens")
+    loader = config.build(
+        dp_world_size=1, dp_rank=0, tokenizer=None, max_context_length=64, num_tokens_per_batch=48
+    )
+    rows = []
+    for inputs, labels in loader:
+        assert inputs["input"].shape == inputs["positions"].shape == labels.shape == (48,)
+        assert inputs["input"][1:].tolist() == labels[:-1].tolist()
+        cu = inputs["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == 48 and inputs["seq_lens"].ndim == 1
+        assert cu[:-1] == (inputs["positions"] == 0).nonzero().view(-1).tolist()
+        rows.append([*inputs["input"].tolist(), int(labels[-1])])
+    assert sorted(t for row in rows for t in row if t > BOS) == tokens
+    assert loader.describe()["seq_length"] == 48 and loader.describe()["batch_size"] == 1
+    assert loader.describe()["max_context_length (not applied)"] == 64
+
+
+def test_token_budget_and_boundary_settings_are_checked(tmp_path: Path) -> None:
+    config = _loader_config(str(tmp_path), 0)
+    with pytest.raises(ValueError, match=r"needs seq_len and local_batch_size .* or num_tokens"):
+        config.build(dp_world_size=1, dp_rank=0, tokenizer=None)
+    config.token_budget = 32
+    with pytest.raises(ValueError, match=r"Config token_budget=32 but the trainer"):
+        config.build(dp_world_size=1, dp_rank=0, num_tokens_per_batch=64)
+    config.boundaries = ("cu_seqlens", "segment_ids")
+    with pytest.raises(ValueError, match=r"boundaries=.*not boundary keys \['segment_ids'\]"):
+        config.build(dp_world_size=1, dp_rank=0)

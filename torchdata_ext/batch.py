@@ -27,9 +27,22 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ALL_KEYS", "HF_KEYS", "BatchGroup", "PackedBatch", "layout_runs", "loss_mask"]
+__all__ = [
+    "ALL_KEYS",
+    "BOUNDARY_KEYS",
+    "HF_KEYS",
+    "BatchGroup",
+    "PackedBatch",
+    "boundaries",
+    "layout_runs",
+    "loss_mask",
+    "position_starts",
+    "segment_starts",
+]
 
-ALL_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
+BOUNDARY_KEYS = ("seq_lens", "cu_seqlens", "max_seqlen")
+"""The document-boundary keys (see :func:`boundaries`), built only when asked for."""
+ALL_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels", *BOUNDARY_KEYS)
 HF_KEYS = ("input_ids", "labels", "position_ids")  # a causal LM with packed attention
 
 
@@ -68,6 +81,67 @@ def layout_runs(
     if "document_ids" in out:
         flat = ids.repeat(lens)
         out["document_ids"][...] = flat.reshape(rows, size)[:, :n]
+
+
+def boundaries(flat: np.ndarray, rows: int, n: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """The document boundaries of a batch, for variable-length attention: the keys of
+    :data:`BOUNDARY_KEYS` that ``keys`` names.
+
+    A row is cut into *segments*, the runs Pack emitted: each document's run in the row (what
+    one ``document_ids`` value covers, where ``position_ids`` count from 0), and, each a segment
+    of its own, the line specials ``bol`` / ``eol`` and the padding (``document_ids`` -1). The
+    segments of a row tile its ``L`` input tokens; with ``shift`` the boundaries are those of
+    ``input_ids`` (``labels[t]`` at a segment's last token is the first token of the next
+    segment, as ``loss_mask`` has always left it).
+
+    * ``seq_lens``: int32 ``[B, S]``, row ``i``'s segment lengths in order, then zeros
+      (``S``: the most segments of a row in this batch); each row's lengths sum to ``L``;
+    * ``cu_seqlens``: int32 ``[N + 1]``, the cumulative lengths of all ``N`` segments of the
+      batch flattened row by row (``0 .. B * L``), flash-attention's varlen layout;
+    * ``max_seqlen``: int32 0-d, the longest segment (``int(batch["max_seqlen"])``).
+
+    Args:
+        flat: where the segments start: increasing offsets into the ``rows * n`` tokens laid
+            end to end, every ``i * n`` among them (:func:`segment_starts`,
+            :func:`position_starts`).
+        rows: ``B``, the rows of the batch.
+        n: ``L``, tokens per row.
+        keys: the keys wanted (others are ignored).
+    """
+    cu = np.empty(len(flat) + 1, np.int32)
+    cu[:-1] = flat
+    cu[-1] = rows * n
+    lens = np.diff(cu)
+    out: dict[str, np.ndarray] = {}
+    if "seq_lens" in keys:
+        counts = np.bincount(cu[:-1] // max(n, 1), minlength=rows)
+        width = int(counts.max()) if rows else 0
+        seq = np.zeros((rows, width), np.int32)
+        seq[np.arange(width) < counts[:, None]] = lens
+        out["seq_lens"] = seq
+    if "cu_seqlens" in keys:
+        out["cu_seqlens"] = cu
+    if "max_seqlen" in keys:
+        out["max_seqlen"] = np.array(lens.max() if len(lens) else 0, np.int32)
+    return out
+
+
+def segment_starts(cuts: np.ndarray, size: int, n: int) -> np.ndarray:
+    """Where the segments of :func:`boundaries` start, from run starts ``cuts`` (increasing
+    offsets into rows of ``size`` tokens laid end to end, see :func:`layout_runs`): the runs
+    that start in a row's first ``n`` tokens, as offsets into rows of ``n`` laid end to end."""
+    row, at = np.divmod(np.asarray(cuts, np.int64), size)
+    keep = at < n
+    return row[keep] * n + at[keep]
+
+
+def position_starts(position_ids: np.ndarray) -> np.ndarray:
+    """Where the segments of :func:`boundaries` start, from Pack's ``position_ids``
+    ``[B, L]`` (a run's positions count from 0 at its start; column 0 always starts one), as
+    offsets into the ``B * L`` tokens laid end to end."""
+    starts = np.asarray(position_ids) == 0
+    starts[:, 0] = True
+    return np.flatnonzero(starts)
 
 
 def loss_mask(pad: np.ndarray, n: int, shift: bool) -> np.ndarray:
@@ -156,6 +230,10 @@ class PackedBatch:
                 out[key] = torch.from_numpy(arrays[key])
         if self.provenance is not None and "provenance" in keys:
             out["provenance"] = torch.from_numpy(self.provenance)
+        if any(k in keys for k in BOUNDARY_KEYS):
+            flat = segment_starts(self.cuts, size, n)
+            for key, a in boundaries(flat, rows, n, keys).items():
+                out[key] = torch.from_numpy(a)
         return {k: out[k] for k in keys if k in out}
 
 

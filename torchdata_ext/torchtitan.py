@@ -19,7 +19,18 @@ The pipeline config (a :class:`~torchdata_ext.pipeline.config.PipelineConfig` as
 URL, and/or ``fields``) says the datasets, weights, formats and URLs; the trainer's ``seq_len``
 and ``local_batch_size`` replace its ``seq_length`` and ``batch_size``. Each batch is
 ``({"input": input_ids, "positions": position_ids}, labels)``: what torchtitan's training step
-takes (positions restart at each document, for per-document attention masks).
+takes. Positions restart at 0 at each run Pack emitted (each document's part of a row, and the
+line specials and padding each on their own), which is where torchtitan 0.3's flex and varlen
+attention find the documents (``positions == 0``): its masks are exactly the boundaries of
+:func:`torchdata_ext.batch.boundaries`, never an EOS scan. ``Config.boundaries`` adds those keys
+to the input dict for trainers that take them (torchtitan 0.3's passes every key but ``input``
+to the model's ``forward``, so leave it empty there).
+
+Token-budget mode (the shape of torchtitan's next, Grain-based data API): with
+``num_tokens_per_batch=T`` (the keyword ``build`` passes, or the config's ``token_budget``)
+each batch is one row of ``T`` tokens without a batch dimension,
+``({"input": [T], "positions": [T]}, labels[T])``, the documents' boundaries in ``positions``
+(and in ``Config.boundaries``' keys).
 
 Requires torchtitan (``pip install "torchdata-ext[torchtitan]"``, Python >= 3.11).
 """
@@ -42,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "(torchtitan>=0.3, Python >= 3.11)"
     ) from exc
 
+from torchdata_ext.batch import BOUNDARY_KEYS
 from torchdata_ext.checkpoint.dcp import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
@@ -54,10 +66,16 @@ _KEYS = ["input_ids", "labels", "position_ids"]
 
 
 def pipeline_config(
-    pipeline: str, fields: dict[str, Any], *, seq_len: int, local_batch_size: int
+    pipeline: str,
+    fields: dict[str, Any],
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    boundaries: tuple[str, ...] = (),
 ) -> PipelineConfig:
     """The pipeline config of a :class:`TokenDataLoader`: file ``pipeline`` (if any), then
-    ``fields``, then the trainer's sequence length and batch size.
+    ``fields``, then the trainer's sequence length (tokens per row) and batch size (rows), and
+    the ``boundaries`` keys (:data:`~torchdata_ext.batch.BOUNDARY_KEYS`) asked for.
 
     Raises:
         ValueError: neither a file nor fields, or a field the pipeline does not know.
@@ -75,7 +93,7 @@ def pipeline_config(
             "seq_length": seq_len,
             "batch_size": local_batch_size,
             "shift": True,
-            "output_keys": _KEYS,
+            "output_keys": [*_KEYS, *boundaries],
         }
     )
 
@@ -93,7 +111,14 @@ class TokenDataLoader(BaseDataLoader):
             ``batch_degree`` and ``batch_rank``).
         tokenizer: the trainer's tokenizer; unused (the pipeline config names its tokenizer,
             which must give the model's token ids).
-        seq_len / local_batch_size: tokens per row and rows per batch.
+        seq_len / local_batch_size: tokens per row and rows per batch (torchtitan 0.3's
+            trainer passes them); not needed in token-budget mode.
+        num_tokens_per_batch: token-budget mode: one row of this many tokens per batch,
+            without a batch dimension (torchtitan's next data API passes it; or set
+            ``Config.token_budget``).
+        max_context_length: torchtitan's next data API's longest document context; recorded
+            (:meth:`describe`) but not applied: a document longer than the row continues in
+            the next row, where its positions restart at 0.
         snapshot_every_n_steps: unused: the state is exact at every step and costs nothing.
     """
 
@@ -117,6 +142,18 @@ class TokenDataLoader(BaseDataLoader):
         allow_changed_files: bool = False
         """On restore, log data files changed since the save instead of refusing them."""
 
+        token_budget: int = 0
+        """Token-budget mode: each batch one row of this many tokens, without a batch
+        dimension (0: rows of the trainer's ``seq_len``, ``local_batch_size`` of them). The
+        ``num_tokens_per_batch`` that torchtitan's next data API passes to ``build`` sets it
+        too (torchtitan refuses a ``build`` keyword that is also a config field, hence the
+        other name)."""
+
+        boundaries: tuple[str, ...] = ()
+        """Document-boundary keys to add to the input dict, out of ``seq_lens``,
+        ``cu_seqlens``, ``max_seqlen`` (int32; see ``docs/trainers.md``), for trainers that
+        take them. Empty for torchtitan 0.3's trainer: it hands every input key to the model."""
+
     def __init__(
         self,
         config: Config,
@@ -124,18 +161,40 @@ class TokenDataLoader(BaseDataLoader):
         dp_world_size: int,
         dp_rank: int,
         tokenizer: Any = None,
-        seq_len: int,
-        local_batch_size: int,
+        seq_len: int | None = None,
+        local_batch_size: int | None = None,
+        num_tokens_per_batch: int | None = None,
+        max_context_length: int | None = None,
         snapshot_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.config = config
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.max_context_length = max_context_length
+        self.tokens_per_batch = _tokens_per_batch(config, num_tokens_per_batch)
+        bad = [k for k in config.boundaries if k not in BOUNDARY_KEYS]
+        if bad or isinstance(config.boundaries, str):
+            raise ValueError(
+                f"TokenDataLoader.Config boundaries={config.boundaries!r}: not boundary keys "
+                f"{bad}; choose a tuple out of {BOUNDARY_KEYS}"
+            )
+        if self.tokens_per_batch:
+            seq_len, local_batch_size = self.tokens_per_batch, 1
+        elif seq_len is None or local_batch_size is None:
+            raise ValueError(
+                f"TokenDataLoader needs seq_len and local_batch_size (got {seq_len=}, "
+                f"{local_batch_size=}), or num_tokens_per_batch for one row of that many "
+                "tokens per batch"
+            )
         fields = dict(config.fields)
         if config.dataset_path:
             fields.setdefault("data_path", config.dataset_path)
         self.pipeline = pipeline_config(
-            config.pipeline, fields, seq_len=seq_len, local_batch_size=local_batch_size
+            config.pipeline,
+            fields,
+            seq_len=seq_len,
+            local_batch_size=local_batch_size,
+            boundaries=tuple(config.boundaries),
         )
         self.loader = TokenLoader(
             functools.partial(_build, self.pipeline),
@@ -151,8 +210,17 @@ class TokenDataLoader(BaseDataLoader):
         )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        extra = tuple(self.config.boundaries)
+        row = bool(self.tokens_per_batch)
         for batch in self.loader:
-            yield {"input": batch["input_ids"], "positions": batch["position_ids"]}, batch["labels"]
+            inputs = {"input": batch["input_ids"], "positions": batch["position_ids"]}
+            labels = batch["labels"]
+            if row:  # one row of T tokens, no batch dimension
+                inputs = {k: v[0] for k, v in inputs.items()}
+                labels = labels[0]
+            for key in extra:
+                inputs[key] = batch[key][0] if row and key == "seq_lens" else batch[key]
+            yield inputs, labels
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's entries (saving), or the entries it reads (inside ``dcp.load``); see
@@ -166,5 +234,25 @@ class TokenDataLoader(BaseDataLoader):
         self._state.load_state_dict(state_dict)
 
     def describe(self) -> dict[str, Any]:
-        """The pipeline this loader runs, as plain fields (for logs)."""
-        return dataclasses.asdict(self.pipeline)
+        """The pipeline this loader runs, as plain fields (for logs), and the trainer's
+        ``max_context_length`` if it passed one (not applied)."""
+        out = dataclasses.asdict(self.pipeline)
+        if self.max_context_length is not None:
+            out["max_context_length (not applied)"] = self.max_context_length
+        return out
+
+
+def _tokens_per_batch(config: TokenDataLoader.Config, passed: int | None) -> int:
+    """The token-budget mode's row length (0: off), from the config and/or ``build``."""
+    mine = config.token_budget
+    for name, value in (("Config.token_budget", mine), ("num_tokens_per_batch", passed)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}={value!r} must be an integer number of tokens")
+        if value is not None and value < 0:
+            raise ValueError(f"{name}={value} must be >= 0 tokens (0: rows of seq_len)")
+    if passed and mine and passed != mine:
+        raise ValueError(
+            f"TokenDataLoader.Config token_budget={mine} but the trainer passed "
+            f"num_tokens_per_batch={passed}; set one of them"
+        )
+    return int(passed or mine)

@@ -19,6 +19,10 @@ an uninterrupted run guarantees, and so every rescaled one must:
   delivered exactly once;
 * with ``ordered`` (no shuffle buffer, one stream per worker), a document's pieces come in
   order within each stream;
+* (:func:`boundary_problems`) a row's document boundaries (``seq_lens``) tile its inputs and
+  cut exactly where its provenance pieces say: between two documents, around each line
+  special and the padding, between two pieces of one document that are not contiguous, and
+  nowhere else (a BOS and an EOS stay with their own document's piece);
 * with ``budget``: what is delivered of each document is a prefix of it, and a piece that
   does not end its document may be followed by other documents in its row (a budget's cut
   ends a phase mid-document; after a rescale the rest may come from another worker) (a budget cuts a
@@ -35,7 +39,7 @@ import numpy as np
 
 from torchdata_ext.provenance import LITERAL, PAD, literal_owner
 
-__all__ = ["RowRules", "row_problems"]
+__all__ = ["RowRules", "boundary_problems", "row_problems"]
 
 Key = tuple[str, int, int]  # (dataset, file, doc)
 
@@ -234,3 +238,58 @@ def _count_problems(
 
 def _some(d: dict[Key, int]) -> dict[Key, int]:
     return dict(sorted(d.items())[:5])
+
+
+def boundary_problems(
+    where: str, prov: np.ndarray, names: Sequence[str], seq_lens: np.ndarray, width: int
+) -> list[str]:
+    """How one row's boundaries ``seq_lens`` (the ``seq_lens`` output key of the row: segment
+    lengths, then zeros) disagree with its provenance table ``prov`` (empty: they agree).
+
+    Args:
+        where: names the row in the messages.
+        prov: the row's ``(k, 5)`` provenance table (rows of length 0 are skipped).
+        names: the dataset names its dataset ids index.
+        seq_lens: the row's segment lengths.
+        width: the row's input tokens (``seq_len``; the provenance covers one more with
+            ``shift``).
+    """
+    lens = [int(n) for n in np.asarray(seq_lens).tolist()]
+    used = lens[: next((i for i, n in enumerate(lens) if n == 0), len(lens))]
+    if sum(used) != width or any(lens[len(used) :]):
+        return [f"{where}: seq_lens {lens} do not tile the row's {width} tokens, then zeros"]
+    starts = set(np.cumsum([0, *used[:-1]]).tolist())
+    # each input token: (unit, key, kind, offset): unit tells line specials and the padding
+    # row apart; key is the document a content token belongs to (a BOS/EOS: its owner)
+    toks: list[tuple[int, Any, str, int]] = []
+    for u, row in enumerate(np.asarray(prov).tolist()):
+        ds, tok, doc, start, n = row
+        if n == 0:
+            continue
+        owner = literal_owner(row)
+        if ds >= 0:
+            toks.extend((-1, (names[ds], tok, doc), "D", start + i) for i in range(n))
+        elif owner is not None:
+            kind = "E" if toks and toks[-1][1] == (names[owner[0]], *owner[1:]) else "B"
+            toks.append((-1, (names[owner[0]], owner[1], owner[2]), kind, 0))
+        else:  # a line special or the padding: a segment of its own
+            toks.extend((u, None, "L", 0) for _ in range(n))
+    if len(toks) < width:
+        return [f"{where}: the provenance covers {len(toks)} tokens, not the row's {width}"]
+    out = []
+    for t in range(1, width):
+        (pu, pk, pkind, pa), (cu, ck, ckind, ca) = toks[t - 1], toks[t]
+        if pkind == "L" or ckind == "L":
+            cut = pu != cu or pkind != ckind
+        elif pk != ck:
+            cut = True
+        elif pkind == "D" and ckind == "D":
+            cut = ca != pa + 1
+        elif ckind == "B":
+            cut = True
+        else:  # a BOS before its document, an EOS after it
+            cut = False
+        if cut != (t in starts):
+            what = "a cut" if cut else "no cut"
+            out.append(f"{where}: token {t} ({toks[t - 1]} | {toks[t]}) needs {what}, {lens}")
+    return out

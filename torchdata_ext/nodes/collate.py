@@ -10,7 +10,13 @@ import torch
 from torch.utils.data import get_worker_info
 from torchdata.nodes import BaseNode
 
-from torchdata_ext.batch import PackedBatch
+from torchdata_ext.batch import (
+    BOUNDARY_KEYS,
+    PackedBatch,
+    boundaries,
+    position_starts,
+    segment_starts,
+)
 from torchdata_ext.nodes.pack import PackedSequence
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
 
@@ -41,7 +47,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             items of a batch but not others is an error. ``"provenance"`` (dropped unless
             listed) comes out as ``int64`` ``[B, k_max, 5]``, shorter tables filled with rows of
             length 0 (``[LITERAL, 0, 0, 0, 0]``, which read as no tokens: drop them with
-            ``prov[prov[:, 4] > 0]`` before ``Pack.rebuild``).
+            ``prov[prov[:, 4] > 0]`` before ``Pack.rebuild``). The document boundaries for
+            variable-length attention, ``seq_lens`` / ``cu_seqlens`` / ``max_seqlen``
+            (int32, see :func:`~torchdata_ext.batch.boundaries`), come from the runs Pack
+            emitted (a source of dicts: from their ``position_ids``, a segment starting where
+            they are 0); they cost nothing when not listed.
 
     State: ``{"source": <upstream state>}``. A batch is built within one call, so between calls
     the upstream sits at a batch boundary. Resume guarantee: restoring continues with exactly
@@ -125,7 +135,10 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             if key == "provenance":
                 out[key] = _stack_provenance([it[key] for it in items])
                 continue
-            out[key] = self._stack(key, [it[key] for it in items])
+            if key not in BOUNDARY_KEYS:
+                out[key] = self._stack(key, [it[key] for it in items])
+        if any(k in self.keys for k in BOUNDARY_KEYS):
+            out.update(self._boundaries_of_dicts(items))
         if get_worker_info() is None:
             return {k: torch.from_numpy(a) for k, a in out.items()}
         arrays, tensors = _one_storage({k: (a.shape, a.dtype) for k, a in out.items()})
@@ -160,7 +173,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         row_runs = np.zeros(len(items) + 1, np.int32)
         np.cumsum(counts, out=row_runs[1:])
         produced = tuple(self.source.output_keys)
-        keys = tuple(k for k in self.keys if k in produced)
+        keys = tuple(k for k in self.keys if k in produced or k in BOUNDARY_KEYS)
         return PackedBatch(
             torch.from_numpy(tokens),
             np.fromiter(
@@ -202,21 +215,43 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                     f"item {i} packs {len(item.tokens)} tokens but item 0 packs "
                     f"{len(items[0].tokens)}; Collate stacks sequences of one length"
                 )
+        bounds: dict[str, np.ndarray] = {}
+        if any(k in self.keys for k in BOUNDARY_KEYS):
+            size = len(items[0].tokens)
+            cuts = np.fromiter(
+                (c + i * size for i, it in enumerate(items) for c in it.cuts), np.int64
+            )
+            bounds = boundaries(segment_starts(cuts, size, width), len(items), width, self.keys)
         specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for key in self.keys:
             if key == "provenance" and key in produced:
                 rows = max(len(it.provenance) for it in items)
                 specs[key] = ((len(items), rows, PROV_COLUMNS), np.dtype(np.int64))
+            elif key in bounds:
+                specs[key] = (bounds[key].shape, bounds[key].dtype)
             elif key in produced:
                 dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
                 specs[key] = ((len(items), width), dt)
         arrays, tensors = _one_storage(specs)
         self.source.materialize_batch_into(
-            items, {k: a for k, a in arrays.items() if k != "provenance"}
+            items, {k: a for k, a in arrays.items() if k != "provenance" and k not in bounds}
         )
         if "provenance" in arrays:
             _stack_provenance([it.provenance for it in items], out=arrays["provenance"])
+        for key, a in bounds.items():
+            arrays[key][...] = a
         return tensors
+
+    def _boundaries_of_dicts(self, items: list[Any]) -> dict[str, np.ndarray]:
+        """The boundary keys of a batch of dicts, from their ``position_ids``."""
+        if not all("position_ids" in it for it in items):
+            raise KeyError(
+                f"keys={self.keys!r} asks for document boundaries, which Collate reads from "
+                "each item's 'position_ids' (0 where a document starts); this source gives "
+                "items without it: collate Pack's output"
+            )
+        pos = self._stack("position_ids", [it["position_ids"] for it in items])
+        return boundaries(position_starts(pos), len(pos), pos.shape[1], self.keys)
 
     def _stack(self, key: str, arrays: list[np.ndarray]) -> np.ndarray:
         width = len(arrays[0])

@@ -24,7 +24,7 @@ import numpy as np
 
 from torchdata_ext.batch import layout_runs, loss_mask
 from torchdata_ext.nodes.stream import Specials, Stream, StreamPart
-from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.provenance import LITERAL, PAD, literal_code
 
 __all__ = ["PackedSequence"]
 
@@ -153,13 +153,14 @@ class Layout:
 
     def _continues(self, prev: list[int], cur: list[int]) -> bool:
         """:meth:`layout`'s rule for two content rows: whether ``cur`` continues the run of
-        ``prev`` (an EOS does; a document row does after a BOS or the contiguous previous piece
+        ``prev`` (an EOS does, unless it names another document than ``prev``'s: a lone EOS a
+        rescale handed back; a document row does after a BOS or the contiguous previous piece
         of its document; a BOS never does)."""
         bos = self._bos_role
         if bos is not None and cur[0] == LITERAL and cur[1] == bos:
             return False
         if cur[0] < 0:
-            return True
+            return bool(_same_owner(np.array([prev]), np.array([cur]))[0])
         if bos is not None and prev[0] == LITERAL and prev[1] == bos:
             return True
         return prev[0] >= 0 and prev[:3] == cur[:3] and cur[3] == prev[3] + prev[4]
@@ -180,11 +181,12 @@ class Layout:
                 & (cur[:, 3] == prev[:, 3] + prev[:, 4])
             )
             starts = np.ones(len(rows), bool)
+            lone = ~is_data[1:] & ~_same_owner(prev, cur)  # an EOS of another document
             if self._bos_role is not None:
                 is_bos = (ds == LITERAL) & (rows[:, 1] == self._bos_role)
-                starts[1:] = is_bos[1:] | (is_data[1:] & ~is_bos[:-1] & ~same_doc)
+                starts[1:] = is_bos[1:] | (is_data[1:] & ~is_bos[:-1] & ~same_doc) | lone
             else:
-                starts[1:] = is_data[1:] & ~same_doc
+                starts[1:] = (is_data[1:] & ~same_doc) | lone
             s.run_at = s.row_off[:-1][starts].tolist()
         return s.run_at
 
@@ -323,7 +325,8 @@ class Layout:
             & (cur[:, :3] == prev[:, :3]).all(axis=1)
             & (cur[:, 3] == prev[:, 3] + prev[:, 4])
         )
-        continues = content[:-1] & ~is_bos[1:] & (~is_data[1:] | is_bos[:-1] | same_doc)
+        eos_goes_on = ~is_data[1:] & _same_owner(prev, cur)
+        continues = content[:-1] & ~is_bos[1:] & (eos_goes_on | is_bos[:-1] | same_doc)
         starts = content.copy()
         starts[1:] &= ~continues
         row_off = np.zeros(len(rows) + 1, np.int64)
@@ -333,3 +336,11 @@ class Layout:
         doc_row = np.where(content, starts.cumsum(dtype=np.int32) - 1, -1).astype(np.int32)
         pos = self._arange - base.repeat(lens)
         return pos, doc_row.repeat(lens), (ds != PAD).repeat(lens)
+
+
+def _same_owner(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """Per pair of provenance rows, for ``cur`` a BOS/EOS row: whether it names the document
+    of ``prev`` (a document row, or a BOS/EOS row naming one), or names none (written before
+    literals were named, or a line special)."""
+    code = np.where(prev[:, 0] >= 0, literal_code(prev[:, 0], prev[:, 1]), prev[:, 3])
+    return (cur[:, 3] >= 0) | ((code == cur[:, 3]) & (prev[:, 2] == cur[:, 2]))

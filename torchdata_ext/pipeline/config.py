@@ -182,7 +182,9 @@ class PipelineConfig:
             named dataset's tokens for the run. None: no budget.
         max_documents: the same in documents (whole documents; counted at their start).
         output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
-            ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``.
+            ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``,
+            and the document boundaries ``seq_lens``, ``cu_seqlens``, ``max_seqlen``
+            (:func:`torchdata_ext.batch.boundaries`, ``docs/trainers.md``).
             Default: what a Hugging Face causal LM with packed-sequence attention consumes
             (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
             tokens and document runs cross; these keys are built in the training process.
