@@ -247,3 +247,19 @@ def test_config_errors_name_the_field(cfg) -> None:
 
     root.reset()
     assert [st["dataset"] for st in reader_states(root.state_dict()).values()] == ["code"]
+
+
+def test_whole_batch_boundary_keys_are_refused(tmp_path):
+    """cu_seqlens and max_seqlen describe a whole batch: an EvalLoader's padding rows would
+    make them wrong, so they are refused by name (seq_lens, per row, is padded with zeros)."""
+    import dataclasses
+
+    import pytest
+
+    from torchdata_ext import EvalLoader, PipelineConfig
+
+    cfg = PipelineConfig(data_path=str(tmp_path), datasets=["x"], seq_length=8, batch_size=2)
+    for key in ("cu_seqlens", "max_seqlen"):
+        bad = dataclasses.replace(cfg, output_keys=("input_ids", key))
+        with pytest.raises(ValueError, match=f"output_keys \\['{key}'\\].*use 'seq_lens'"):
+            EvalLoader(bad)

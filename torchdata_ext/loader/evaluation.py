@@ -77,6 +77,12 @@ class EvalLoader:
         if equal_batches is not None and not isinstance(equal_batches, bool):
             raise TypeError(f"{equal_batches=} must be True, False or None")
         keys = list(cfg.output_keys)
+        flat = [k for k in ("cu_seqlens", "max_seqlen") if k in keys]
+        if flat:  # whole-batch values: padding rows (and row_mask) cannot be appended to them
+            raise ValueError(
+                f"output_keys {flat}: an EvalLoader pads its batches with rows, which these "
+                "whole-batch keys cannot take; use 'seq_lens' (per row) or position_ids"
+            )
         if "loss_mask" not in keys:
             keys.append("loss_mask")
         self.cfg = dataclasses.replace(cfg, output_keys=keys)
