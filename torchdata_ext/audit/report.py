@@ -96,7 +96,7 @@ from torchdata_ext.checkpoint.rescale import live_cut
 from torchdata_ext.checkpoint.restore import dataset_differs
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
-from torchdata_ext.pipeline.build import build_datasets, build_pipeline
+from torchdata_ext.pipeline.build import build_datasets, build_pipeline, mix_quantum_tokens
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.sources.fingerprint import check_data_files, compared
@@ -134,6 +134,9 @@ class AuditReport:
             checked (``verify=False``).
         verified: with ``verify``, what was compared (how many files, which parts of each);
             None without.
+        mix_note: one line when a dataset's token share is 5 points or more off its target:
+            which dataset, and why (the mix's quantum and the longest document, per worker;
+            or what else moves shares); None when every share is closer.
     """
 
     checkpoint: str
@@ -145,6 +148,7 @@ class AuditReport:
     lagging_batches: int
     changed_files: list[str] | None = None
     verified: str | None = None
+    mix_note: str | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,16 +298,19 @@ def audit_checkpoint(
     held = {name: Held(ix, lengths[name]) for name, ix in datasets.items()}
     live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay)
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
+    audits = _with_token_shares(audits)
+    workers = int(manifest["world_size"]) * max(1, int(manifest["num_workers"]))
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
         num_workers=int(manifest["num_workers"]),
         seed=cfg.seed,
-        datasets=_with_token_shares(audits),
+        datasets=audits,
         replayed=replay,
         lagging_batches=lagging,
         changed_files=changed,
         verified=verified,
+        mix_note=mix_note(cfg, audits, lengths, workers),
         _cursors=cursors,
     )
 
@@ -470,6 +477,72 @@ def _with_token_shares(audits: list[DatasetAudit]) -> list[DatasetAudit]:
     if total and None not in got:
         return [replace(a, token_share=(a.tokens_delivered or 0) / total) for a in audits]
     return audits
+
+
+FAR_OFF = 0.05
+"""How far (share of all tokens) a dataset's token share may be from its target before the
+audit says why (:func:`mix_note`)."""
+
+
+def mix_note(
+    cfg: PipelineConfig,
+    audits: list[DatasetAudit],
+    lengths: Mapping[str, np.ndarray | None],
+    workers: int,
+) -> str | None:
+    """One line on the dataset whose token share is furthest off its target, when that is
+    :data:`FAR_OFF` or more, saying why; None otherwise.
+
+    Args:
+        cfg: the pipeline config (its ``interleave_mode`` and ``mix_quantum_tokens``).
+        audits: the datasets' audits, token shares set.
+        lengths: tokens per document of each dataset (None where unknown: text).
+        workers: ranks x workers of the checkpoint (each mixes on its own).
+    """
+    gaps = {
+        a.name: (a.token_share, a.target_share)
+        for a in audits
+        if a.token_share is not None and a.target_share is not None
+    }
+    if not gaps:
+        return None
+    name = max(gaps, key=lambda n: abs(gaps[n][0] - gaps[n][1]))
+    share, target = gaps[name]
+    gap = abs(share - target)
+    if gap < FAR_OFF:
+        return None
+    total = sum(a.tokens_delivered or 0 for a in audits)
+    head = (
+        f"mix: {name} has {100 * share:.1f}% of the tokens delivered against its "
+        f"{100 * target:.1f}% target"
+    )
+    if cfg.interleave_mode == "samples":
+        return (
+            f"{head}: interleave_mode 'samples' draws documents by weight, so token shares "
+            "follow the datasets' document lengths; 'tokens' mixes by tokens (docs/pipeline.md)"
+        )
+    known = [x for x in lengths.values() if x is not None and len(x)]
+    longest = max((int(x.max()) for x in known), default=None)
+    quantum = mix_quantum_tokens(cfg)
+    if longest is None:
+        return (
+            f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
+            "+ its longest document (text: length unknown) past a share, as documents are never "
+            "split between datasets; the gap closes as delivery goes on (docs/pipeline.md)"
+        )
+    bound = workers * (quantum + longest)
+    if gap * total <= bound:
+        return (
+            f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
+            f"+ its longest document ({longest:,} tokens) past a share, as documents are never "
+            f"split between datasets: up to {bound:,} of the {total:,} tokens delivered so far; "
+            "the gap closes as delivery goes on (docs/pipeline.md)"
+        )
+    return (
+        f"{head}, more than mix_quantum_tokens ({quantum:,}) and the longest document "
+        f"({longest:,} tokens) explain: a dataset that ran out (epochs), a weight change or "
+        "a budget (max_tokens) moves shares too (docs/pipeline.md)"
+    )
 
 
 def _as_config(cfg: Any) -> PipelineConfig:
