@@ -535,7 +535,7 @@ def mix_note(
         return (
             f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
             f"+ its longest document ({longest:,} tokens) past a share, as documents are never "
-            f"split between datasets: up to {bound:,} of the {total:,} tokens delivered so far; "
+            f"split between datasets (up to {bound:,} tokens here, {total:,} delivered so far); "
             "the gap closes as delivery goes on (docs/pipeline.md)"
         )
     return (
