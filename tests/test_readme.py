@@ -9,7 +9,10 @@ line before its fence may hold a marker the test reads:
 * ``<!-- test: skip: REASON -->``: not run (the test is reported skipped with the reason): the
   block needs what a test cannot have (an S3 bucket, the user's model) or is a fragment.
 
-A block without a marker runs with nothing prepared.
+A block without a marker runs with nothing prepared. Python in any other fence (``py``, an
+unlabelled fence opening with ``import``) would run nowhere, and a marker before anything but
+a ``python`` fence would be ignored: both fail :func:`test_python_is_only_in_python_blocks`
+and :func:`test_markers_sit_right_before_a_python_block`.
 """
 
 from __future__ import annotations
@@ -122,6 +125,46 @@ SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "raw_jsonl": _raw_jsonl,
     "spike_run": _spike_run,
 }
+
+
+_ANY_FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```$", re.M | re.S)
+_PYTHON_START = re.compile(r"^(import \w|from [\w.]+ import |def \w|class \w|>>> )")
+
+
+def _guide() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_python_is_only_in_python_blocks() -> None:
+    """Every block of Python in the guide is fenced ``python`` (so :func:`blocks` runs it or
+    its marker says why not): no ``py`` / ``python3`` / ``pycon`` fence, no unlabelled fence
+    whose first line is Python."""
+    wrong = []
+    for path in _guide():
+        text = path.read_text(encoding="utf-8")
+        for m in _ANY_FENCE.finditer(text):
+            info, body = m.group(2).strip(), m.group(3)
+            first = next((row.strip() for row in body.splitlines() if row.strip()), "")
+            if info.lower() in ("py", "python3", "pycon", "ipython") or (
+                info == "" and _PYTHON_START.match(first)
+            ):
+                wrong.append(f"{path.name}:{text.count(chr(10), 0, m.start()) + 1} ({info!r})")
+    assert not wrong, f"Python outside a ```python fence, never run: {wrong}"
+
+
+def test_markers_sit_right_before_a_python_block() -> None:
+    """A ``<!-- test: ... -->`` marker line is the line just before a ``python`` fence
+    (anywhere else it would be ignored, and its block run unprepared or its skip lost); a
+    marker quoted in prose (in backticks) is not one."""
+    lost = []
+    for path in _guide():
+        rows = path.read_text(encoding="utf-8").splitlines()
+        for i, row in enumerate(rows):
+            if row.lstrip().startswith("<!-- test:") and not (
+                _MARKER.search(row) and i + 1 < len(rows) and rows[i + 1].strip() == "```python"
+            ):
+                lost.append(f"{path.name}:{i + 1}")
+    assert not lost, f"test markers not right before a ```python fence: {lost}"
 
 
 def test_markers_name_known_setups() -> None:

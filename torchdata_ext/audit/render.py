@@ -85,6 +85,8 @@ def format_table(report: AuditReport) -> str:
         "back by a rescale); token share: of the tokens delivered (consumed - in flight, all "
         "epochs), against the target weight"
     )
+    if report.mix_note:
+        lines.append(report.mix_note)
     if report.changed_files:
         lines.append(
             f"CHANGED data files since the checkpoint ({len(report.changed_files)}): "

@@ -94,6 +94,7 @@ from torchdata_ext.audit.consumption import (
     document_rows,
     training_side,
 )
+from torchdata_ext.audit.mix_note import mix_note
 from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
 from torchdata_ext.checkpoint.dcp_read import read_dcp_manifest, read_dcp_worker_states
 from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
@@ -141,6 +142,9 @@ class AuditReport:
             checked (``verify=False``).
         verified: with ``verify``, what was compared (how many files, which parts of each);
             None without.
+        mix_note: one line when a dataset's token share is 5 points or more off its target:
+            which dataset, and why (the mix's quantum and the longest document, per worker;
+            or what else moves shares); None when every share is closer.
     """
 
     checkpoint: str
@@ -152,6 +156,7 @@ class AuditReport:
     lagging_batches: int
     changed_files: list[str] | None = None
     verified: str | None = None
+    mix_note: str | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,17 +313,19 @@ def audit_checkpoint(
     skipped: list[list[Any]] = []
     live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay, skipped=skipped)
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
-    audits = _with_step_skips(audits, skipped, datasets, held)
+    audits = _with_token_shares(_with_step_skips(audits, skipped, datasets, held))
+    mixers = int(manifest["world_size"]) * max(1, int(manifest["num_workers"]))
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
         num_workers=int(manifest["num_workers"]),
         seed=cfg.seed,
-        datasets=_with_token_shares(audits),
+        datasets=audits,
         replayed=replay,
         lagging_batches=lagging,
         changed_files=changed,
         verified=verified,
+        mix_note=mix_note(cfg, audits, lengths, mixers),
         _cursors=cursors,
     )
 

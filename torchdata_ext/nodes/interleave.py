@@ -100,10 +100,13 @@ class Interleave(BaseNode[DocumentBlock]):
             proportional to its weight (seeded).
         seed: the seed of the ``"samples"`` draws.
         quantum_tokens: ``"tokens"`` mode only: keep taking from the chosen source until it is
-            this many tokens past the next source's share (0, the default: decide document by
-            document, as Bamba). A few thousand tokens cuts the per-decision overhead when
+            this many tokens past the next source's share (0, the default here: decide
+            document by document, as Bamba; the pipeline's default is one sequence,
+            ``PipelineConfig.mix_quantum_tokens``). A run also ends at the end of the source's
+            current block (``block_docs`` documents), or of a document open there, where the
+            rule decides again. A few thousand tokens cuts the per-decision overhead when
             documents are short; any share stays within ``(quantum_tokens + longest document)
-            / tokens delivered`` of its target.
+            / tokens delivered`` of its target (documents are never split between sources).
 
     Raises:
         ValueError: no sources, a weight <= 0 (or not finite), a missing or extra weight, or an

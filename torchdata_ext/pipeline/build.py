@@ -37,7 +37,7 @@ from torchdata_ext.world import World
 if TYPE_CHECKING:
     from torchdata_ext.nodes.reader import ShardReader
 
-__all__ = ["build_datasets", "build_eval_pipeline", "build_pipeline"]
+__all__ = ["build_datasets", "build_eval_pipeline", "build_pipeline", "mix_quantum_tokens"]
 
 
 def build_datasets(cfg: PipelineConfig, world: World | None = None) -> dict[str, DatasetIndex]:
@@ -322,6 +322,14 @@ def _id_range(cfg: PipelineConfig, tokenizer: Any | None) -> tuple[int, str]:
     return top, f"the vocabulary of the tokenizer {ids.name} and the special ids of the config"
 
 
+def mix_quantum_tokens(cfg: PipelineConfig) -> int:
+    """The ``quantum_tokens`` (tokens) the mix of ``cfg`` runs with: ``cfg.mix_quantum_tokens``,
+    or one sequence (``cfg.seq_length``) when it is None (the default)."""
+    if cfg.mix_quantum_tokens is None:
+        return cfg.seq_length
+    return cfg.mix_quantum_tokens
+
+
 def _mix(
     cfg: PipelineConfig, sources: Mapping[str, BaseNode], world: World | None, evaluating: bool
 ) -> BaseNode:
@@ -337,7 +345,7 @@ def _mix(
             {n: w for n, w in weights.items() if n in sources},
             mode=cfg.interleave_mode,
             seed=cfg.seed,
-            quantum_tokens=cfg.mix_quantum_tokens,
+            quantum_tokens=mix_quantum_tokens(cfg),
         )
 
     if evaluating:

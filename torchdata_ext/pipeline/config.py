@@ -154,10 +154,14 @@ class PipelineConfig:
         interleave_mode: ``"tokens"`` (deterministic, furthest below target share first) or
             ``"samples"`` (random by weight).
         mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
-            next one's share before the mix switches (0: document by document). The default
-            (16 sequences of 4,096) keeps per-block overhead low; each share stays within
-            ``(mix_quantum_tokens + longest document) / tokens delivered`` of its target, and
-            after the shuffle buffer the order is mixed anyway.
+            next one's share before the mix switches (0: document by document). None, the
+            default: one sequence (``seq_length`` tokens), so the mix switches about once a
+            row and batches hold the weights from the first one. Each share stays within
+            ``(mix_quantum_tokens + longest document) / tokens delivered`` of its target per
+            worker: a document is never split between datasets, so one very long document
+            still delivers in one run (``docs/pipeline.md``, "How close the mix is"). The
+            default was 65,536 before; a checkpoint taken with that restores only with
+            ``mix_quantum_tokens=65536`` (refused by name otherwise).
         epochs: None for an endless stream; 1 for validation data.
         min_length: skip documents shorter than this many tokens.
         max_chunksize: cut token documents longer than this many tokens in the reader (bounds
@@ -240,7 +244,7 @@ class PipelineConfig:
     shuffle_buffer: int = 10_000
     shuffle_fill: Literal["stream", "full"] = "stream"
     interleave_mode: Literal["tokens", "samples"] = "tokens"
-    mix_quantum_tokens: int = 65_536
+    mix_quantum_tokens: int | None = None
     epochs: int | None = None
     min_length: int = 1
     max_chunksize: int | None = None

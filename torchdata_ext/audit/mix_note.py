@@ -1,0 +1,86 @@
+"""Why a dataset's token share is off its target: one line for the audit's table.
+
+In ``interleave_mode: tokens`` each worker may run ``mix_quantum_tokens`` plus its longest
+document past a dataset's share (documents are never split between datasets); the audit says
+so, with the bound in tokens, when a share is :data:`FAR_OFF` or more from its target, and
+names what else moves shares when the gap is larger than that (``docs/pipeline.md``, "How
+close the mix is").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from torchdata_ext.audit.consumption import DatasetAudit
+from torchdata_ext.pipeline.build import mix_quantum_tokens
+from torchdata_ext.pipeline.config import PipelineConfig
+
+__all__ = ["FAR_OFF", "mix_note"]
+
+
+FAR_OFF = 0.05
+"""How far (share of all tokens) a dataset's token share may be from its target before the
+audit says why (:func:`mix_note`)."""
+
+
+def mix_note(
+    cfg: PipelineConfig,
+    audits: list[DatasetAudit],
+    lengths: Mapping[str, np.ndarray | None],
+    workers: int,
+) -> str | None:
+    """One line on the dataset whose token share is furthest off its target, when that is
+    :data:`FAR_OFF` or more, saying why; None otherwise.
+
+    Args:
+        cfg: the pipeline config (its ``interleave_mode`` and ``mix_quantum_tokens``).
+        audits: the datasets' audits, token shares set.
+        lengths: tokens per document of each dataset (None where unknown: text).
+        workers: ranks x workers of the checkpoint (each mixes on its own).
+    """
+    gaps = {
+        a.name: (a.token_share, a.target_share)
+        for a in audits
+        if a.token_share is not None and a.target_share is not None
+    }
+    if not gaps:
+        return None
+    name = max(gaps, key=lambda n: abs(gaps[n][0] - gaps[n][1]))
+    share, target = gaps[name]
+    gap = abs(share - target)
+    if gap < FAR_OFF:
+        return None
+    total = sum(a.tokens_delivered or 0 for a in audits)
+    head = (
+        f"mix: {name} has {100 * share:.1f}% of the tokens delivered against its "
+        f"{100 * target:.1f}% target"
+    )
+    if cfg.interleave_mode == "samples":
+        return (
+            f"{head}: interleave_mode 'samples' draws documents by weight, so token shares "
+            "follow the datasets' document lengths; 'tokens' mixes by tokens (docs/pipeline.md)"
+        )
+    known = [x for x in lengths.values() if x is not None and len(x)]
+    longest = max((int(x.max()) for x in known), default=None)
+    quantum = mix_quantum_tokens(cfg)
+    if longest is None:
+        return (
+            f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
+            "+ its longest document (text: length unknown) past a share, as documents are never "
+            "split between datasets; the gap closes as delivery goes on (docs/pipeline.md)"
+        )
+    bound = workers * (quantum + longest)
+    if gap * total <= bound:
+        return (
+            f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
+            f"+ its longest document ({longest:,} tokens) past a share, as documents are never "
+            f"split between datasets (up to {bound:,} tokens here, {total:,} delivered so far); "
+            "the gap closes as delivery goes on (docs/pipeline.md)"
+        )
+    return (
+        f"{head}, more than mix_quantum_tokens ({quantum:,}) and the longest document "
+        f"({longest:,} tokens) explain: a dataset that ran out (epochs), a weight change or "
+        "a budget (max_tokens) moves shares too (docs/pipeline.md)"
+    )
