@@ -7,7 +7,8 @@ separate machines) and counts every request each rank sends, by kind
 (:mod:`torchdata_ext.remote.counting`: LIST, GET, RANGE_GET, HEAD, PUT, ...). Per rank:
 
 * ``start``: build the pipeline (``build_pipeline`` from a ``PipelineConfig``) and take the
-  first batch through a ``TokenLoader``; every rank then saves a folder checkpoint (``save``);
+  first batch through a ``TokenLoader``; every rank then saves a folder checkpoint (``save``),
+  takes another batch and saves again (``save2``: what every later save of the job costs);
 * ``restore``: new processes, same topology: build, ``load_checkpoint``, first batch;
 * ``rescale``: new processes on 2R ranks: the same from the R-rank checkpoint.
 
@@ -56,7 +57,7 @@ from remote_throughput import start_moto  # noqa: E402
 from torchdata_ext.testing import write_arrow_batches  # noqa: E402
 
 MODES = ("list", "index", "dist")
-PHASES = ("start", "save", "restore", "rescale")
+PHASES = ("start", "save", "save2", "restore", "rescale")
 GET_CLASS = ("LIST", "GET", "RANGE_GET", "HEAD")  # S3: 5,500 requests/s per prefix
 PUT_CLASS = ("PUT", "POST", "DELETE")  # S3: 3,500 requests/s per prefix
 GET_RATE, PUT_RATE = 5_500, 3_500
@@ -120,6 +121,14 @@ def _rank_main(
 ) -> None:
     """One rank's ``phase``; writes its request counts to ``out/<rank>.json``."""
     os.environ["TORCHDATA_EXT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"rank{rank}-")
+    from torchdata_ext.remote.process_state import PROBED_STORES
+    from torchdata_ext.sources import fingerprint, index_file
+
+    # a rank is a machine of its own: it probes the store itself and knows no digest (this
+    # process computed them writing the index files) and no index file checked
+    PROBED_STORES.items.clear()
+    fingerprint._digests.clear()
+    index_file._verified.clear()
     import torch.distributed as dist
 
     from torchdata_ext import TokenLoader, build_pipeline
@@ -139,12 +148,15 @@ def _rank_main(
             loader = TokenLoader(build, rank=rank, world_size=ranks)
             if phase != "start":
                 load_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
-            next(iter(loader))
+            it = iter(loader)
+            next(it)
         counts[phase] = c
         if phase == "start":
-            with count_s3_requests() as c:
-                save_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
-            counts["save"] = c
+            for save in ("save", "save2"):  # the second writes the checkpoint the others load
+                with count_s3_requests() as c:
+                    save_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
+                counts[save] = c
+                next(it)
     finally:
         if mode == "dist":
             dist.destroy_process_group()
@@ -232,6 +244,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--at-ranks", type=int, default=8192)
     ap.add_argument("--at-files", type=int, default=100_000)
+    ap.add_argument("--at-workers", type=int, default=8, help="dataloader workers per rank")
     ap.add_argument("--quick", action="store_true", help="R in 1,2,4 and F in 30,120 (~1 min)")
     args = ap.parse_args()
     if args.quick:
@@ -274,6 +287,7 @@ def main() -> None:
                     started = run_ranks(R, mode, "start", cfg, ckpt)
                     rows["start"] = [r["start"] for r in started]
                     rows["save"] = [r["save"] for r in started]
+                    rows["save2"] = [r["save2"] for r in started]
                     rows["restore"] = [
                         r["restore"] for r in run_ranks(R, mode, "restore", cfg, ckpt)
                     ]
@@ -345,7 +359,61 @@ def report(
         for mode in modes:
             if mode != "list" and at[mode] > 0:
                 p(f"  {mode} needs 1/{at['list'] / at[mode]:,.0f} of the reference (list)")
+    W = args.at_workers
+    p(f"\nper save, and with {W} dataloader workers per rank (each worker process counted as a "
+      "rank other than 0 at start: its probe, its index reads, its first data; an upper "
+      "bound), extrapolated the same way:")  # fmt: skip
+    for mode in modes:
+        res = results[mode]
+        saves = {
+            ph: _extrapolate(res, file_counts, big_r, ph, ALL, args) for ph in ("save", "save2")
+        }
+        ranged = {
+            ph: _extrapolate(res, file_counts, big_r, ph, ("RANGE_GET",), args)
+            for ph in ("save", "save2")
+        }
+        workers = args.at_ranks * W * _extrapolate_other(res, file_counts, big_r, "start", args)
+        p(f"  {mode:5s}: first save {saves['save']:>13,.0f} requests ({ranged['save']:,.0f} "
+          f"RANGE_GET), every later save {saves['save2']:>9,.0f} ({ranged['save2']:,.0f} "
+          f"RANGE_GET); workers at start {workers:>12,.0f}")  # fmt: skip
     print(out.getvalue())
+
+
+def _phase_rank(res: Any, F: int, R: int, phase: str, rank: int, kinds: tuple[str, ...]) -> int:
+    """Requests of ``kinds`` rank ``rank`` (0) or the busiest other rank (1) sent in ``phase``."""
+    per = [sum(c.get(k, 0) for k in kinds) for c in res[F][R][phase]]
+    return per[0] if rank == 0 else max(per[1:], default=per[0])
+
+
+def _extrapolate_other(res: Any, file_counts: list[int], R: int, phase: str, args: Any) -> float:
+    """One process other than rank 0 in ``phase`` at ``--at-files`` (as :func:`_extrapolate`)."""
+    one = argparse.Namespace(at_ranks=2, at_files=args.at_files)
+    rank0 = _extrapolate(
+        res, file_counts, R, phase, ALL, argparse.Namespace(at_ranks=1, at_files=args.at_files)
+    )
+    return _extrapolate(res, file_counts, R, phase, ALL, one) - rank0
+
+
+def _extrapolate(
+    res: Any, file_counts: list[int], R: int, phase: str, kinds: tuple[str, ...], args: Any
+) -> float:
+    """The job's requests of ``kinds`` in ``phase`` at ``--at-ranks`` x ``--at-files``, for rank
+    0 and every other rank: RANGE_GET (fingerprint reads, one per file) linear in F; LISTs
+    scaled by listing pages (one per 1,000 files); the rest as at the largest F (checkpoint
+    files, first data: they do not grow with F, and a line fitted through their noise would)."""
+    big = file_counts[-1]
+    pages = math.ceil(args.at_files / 1000) / math.ceil(big / 1000)
+    out = 0.0
+    for rank, times in ((0, 1), (1, args.at_ranks - 1)):
+        for kind in kinds:
+            ys = [_phase_rank(res, F, R, phase, rank, (kind,)) for F in file_counts]
+            if kind == "RANGE_GET":
+                a, b = linear(file_counts, ys)
+                n = a + b * args.at_files
+            else:
+                n = ys[-1] * (pages if kind == "LIST" else 1)
+            out += times * n
+    return out
 
 
 if __name__ == "__main__":

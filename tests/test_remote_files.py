@@ -154,3 +154,23 @@ def test_a_forked_child_starts_with_the_remote_globals_reset(tmp_path) -> None:
     assert cache._rt is rt and rt.stats["downloads"] == 3
     ps.PROBED_STORES.items.pop("s3|bucket|...")
     ps.PROBE_CLIENTS.items.pop("s3|client")
+
+
+def test_the_store_probe_is_one_get_not_a_list(s3) -> None:
+    """A process's first use of a store sends one GET of an absent key (not a LIST: every rank
+    and worker probes once), and nothing the next time; a missing bucket is still named."""
+    from collections import Counter
+
+    from torchdata_ext.remote import RemoteError
+    from torchdata_ext.remote import process_state as ps
+    from torchdata_ext.remote.counting import count_s3_requests
+    from torchdata_ext.remote.urls import filesystem
+
+    ps.PROBED_STORES.items.clear()
+    with count_s3_requests() as first:
+        filesystem(s3.url("data", "p0.arrow"), s3.storage_options)
+    with count_s3_requests() as again:
+        filesystem(s3.url("data", "p1.arrow"), s3.storage_options)
+    assert (first, again) == (Counter({"GET": 1}), Counter())
+    with pytest.raises(RemoteError, match=r"^s3://no-such-bucket-x/d: access failed: the bucket"):
+        filesystem("s3://no-such-bucket-x/d", s3.storage_options)

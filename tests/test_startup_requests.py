@@ -20,8 +20,9 @@ from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_datasets
+from torchdata_ext.remote import remove_file
 from torchdata_ext.remote.counting import count_s3_requests, request_kind
-from torchdata_ext.sources import fingerprint
+from torchdata_ext.sources import fingerprint, index_file
 from torchdata_ext.sources.fingerprint import ChangedFilesError
 from torchdata_ext.sources.index_file import (
     INDEX_FILE,
@@ -30,6 +31,7 @@ from torchdata_ext.sources.index_file import (
     load_index_file,
     write_index_files,
 )
+from torchdata_ext.sources.prepared_meta import read_side_file
 from torchdata_ext.testing import write_arrow_batches
 
 NAMES = ("web", "code")
@@ -216,6 +218,99 @@ def test_an_unchanged_restore_reads_no_data_file_to_check_it(s3) -> None:
     with count_s3_requests() as changed, pytest.raises(ChangedFilesError, match=r"code.*p1\.arrow"):
         load_checkpoint(TokenLoader(build), ckpt, storage_options=so)
     assert changed["RANGE_GET"] in (1, 2)  # that file only (1 read when <= 128 KiB)
+
+
+# -- saves read no data file once the job has its digests -----------------------------------------
+def _saved(loader: TokenLoader, ckpt: str, so: dict, monkeypatch) -> tuple[Counter, list[str]]:
+    """The requests of one ``save_checkpoint`` and the data files it fingerprinted."""
+    reads = counted_fingerprint_reads(monkeypatch)
+    with count_s3_requests() as c:
+        save_checkpoint(loader, ckpt, storage_options=so)
+    return c, sorted(reads)
+
+
+# one save of one rank, one worker on S3: the old manifest's DELETE, the worker's and the rank's
+# files and the manifest (a PUT each), their folder checks; nothing else
+SAVE = Counter({"PUT": 3, "DELETE": 1})
+
+
+def _save_counts(c: Counter) -> Counter:
+    return Counter({k: v for k, v in c.items() if k in ("PUT", "DELETE", "RANGE_GET")})
+
+
+def test_a_second_save_reads_no_data_file(s3, monkeypatch) -> None:
+    """Without index files the first save of a process fingerprints every data file (one
+    range read each: they are <= 128 KiB); every later save reads none of them."""
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    monkeypatch.setattr(fingerprint, "_digests", {})
+    loader = TokenLoader(functools.partial(build_pipeline, _cfg(root, so), collate=False))
+    it = iter(loader)
+    next(it)
+    first, read = _saved(loader, s3.url("c1"), so, monkeypatch)
+    assert read == ["p0.arrow", "p0.arrow", "p1.arrow", "p1.arrow"]  # web's and code's
+    assert _save_counts(first) == SAVE + Counter({"RANGE_GET": 4})
+    next(it)
+    second, read = _saved(loader, s3.url("c2"), so, monkeypatch)
+    assert read == [] and _save_counts(second) == SAVE
+    assert "LIST" not in second
+
+
+def test_a_save_takes_the_digests_of_the_index_file(s3, monkeypatch) -> None:
+    """The index file records every object's sampled sha256 with its ETag: a new process that
+    read it saves without reading a data file; a restore then reads none either, nor does the
+    save after it (the checkpoint's digests of the objects listed unchanged are kept)."""
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    body = json.loads(read_side_file(index_file_url(f"{root}/web"), so) or b"")
+    assert len(body["sha256"]) == 2 and all(len(d) == 32 for d in body["sha256"])
+    build = functools.partial(build_pipeline, _cfg(root, so), collate=False)
+    monkeypatch.setattr(fingerprint, "_digests", {})  # a new process
+    loader = TokenLoader(build)
+    it = iter(loader)
+    next(it)
+    first, read = _saved(loader, s3.url("c1"), so, monkeypatch)
+    assert read == [] and _save_counts(first) == SAVE
+    rest = [item_key(next(it)) for _ in range(2)]
+    monkeypatch.setattr(fingerprint, "_digests", {})  # a new process restores
+    again = TokenLoader(build)
+    load_checkpoint(again, s3.url("c1"), storage_options=so)
+    assert [item_key(x) for x, _ in zip(again, range(2))] == rest
+    after, read = _saved(again, s3.url("c2"), so, monkeypatch)
+    assert read == [] and _save_counts(after) == SAVE
+    # an object rewritten under the checkpoint (a new ETag) is still refused: by a new
+    # process's rank 0, which lists the folder against the index file
+    write_arrow_batches(f"{root}/code/p1.arrow", [np.arange(40, 60, dtype=np.uint32)] * 15,
+                        storage_options=so)  # fmt: skip
+    monkeypatch.setattr(fingerprint, "_digests", {})
+    monkeypatch.setattr(index_file, "_verified", set())
+    with pytest.raises(StaleIndexError, match=r"code changed since it was written: p1\.arrow"):
+        load_checkpoint(TokenLoader(build), s3.url("c2"), storage_options=so)
+    # without the index file the checkpoint's own check reads that object and refuses it
+    monkeypatch.setattr(fingerprint, "_digests", {})
+    for name in NAMES:
+        remove_file(index_file_url(f"{root}/{name}"), so)
+    with pytest.raises(ChangedFilesError, match=r"'code': 1 file\(s\): p1\.arrow \(size \d+ -> \d+; first/last 64 KiB "
+                       r"differ; version ETag="):  # fmt: skip
+        load_checkpoint(TokenLoader(build), s3.url("c2"), storage_options=so)
+
+
+def test_digests_are_kept_only_for_content_versions() -> None:
+    """A modification time can stay while the bytes change: only an ETag or a generation
+    (which change with every rewrite) lets a digest computed elsewhere stand for the file."""
+    fp = {"size": 10, "sha256": "ab" * 16}
+    kept = fingerprint.remember_digests(
+        ["s3://b/x", "gs://b/y", "/d/z", "s3://b/w", "s3://b/v"],
+        [{**fp, "version": 'ETag="1"'}, {**fp, "version": "generation=7"},
+         {**fp, "version": "mtime=17.5"}, {**fp, "version": 'ETag="2"', "sha256": ""},
+         {**fp, "version": 'ETag="3"', "size": -1}],
+    )  # fmt: skip
+    assert kept == 2
+    assert ("s3://b/x", 10, 'ETag="1"') in fingerprint._digests
+    assert ("/d/z", 10, "mtime=17.5") not in fingerprint._digests
+    with pytest.raises(ValueError, match="1 fingerprints for 2 urls; pass one fingerprint each"):
+        fingerprint.remember_digests(["a", "b"], [fp])
 
 
 # -- ranks without a process group share the fingerprint reads ---------------------------------

@@ -78,7 +78,7 @@ def test_the_cli_names_a_closed_endpoint_at_once(closed, tmp_path: Path, capsys)
         err = _cli_fails(capsys, *argv, "--storage-options", so)
         url = next(a for a in argv if a.startswith("s3://"))
         assert f"error: {url}" in err, err  # (audit: the checkpoint's manifest.json in it)
-        assert f": list failed: {refused}; check the endpoint URL " in err, err
+        assert f": access failed: {refused}; check the endpoint URL " in err, err
         assert "(--storage-options client_kwargs endpoint_url, or AWS_ENDPOINT_URL)" in err, err
     assert not (tmp_path / "out").exists()
 
@@ -111,7 +111,7 @@ def test_a_wrong_bucket_and_missing_credentials_on_a_real_endpoint(
 ) -> None:
     so = json.dumps(s3.storage_options)
     err = _cli_fails(capsys, "inspect", "s3://no-such-bucket-here/data", "--storage-options", so)
-    assert "s3://no-such-bucket-here/data: list failed: the bucket does not exist (" in err
+    assert "s3://no-such-bucket-here/data: access failed: the bucket does not exist (" in err
     assert "check the bucket name in the URL and the endpoint" in err
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="the bucket does not exist"):
@@ -124,7 +124,7 @@ def test_a_wrong_bucket_and_missing_credentials_on_a_real_endpoint(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     no_keys = {"client_kwargs": s3.storage_options["client_kwargs"]}
     err = _cli_fails(capsys, "inspect", s3.url("data"), "--storage-options", json.dumps(no_keys))
-    assert f"{s3.url('data')}: list failed: no credentials were found (" in err, err
+    assert f"{s3.url('data')}: access failed: no credentials were found (" in err, err
     assert "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY" in err
 
 
@@ -151,5 +151,5 @@ def test_wrong_credentials_on_a_real_endpoint(s3, capsys) -> None:
         err = _cli_fails(capsys, "inspect", s3.url("data"), "--storage-options", json.dumps(wrong))
     finally:
         settings.INITIAL_NO_AUTH_ACTION_COUNT = before
-    assert f"error: {s3.url('data')}: list failed: access denied (" in err, err
+    assert f"error: {s3.url('data')}: access failed: access denied (" in err, err
     assert "check the credentials (--storage-options key/secret/token, or the environment" in err

@@ -4,8 +4,12 @@ An S3 client left to itself answers a closed port, a missing bucket or missing c
 after 6-30 s of its own retries and back-off, with a long botocore/aiohttp traceback.
 :func:`probe_store` is called by :func:`torchdata_ext.remote.urls.filesystem` (so by every entry
 point: the pipeline, ``prepare``, ``inspect``, ``audit``, checkpoints) the first time a process
-resolves a URL of a store: one listing of at most one key, with a short connect timeout and no
-retry. A permanent failure (nothing listens at the endpoint, unknown host, TLS mismatch, an
+resolves a URL of a store: one GET of an object that is not there (:data:`PROBE_KEY`), with
+a short connect timeout and no retry. Not a LIST: a store serves listings at a tenth of the rate
+and ten times the price of GETs, and every process of a job (ranks and their dataloader workers)
+probes once, so a LIST here would be ranks x workers listings at every start. The GET's error
+says as much as a listing's (``NoSuchKey``: the store works; ``NoSuchBucket``,
+``InvalidAccessKeyId``, ``SignatureDoesNotMatch``: it cannot). A permanent failure (nothing listens at the endpoint, unknown host, TLS mismatch, an
 invalid endpoint URL, a missing bucket, missing or invalid credentials) raises a
 :class:`~torchdata_ext.remote.RemoteError` at once saying what to check
 (:func:`~torchdata_ext.remote.explain_error`). Anything else (a transient error, a timeout, a
@@ -32,10 +36,14 @@ from torchdata_ext.remote.retry import (
     unreachable_endpoint,
 )
 
-__all__ = ["PROBE_CONNECT_TIMEOUT_S", "probe_store"]
+__all__ = ["PROBE_CONNECT_TIMEOUT_S", "PROBE_KEY", "probe_store"]
 
 PROBE_CONNECT_TIMEOUT_S = 2.0
 """The probe's connect and read timeout, seconds (a refused connection fails at once)."""
+
+PROBE_KEY = "torchdata-ext-probe/absent"
+"""The key the probe asks for, in every bucket it opens: keep it free (an object there would be
+read whole by every process)."""
 
 _PROBED = ("s3", "s3a")
 # S3 error codes that say the bucket or the credentials are wrong whatever the object
@@ -72,10 +80,10 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
         return
     try:
         fs = _client(protocol, storage_options)
-        fs.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
+        fs.call_s3("get_object", Bucket=bucket, Key=PROBE_KEY)
     except Exception as exc:
         if _permanent(exc):
-            clear = explain_error(url, exc, "list")
+            clear = explain_error(url, exc, "access")
             if isinstance(clear, RemoteError):
                 raise clear from None  # the message says it all: no client traceback
         # undecided (a transient error...): the real operation decides, with its retries

@@ -24,12 +24,18 @@ keep them (``rsync -a``, ``cp -p``) or accept the files explicitly.
 
 Cost: digests are kept per process by ``(url, size, version)``, so each file is read once per
 process whatever the number of indexes, saves and loads; reads run :data:`THREADS` at a time.
+Digests this process did not compute are kept too when the object's version names its content
+(:data:`CONTENT_VERSIONS`, :func:`remember_digests`): those an index file records
+(:mod:`~torchdata_ext.sources.index_file`), those a checkpoint recorded for objects listed
+unchanged at a restore, and those other ranks computed for a save under ``torch.distributed``.
+So a save reads no data file once the job has its digests: the first save of a job over index
+files, and every save after a restore or an earlier save, reads none.
 A check against recorded fingerprints reads no file that is listed with its recorded size and
 content version (ETag, generation: :func:`current_fingerprints`), so a restore over unchanged
 objects reads nothing; the other files are shared among the ranks, with or without a process
 group (:func:`check_data_files`). The request budget is in ``docs/object-storage-at-scale.md``.
 
-This module is 664 lines: the checkpoint and audit code import the stat, compare and check names
+This module is 730 lines: the checkpoint and audit code import the stat, compare and check names
 from here, and the sharing of checks among ranks reads the per-process digests it keeps.
 """
 
@@ -69,6 +75,7 @@ __all__ = [
     "fingerprint_share",
     "is_collective",
     "listed_changes",
+    "remember_digests",
     "stat_from_info",
 ]
 
@@ -187,6 +194,35 @@ def file_fingerprints(
     for i, fp in zip(todo, done):
         out[i] = fp
     return [fp for fp in out if fp is not None]
+
+
+def remember_digests(urls: Sequence[str], fingerprints: Sequence[Mapping[str, Any]]) -> int:
+    """Keep digests computed elsewhere (an index file, a checkpoint, another rank) for this
+    process, so :func:`file_fingerprint` does not read those files again; return how many
+    were kept.
+
+    Only a fingerprint whose version names the content (:data:`CONTENT_VERSIONS`: an S3
+    ``ETag``, a GCS ``generation``, which change whenever the object is rewritten) with a
+    known size and digest is kept: its key ``(url, size, version)`` can only be met again by
+    the same bytes. A modification time can stay while the bytes change, so those are not.
+
+    Args:
+        urls: the files, as :func:`file_fingerprint` names them.
+        fingerprints: one ``{"size", "version", "sha256"}`` per URL (of
+            :data:`SAMPLE_BYTES` samples).
+    """
+    if len(urls) != len(fingerprints):
+        raise ValueError(
+            f"{len(fingerprints)} fingerprints for {len(urls)} urls; pass one fingerprint each"
+        )
+    kept = 0
+    with _lock:
+        for url, fp in zip(urls, fingerprints):
+            size, version, digest = int(fp["size"]), str(fp["version"]), str(fp["sha256"])
+            if version.partition("=")[0] in CONTENT_VERSIONS and size >= 0 and digest:
+                _digests[(url, size, version)] = digest
+                kept += 1
+    return kept
 
 
 def _sampled_sha256(url: str, size: int, storage_options: dict[str, Any] | None) -> str:
@@ -404,7 +440,35 @@ def dataset_fingerprints(
     for part in parts:
         for name, files in part.items():
             out[name].update(files)
+    for name in names:  # the other ranks' shares: this process need not read them at a save
+        _remember_named(datasets[name], out[name])
     return out
+
+
+def _remember_named(index: DatasetIndex, fingerprints: Mapping[str, Mapping[str, Any]]) -> None:
+    """:func:`remember_digests` of ``fingerprints`` (file name -> fingerprint) of ``index``'s
+    files; names it does not hold are skipped."""
+    urls = dict(zip(index.file_names(), index.files))
+    known = [(urls[f], fp) for f, fp in fingerprints.items() if f in urls]
+    remember_digests([u for u, _ in known], [fp for _, fp in known])
+
+
+def _remember_recorded(
+    theirs: Mapping[str, Mapping[str, Any]], datasets: Mapping[str, DatasetIndex]
+) -> None:
+    """Keep the recorded digests of every file listed now as the recorded object (same size
+    and content version: :func:`current_fingerprints` takes those as they are), whoever's
+    share it is: reading nothing, so this process's next save reads none of them."""
+    for name, index in datasets.items():
+        stats = getattr(index, "file_stats", ())
+        recorded = theirs.get(name, {})
+        if stats and recorded:
+            same = {
+                f: recorded[f]
+                for f, stat in zip(index.file_names(), stats)
+                if f in recorded and _same_object(recorded[f], stat)
+            }
+            _remember_named(index, same)
 
 
 def current_fingerprints(
@@ -549,6 +613,7 @@ def _share_changes(
     """The recorded files (:func:`fingerprint_share`) that differ now, by dataset."""
     changes: dict[str, list[FileChange]] = {}
     theirs = _comparable(recorded)
+    _remember_recorded(theirs, datasets)
     for name in sorted(theirs):
         index = datasets.get(name)
         if index is None:
@@ -599,6 +664,7 @@ def check_data_files(
         return {}
     theirs = _comparable(recorded)
     mine = {n: ix for n, ix in datasets.items() if n in theirs}
+    _remember_recorded(theirs, mine)
     if world_size > 1 and not is_collective(world_size):  # ranks known, no process group
         changes = _checked_share(theirs, mine, rank, world_size)
         where = f"{where} (rank {rank} of {world_size} checks every {world_size}-th file)"

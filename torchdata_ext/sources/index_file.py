@@ -12,9 +12,12 @@ token counts, sizes and versions (ETag, mtime) and the handler options they were
 
 **Prepared data can move.** File names are recorded relative to the folder however the folder
 was spelled (a relative path, a symlink), so a copy, an upload to an object store, a symlink or
-a relative ``data_path`` reads the same index file. For local folders the index file also holds
-each file's sampled sha256 (its first and last 64 KiB, as checkpoints record it): a copy that did
-not keep modification times (``cp -r``) is recognised by those bytes and read as it is. Index files
+a relative ``data_path`` reads the same index file. The index file also holds each file's
+sampled sha256 (its first and last 64 KiB, as checkpoints record it): a local copy that did
+not keep modification times (``cp -r``) is recognised by those bytes and read as it is, and on
+an object store a checkpoint save takes the digests of objects listed with their recorded ETag
+from it instead of reading every file (written from a local folder, an upload has new versions:
+those files are read once per process). Index files
 of earlier versions holding absolute names are read where those files are below the folder
 (symlinks resolved), and refused with :class:`StaleIndexError` where the data has moved since.
 
@@ -46,9 +49,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from torchdata_ext.handlers.base import get_handler_class, handler_accepts
-from torchdata_ext.remote import is_remote, write_bytes_atomic
+from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.remote.urls import filesystem, join, storage_options_of, unstrip
-from torchdata_ext.sources.fingerprint import compare, file_fingerprint, file_stat
+from torchdata_ext.sources.fingerprint import (
+    compare,
+    file_fingerprint,
+    file_fingerprints,
+    file_stat,
+    remember_digests,
+)
 from torchdata_ext.sources.index import DatasetIndex, list_data_files
 from torchdata_ext.sources.prepared_meta import meta_url, read_side_file
 
@@ -187,11 +196,10 @@ def write_index_file(folder: str, index: DatasetIndex) -> str:
         "sizes": [size for size, _ in index.file_stats],
         "versions": [version for _, version in index.file_stats],
     }
-    if not is_remote(folder):  # a copy that loses modification times is recognised by these bytes
-        body["sha256"] = [
-            file_fingerprint(f, index.storage_options, stat=stat)["sha256"]
-            for f, stat in zip(index.files, index.file_stats)
-        ]
+    # a local copy that loses modification times is recognised by these bytes, and on an object
+    # store a save takes them instead of reading every file (remember_digests)
+    fps = file_fingerprints(list(index.files), index.storage_options, stats=index.file_stats)
+    body["sha256"] = [fp["sha256"] for fp in fps]
     try:
         data = json.dumps(body, sort_keys=True).encode()
     except TypeError as exc:
@@ -311,6 +319,14 @@ def load_index_file(
     )
     if verify:
         _check_fresh(url, hashlib.sha256(raw).hexdigest(), folder, index, body.get("sha256"))
+    if body.get("sha256") is not None:  # objects of a content version: a save need not read them
+        remember_digests(
+            files,
+            [
+                {"size": size, "version": version, "sha256": digest}
+                for (size, version), digest in zip(index.file_stats, body["sha256"])
+            ],
+        )
     return index
 
 
