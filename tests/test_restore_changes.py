@@ -250,7 +250,7 @@ def test_a_changed_setting_restores_exactly_or_is_refused_by_name(
 
 
 @pytest.mark.parametrize(
-    "field,value", [("block_docs", 2), ("max_chunksize", 10), ("min_length", 15), ("strip_tokens", [7])]
+    "field,value", [("max_chunksize", 10), ("min_length", 15), ("strip_tokens", [7])]
 )
 def test_a_reader_reset_with_another_setting_refuses_by_name(base, field, value) -> None:
     """A hand-built graph reset from a state of other reader settings refuses (no checkpoint)."""
