@@ -76,7 +76,11 @@ def restore_loader(
     rank_meta, worker = _read_once(rank_meta), _read_once(worker)
     # curriculum phases added or removed first: the datasets' weights differ then too, and
     # the phases are what to name (this graph is read again below from the cache)
-    g0 = loader.rank * W if (old_ranks, old_workers) == (loader.world_size, W) else 0
+    g0 = loader.rank * W
+    if (old_ranks, old_workers) != (loader.world_size, W):  # an entry this rank reads anyway
+        n0 = next(iter(manifest["datasets"].values()))["n_logical_shards"]
+        first = World(loader.rank, loader.world_size, 0, W)
+        g0 = min(old_workers_needed(n0, old_ranks * old_workers, first))
     _check_phases(where, root, worker(g0, rank_meta(g0 // old_workers)))
     added, reweighted = _check_datasets(
         root, mine, manifest, allow_weight_changes, allow_new_datasets
