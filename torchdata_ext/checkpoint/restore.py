@@ -74,6 +74,15 @@ def restore_loader(
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
     root, mine = _configured(loader)
+    rank_meta, worker = _read_once(rank_meta), _read_once(worker)
+    # curriculum phases added or removed first: the datasets' weights differ then too, and
+    # the phases are what to name (this graph is read again below from the cache)
+    g0 = loader.rank * W
+    if (old_ranks, old_workers) != (loader.world_size, W):  # an entry this rank reads anyway
+        n0 = next(iter(manifest["datasets"].values()))["n_logical_shards"]
+        first = World(loader.rank, loader.world_size, 0, W)
+        g0 = min(old_workers_needed(n0, old_ranks * old_workers, first))
+    _check_phases(where, root, worker(g0, rank_meta(g0 // old_workers)))
     added, reweighted = _check_datasets(
         root, mine, manifest, allow_weight_changes, allow_new_datasets
     )
@@ -173,6 +182,19 @@ def _skip_steps(
     return step_ranges(recorded + new)
 
 
+def _read_once(read: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """``read`` (a checkpoint entry by its first argument, an old rank or global worker)
+    remembered, so an entry a check reads early is not read again."""
+    seen: dict[int, dict[str, Any]] = {}
+
+    def once(key: int, *args: Any) -> dict[str, Any]:
+        if key not in seen:
+            seen[key] = read(key, *args)
+        return seen[key]
+
+    return once
+
+
 def _configured(loader: TokenLoader) -> tuple[BaseNode, dict[str, Any]]:
     """A fresh graph of ``loader``'s pipeline (this rank, worker 0) and its summary: the
     datasets, seeds, shard counts and target weights as configured now."""
@@ -197,7 +219,10 @@ def _check_datasets(
     reweighted: list[str] = []
     for name in sorted(set(mine) | set(theirs)):
         if name not in mine:
-            problems.append(f"dataset {name!r} is in the checkpoint but not in this pipeline")
+            problems.append(
+                f"dataset {name!r} is in the checkpoint but not in this pipeline (its "
+                f"datasets: checkpoint {sorted(theirs)}, now {sorted(mine)})"
+            )
         elif name not in theirs:
             if allow_new_datasets:
                 added.append(name)
@@ -213,8 +238,8 @@ def _check_datasets(
                     reweighted.append(name)
                 else:
                     problems.append(
-                        f"dataset {name!r}: weight differs (checkpoint {old_w}, now {new_w}; "
-                        "pass allow_weight_changes=True to accept it)"
+                        f"dataset {name!r}: weight differs (weights: checkpoint {old_w}, now "
+                        f"{new_w}; pass allow_weight_changes=True to accept it)"
                     )
             for key in ("fingerprint", "seed", "n_logical_shards", "split"):
                 if mine[name].get(key) != theirs[name].get(key):
@@ -316,6 +341,14 @@ def _check_phases(url: str, root: BaseNode, graph: dict[str, Any]) -> None:
     phases listed in another order would restore one phase's state into another (the
     readers and mixes would refuse it, but a rescale would hand one phase's budget to another)."""
     theirs = phase_datasets(graph)
+    now = phase_datasets(root.state_dict())
+    if bool(theirs) != bool(now):
+        raise ValueError(
+            f"cannot restore {url}: phases differ: the checkpoint's pipeline has "
+            f"{len(theirs)} curriculum phases, this one {len(now)}; a curriculum cannot be "
+            "added or removed across a checkpoint: restore with the checkpoint's phases, or "
+            "start a new run"
+        )
     saved = {n for names in theirs.values() for n in names}  # datasets added since: not matched
     mine = {
         k: kept

@@ -71,7 +71,7 @@ from torchdata_ext.state.reader_state import (
     narrow,
     reader_cursors,
 )
-from torchdata_ext.state.settings import SETTINGS_KEY
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 from torchdata_ext.world import World
 
 __all__ = ["ShardReader", "merge_reader_states"]
@@ -190,8 +190,10 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._strip_arr = np.asarray(self.strip_tokens, np.int64)
         self.max_chunksize = max_chunksize
         # what the blocks the nodes above replay from a saved state depend on (see
-        # state/settings.py; checked by checkpoint/restore.py: the cursors alone restore under
-        # other values, tests/test_reader.py); never mutated
+        # state/settings.py): another value is refused in reset, naming the field, but for
+        # block_docs: the cursors alone restore under another block size (a merged reader
+        # state, tests/test_reader.py); checkpoint/restore.py refuses it for a whole graph,
+        # whose nodes above would replay other blocks. Never mutated
         self._settings = {
             "block_docs": self.block_docs,
             "max_chunksize": None if max_chunksize is None else int(max_chunksize),
@@ -241,6 +243,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         if initial_state is not None:
             view = reader_cursors(initial_state)  # ValueError: no reader state, unknown format
             self._check_state(initial_state)
+            mine = {k: v for k, v in self._settings.items() if k != "block_docs"}
+            check_settings(f"the reader of dataset {self.dataset.name!r}", initial_state, mine)
             rows = view.rows(ids)
             if (rows < 0).any():
                 sid = int(ids[np.argmax(rows < 0)])

@@ -1,0 +1,265 @@
+"""Exact or refused by name: random setting changes at a restore (issue 28).
+
+A real pipeline is saved with :func:`~torchdata_ext.checkpoint.folder.save_checkpoint` at
+2 ranks x 1 worker (two in-process loaders, rank 1 then rank 0), and restored with
+:func:`~torchdata_ext.checkpoint.folder.load_checkpoint` at 1 rank x 2 workers under a config
+with one or two fields of :data:`~torchdata_ext.pipeline.config.RESTORE_CONTRACT` changed.
+Either the restore raises a ``ValueError`` naming a changed field (and, for a recorded setting,
+the checkpoint's and this pipeline's values), or the rows delivered before the checkpoint and
+after it (each restored worker's graph run to the end of the epoch, as its worker process
+would run it) are rows of an uninterrupted run: every document token exactly once, with its
+BOS/EOS separators (:mod:`torchdata_ext.audit.row_check`). A may-change field must restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import document_lengths, write_random_arrow_datasets
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchdata_ext import World
+from torchdata_ext.audit.row_check import RowRules, row_problems
+from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.config import RESTORE_CONTRACT, PipelineConfig
+
+Key = tuple[str, int, int]
+
+# every field of RESTORE_CONTRACT with values other than the base config's (below), each a
+# valid config on the same data; "moved" stands for a copy of the data folder
+CHANGES: dict[str, list[Any]] = {
+    "data_path": ["moved"],
+    "datasets": [["code", "web"], ["web"]],
+    "weights": [[1.0, 1.0]],
+    "file_type": ["arrow"],
+    "col_name": ["ids"],
+    "seq_length": [48],
+    "shift": [False],
+    "bos_token": [None, 300],
+    "eos_token": [None, 2],
+    "bol_token": [3],
+    "eol_token": [4],
+    "strip_tokens": [[7, 9]],
+    "logical_shards": [6],
+    "num_workers": [4],
+    "batch_size": [3],
+    "seed": [6],
+    "tokenizer": ["byte"],
+    "byte_offset": [2],
+    "pack_mode": ["pad", "best_fit", "chunk"],
+    "best_fit_window": [3],
+    "shuffle_buffer": [1, 9],
+    "shuffle_fill": ["full"],
+    "interleave_mode": ["samples"],
+    "mix_quantum_tokens": [64],
+    "epochs": [2],
+    "min_length": [15],
+    "max_chunksize": [10],
+    "block_docs": [2, 9],
+    "pad_token": [5],
+    "storage_options": [{"anon": False}],
+    "dtype": ["int32"],
+    "output_keys": ["input_ids,labels,provenance"],
+    "eval_fraction": [0.25],
+    "eval_seed": [3],
+    "transforms": [[{"min_length": 2}]],
+    "drop_remainder": [True],
+    "phases": [[{"datasets": "web"}, {"datasets": "code"}]],
+    "max_tokens": [2000],
+    "max_documents": [60],
+    "max_dropped_documents": [7],
+}
+
+
+def test_every_contract_field_is_drawn() -> None:
+    """A field added to the contract without values here fails (so the test below draws it)."""
+    assert set(CHANGES) == set(RESTORE_CONTRACT)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> PipelineConfig:
+    root = tmp_path_factory.mktemp("changes")
+    write_random_arrow_datasets(str(root / "data"), (("web", 60, 18), ("code", 30, 40)), seed=7)
+    shutil.copytree(root / "data", root / "moved")  # copy2: modification times kept
+    return PipelineConfig(
+        data_path=str(root / "data"), datasets="web,code", weights="2,1", seq_length=32,
+        eos_token=0, bos_token=1, logical_shards=12, batch_size=2, seed=5, shuffle_buffer=4,
+        block_docs=5, epochs=1, mix_quantum_tokens=0, output_keys="input_ids,provenance",
+    )  # fmt: skip
+
+
+def _changed(base: PipelineConfig, changes: dict[str, Any]) -> PipelineConfig:
+    extra = dict(changes)
+    if extra.get("data_path") == "moved":
+        extra["data_path"] = base.data_path.rsplit("/", 1)[0] + "/moved"
+    if extra.get("datasets") == ["code", "web"] and "weights" not in extra:
+        extra["weights"] = [1.0, 2.0]  # the same weight per dataset, in the new order
+    if extra.get("datasets") == ["web"]:
+        extra["weights"] = [1.0]
+    if "phases" in extra:
+        extra.update(datasets=[], weights=[])
+    if "eval_seed" in extra and "eval_fraction" not in extra:
+        extra["eval_fraction"] = base.eval_fraction
+    return dataclasses.replace(base, **extra)
+
+
+Rows = list[tuple[np.ndarray, list[str]]]
+
+
+def _rows(batch: dict[str, Any], names: list[str]) -> Rows:
+    return [(np.asarray(p), names) for p in batch["provenance"].numpy()]
+
+
+def _save(cfg: PipelineConfig, ckpt: str, steps: tuple[int, int]) -> list[Rows]:
+    """``cfg`` at 2 ranks x 1 worker, rank ``r`` run ``steps[r]`` batches, then saved."""
+    loaders = [
+        TokenLoader(
+            functools.partial(build_pipeline, cfg), rank=r, world_size=2, background=False
+        )
+        for r in range(2)
+    ]
+    streams: list[Rows] = []
+    for loader, n in zip(loaders, steps):
+        rows: Rows = []
+        for _, batch in zip(range(n), loader):  # range first: no batch pulled and dropped
+            rows += _rows(batch, list(cfg.datasets))
+        streams.append(rows)
+    for loader in reversed(loaders):  # rank 0 writes the manifest last
+        save_checkpoint(loader, ckpt)
+    return streams
+
+
+def _restore(cfg: PipelineConfig, ckpt: str) -> list[Rows]:
+    """Restore at 1 rank x 2 workers and run each worker's graph to the end of the epoch,
+    in this process (what each worker process runs from the state it is given)."""
+    build = functools.partial(build_pipeline, cfg)
+    loader = TokenLoader(build, num_workers=2, rank=0, world_size=1)
+    load_checkpoint(loader, ckpt)
+    state = loader.state_dict()
+    assert state["skip_batches"] == 0
+    streams = []
+    for w in range(2):
+        root = build(World(0, 1, w, 2))
+        root.reset(state["workers"][str(w)]["graph"])
+        rows: Rows = []
+        for batch in root:
+            rows += _rows(batch, list(cfg.datasets))
+        streams.append(rows)
+    return streams
+
+
+def _coverage(streams: list[Rows]) -> dict[Key, np.ndarray]:
+    """How many times each document token was delivered."""
+    out: dict[Key, list[tuple[int, int]]] = {}
+    for stream in streams:
+        for prov, names in stream:
+            for ds, f, d, start, n in prov.tolist():
+                if ds >= 0 and n:
+                    out.setdefault((names[ds], f, d), []).append((start, start + n))
+    cover = {}
+    for k, ranges in out.items():
+        c = np.zeros(max(b for _, b in ranges), np.int64)
+        for a, b in ranges:
+            c[a:b] += 1
+        cover[k] = c
+    return cover
+
+
+def _expected(cfg: PipelineConfig) -> dict[Key, int]:
+    """The document lengths one uninterrupted epoch of ``cfg`` delivers (its filters, split
+    and transforms applied): one in-process run of the whole epoch."""
+    if cfg.min_length <= 1 and (cfg.eval_fraction, cfg.transforms, cfg.strip_tokens) == (0, [], []):
+        if not cfg.phases and cfg.max_tokens is None and cfg.max_documents is None:
+            return document_lengths(cfg)
+    ref = dataclasses.replace(cfg, shuffle_buffer=1, epochs=1)
+    got: dict[Key, int] = {}
+    for k, c in _coverage(_restore_free(ref)).items():
+        got[k] = len(c)
+    return got
+
+
+def _restore_free(cfg: PipelineConfig) -> list[Rows]:
+    root = build_pipeline(cfg, World())
+    return [[row for batch in root for row in _rows(batch, list(cfg.datasets))]]
+
+
+def _check(before: list[Rows], after: list[Rows], cfg: PipelineConfig) -> None:
+    """The delivered rows are an uninterrupted run's (every token exactly once per epoch)."""
+    streams = before + after
+    if cfg.epochs == 1 and cfg.max_chunksize is None:
+        lengths = _expected(cfg)
+        problems = row_problems(streams, lengths, RowRules.of(cfg), budget=False)
+        assert not problems, "\n".join(problems)
+    else:  # more epochs than the checkpoint's, or documents cut in the reader: count tokens
+        lengths = _expected(dataclasses.replace(cfg, epochs=1))
+        cover = _coverage(streams)
+        assert set(cover) == {k for k, n in lengths.items() if n}
+        bad = {k: c for k, c in cover.items() if len(c) != lengths[k] or (c != cfg.epochs).any()}
+        assert not bad, f"{len(bad)} documents not delivered exactly {cfg.epochs} times"
+
+
+def _shown(value: Any) -> list[str]:
+    """How a message may show ``value``."""
+    return [repr(value), str(value)]
+
+
+field_names = sorted(CHANGES)
+change = st.sampled_from(field_names).flatmap(
+    lambda f: st.tuples(st.just(f), st.sampled_from(CHANGES[f]))
+)
+
+
+@settings(
+    max_examples=24,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    changes=st.lists(change, min_size=1, max_size=2, unique_by=lambda c: c[0]),
+    steps=st.tuples(st.integers(1, 6), st.integers(0, 6)),
+)
+def test_a_changed_setting_restores_exactly_or_is_refused_by_name(
+    base, tmp_path_factory, changes, steps
+) -> None:
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    before = _save(base, ckpt, steps)
+    fields = [f for f, _ in changes]
+    try:
+        cfg = _changed(base, dict(changes))
+        after = _restore(cfg, ckpt)
+    except ValueError as exc:
+        msg = str(exc)
+        named = [f for f in fields if f in msg]
+        assert named, f"{fields} changed; the refusal names none of them: {msg}"
+        assert any(RESTORE_CONTRACT[f][0] != "may_change" for f in fields), (
+            f"{fields} may change, yet the restore was refused: {msg}"
+        )
+        assert "KeyError" not in msg and "Traceback" not in msg
+        return
+    _check(before, after, cfg)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("max_chunksize", 10), ("min_length", 15), ("strip_tokens", [7])]
+)
+def test_a_reader_reset_with_another_setting_refuses_by_name(base, field, value) -> None:
+    """A hand-built graph reset from a state of other reader settings refuses (no checkpoint)."""
+    cfg = dataclasses.replace(base, output_keys="input_ids")
+    root = build_pipeline(cfg, World(), collate=False)
+    root.reset()
+    for _ in range(5):
+        next(root)
+    state = root.state_dict()
+    other = build_pipeline(dataclasses.replace(cfg, **{field: value}), World(), collate=False)
+    with pytest.raises(ValueError, match=f"reader of dataset .*{field} differs.*{field}="):
+        other.reset(state)
