@@ -214,9 +214,9 @@ class PipelineConfig:
             over a worker's documents with none kept); None: only after that pass. See
             ``docs/first-hour.md``.
         skip_steps: ranges ``[A, B]`` of the training loop's steps (counted from 1 over the
-            run, ``B`` excluded) whose data is skipped when the loader is restored from a
-            checkpoint taken before step ``A``: the trainer's step ``A`` receives what step
-            ``B`` would have received. The skip is recorded in the loader state (later
+            run, ``B`` excluded) whose data is skipped when the run reaches step ``A``
+            (restored from a checkpoint taken before step ``A``, or started fresh): the
+            trainer's step ``A`` receives what step ``B`` would have received. The skip is recorded in the loader state (later
             restores, rescales and ``show_batches`` know it); a range starting at or before
             the checkpoint's step is refused. See ``docs/forensics.md``.
     """
