@@ -304,6 +304,8 @@ class PipelineConfig:
         check_int("byte_offset", self.byte_offset, 0)
         if self.max_dropped_documents is not None:
             check_int("max_dropped_documents", self.max_dropped_documents, 1)
+        if self.mix_quantum_tokens is not None:  # named here, not as Interleave's argument
+            check_int("mix_quantum_tokens", self.mix_quantum_tokens, 0)
         self.skip_steps = step_ranges(self.skip_steps)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
