@@ -215,3 +215,19 @@ def test_audit_list_and_plot_default_to_the_configs_options(s3, tmp_path, capsys
         fs, path = filesystem(s3.url("out/audit.png"), s3.storage_options)
         with fs.open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torchtitan_reads_an_s3_pipeline_file_with_the_fields_options(s3) -> None:
+    """``TokenDataLoader.Config(pipeline=s3 URL, fields={"storage_options": ...})``: the file is
+    read with the options given (the endpoint is known only through them: read without them,
+    it failed with "cannot connect to the endpoint https://...amazonaws.com")."""
+    pytest.importorskip("torchtitan")
+    from torchdata_ext.torchtitan import pipeline_config
+
+    fields = {"data_path": s3.url("data"), "datasets": ["web", "code"], "weights": [2, 1]}
+    remote = _put(s3, "titan.yaml", yaml.safe_dump(fields).encode())
+    given = {"storage_options": dict(s3.storage_options)}
+    cfg = pipeline_config(remote, given, seq_len=8, local_batch_size=2)
+    assert (cfg.data_path, cfg.datasets, cfg.weights) == (s3.url("data"), ["web", "code"], [2, 1])
+    assert (cfg.seq_length, cfg.batch_size) == (8, 2)
+    assert cfg.storage_options == s3.storage_options
