@@ -1,6 +1,6 @@
 """Train a tiny causal LM on the Python standard library with torchdata-ext, end to end.
 
-Run with no arguments (CPU, about 25 s on 2 cores)::
+Run with no arguments (CPU, 25-65 s on 2 cores)::
 
     python examples/train_tiny_lm.py                # 1 process
     python examples/train_tiny_lm.py --nproc 2      # 2 ranks under torchrun (gloo)
@@ -126,7 +126,6 @@ def make_config(data_dir: str, seed: int) -> PipelineConfig:
         logical_shards=64,
         batch_size=8,
         shuffle_buffer=256,
-        mix_quantum_tokens=2048,
         output_keys=["input_ids", "labels", "position_ids", "loss_mask"],
         seed=seed,
     )

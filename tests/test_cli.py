@@ -216,3 +216,18 @@ def test_cli_prepare_then_inspect_decodes(tmp_path: Path) -> None:
     assert "second doc ü" in res.stdout
     assert str(TOK.encode("second doc ü").tolist() + [0]) in res.stdout
     assert main(["inspect", str(tmp_path / "o"), "--doc", "5"]) == 2  # out of range: clear error
+
+
+def test_command_line_doc_lists_every_flag_of_batches(capsys) -> None:
+    """docs/command-line.md's `batches` section names exactly the flags `batches --help` has."""
+    import re
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["batches", "--help"])
+    assert exit_info.value.code == 0
+    helped = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", capsys.readouterr().out)) - {"--help"}
+    doc = (Path(__file__).parent.parent / "docs" / "command-line.md").read_text()
+    section = doc.split("## `batches`", 1)[1].split("\n## ", 1)[0]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("| `"))
+    assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", table)) == helped
+    assert {"--steps", "--rank", "--ranks", "--workers", "--parquet", "--key"} <= helped

@@ -89,3 +89,22 @@ def test_a_dataset_named_twice_is_refused_naming_it(tmp_path: Path, weights: str
         PipelineConfig(data_path=str(tmp_path), datasets=["web", "code", "web", "code"])
     cfg = PipelineConfig(data_path=str(tmp_path), datasets="web,code", weights="1,2")
     assert cfg.dataset_weights == {"web": 1.0, "code": 2.0}
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (-1, ValueError, "mix_quantum_tokens=-1 must be >= 0"),
+        (2.5, TypeError, "mix_quantum_tokens=2.5 must be an integer"),
+        (True, TypeError, "mix_quantum_tokens=True must be an integer"),
+    ],
+)
+def test_a_bad_mix_quantum_is_refused_by_its_config_name(value, error, message) -> None:
+    with pytest.raises(error) as e:
+        PipelineConfig(data_path="/data", datasets=["a", "b"], mix_quantum_tokens=value)
+    assert str(e.value) == message  # the config field, not Interleave's quantum_tokens
+
+
+def test_mix_quantum_zero_and_none_are_accepted() -> None:
+    assert PipelineConfig(data_path="/data", mix_quantum_tokens=0).mix_quantum_tokens == 0
+    assert PipelineConfig(data_path="/data").mix_quantum_tokens is None

@@ -231,6 +231,29 @@ def test_skipped_documents_are_listed_and_never_delivered(run, skipped) -> None:
     check_exactly_once(coverage, _text_lengths(cfg))
 
 
+def test_skip_steps_on_a_fresh_run_skip_when_the_run_reaches_them(run) -> None:
+    """No restore: the configured range is dropped when the run reaches step 30, and recorded
+    in the state exactly as a restore records it."""
+    cfg, _, recorded, _, _ = run
+    cfg_skip = dataclasses.replace(cfg, skip_steps=[[30, 35]])
+    for r in range(2):
+        loader = TokenLoader(
+            functools.partial(build_pipeline, cfg_skip), num_workers=2, rank=r, world_size=2
+        )
+        for step, batch in enumerate(loader, 1):
+            want = recorded[(step if step < 30 else step + 5, r)]
+            assert batch["input_ids"].equal(want["input_ids"]), step
+            if step == 31:
+                break
+        state = loader.state_dict()
+        loader.close()
+        assert state["step"] == 31 and state["skip_steps"] == [[30, 35]]
+        want_pieces = sorted(
+            p for s in range(30, 35) for p in _pieces(recorded[(s, r)], cfg.datasets)
+        )
+        assert sorted(map(tuple, state["skipped_documents"])) == want_pieces
+
+
 def test_a_skip_the_checkpoint_is_past_is_refused(run) -> None:
     cfg, tmp, _, _, _ = run
     late = dataclasses.replace(cfg, skip_steps=[[15, 25]])

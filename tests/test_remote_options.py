@@ -178,3 +178,56 @@ def test_storage_options_given_as_a_string_ask_for_a_mapping(where, tmp_path) ->
             DatasetIndex.build(str(tmp_path), storage_options=text)  # type: ignore[arg-type]
         else:
             prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "o"), storage_options=text)  # type: ignore[arg-type]
+
+
+def test_audit_list_and_plot_default_to_the_configs_options(s3, tmp_path, capsys) -> None:
+    """``--list`` and ``--plot`` on S3 without ``--storage-options``: the config's options reach
+    them (``storage_options_of``), as they reach the checkpoint."""
+    import pyarrow.parquet as pq
+
+    from torchdata_ext.audit.report import audit_checkpoint
+
+    cfg = _token_corpus(s3)
+    loader = TokenLoader(functools.partial(build_pipeline, cfg, collate=False))
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    save_checkpoint(loader, s3.url("ckpt"))
+    loader.close()
+    local = tmp_path / "cfg.yaml"
+    local.write_text(yaml.safe_dump(cfg.to_dict()))
+    argv = ["audit", s3.url("ckpt"), "--config", str(local), "--list", s3.url("out/list.parquet")]
+    has_plot = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        has_plot = False
+    if has_plot:
+        argv += ["--plot", s3.url("out/audit.png")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    want = audit_checkpoint(s3.url("ckpt"), cfg).documents()
+    assert f"wrote {want.num_rows:,} documents to {s3.url('out/list.parquet')}" in err
+    fs, path = filesystem(s3.url("out/list.parquet"), s3.storage_options)
+    with fs.open(path, "rb") as f:
+        assert pq.read_table(f).to_pylist() == want.to_pylist()
+    if has_plot:
+        fs, path = filesystem(s3.url("out/audit.png"), s3.storage_options)
+        with fs.open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_torchtitan_reads_an_s3_pipeline_file_with_the_fields_options(s3) -> None:
+    """``TokenDataLoader.Config(pipeline=s3 URL, fields={"storage_options": ...})``: the file is
+    read with the options given (the endpoint is known only through them: read without them,
+    it failed with "cannot connect to the endpoint https://...amazonaws.com")."""
+    pytest.importorskip("torchtitan")
+    from torchdata_ext.torchtitan import pipeline_config
+
+    fields = {"data_path": s3.url("data"), "datasets": ["web", "code"], "weights": [2, 1]}
+    remote = _put(s3, "titan.yaml", yaml.safe_dump(fields).encode())
+    given = {"storage_options": dict(s3.storage_options)}
+    cfg = pipeline_config(remote, given, seq_len=8, local_batch_size=2)
+    assert (cfg.data_path, cfg.datasets, cfg.weights) == (s3.url("data"), ["web", "code"], [2, 1])
+    assert (cfg.seq_length, cfg.batch_size) == (8, 2)
+    assert cfg.storage_options == s3.storage_options

@@ -58,6 +58,7 @@ from torchdata_ext.checkpoint.dcp import DCPLoaderState
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
+from torchdata_ext.remote.urls import storage_options_of
 from torchdata_ext.world import World
 
 __all__ = ["TokenDataLoader", "pipeline_config"]
@@ -75,7 +76,10 @@ def pipeline_config(
 ) -> PipelineConfig:
     """The pipeline config of a :class:`TokenDataLoader`: file ``pipeline`` (if any), then
     ``fields``, then the trainer's sequence length (tokens per row) and batch size (rows), and
-    the ``boundaries`` keys (:data:`~torchdata_ext.batch.BOUNDARY_KEYS`) asked for.
+    the ``boundaries`` keys (:data:`~torchdata_ext.batch.BOUNDARY_KEYS`) asked for. The file
+    (any fsspec URL) is read with ``fields["storage_options"]`` when given (the rule of
+    :func:`~torchdata_ext.remote.urls.storage_options_of`); those options then apply to the
+    data too, over the file's own.
 
     Raises:
         ValueError: neither a file nor fields, or a field the pipeline does not know.
@@ -85,7 +89,9 @@ def pipeline_config(
             "TokenDataLoader.Config needs the pipeline: set pipeline='pipeline.yaml' (a "
             "PipelineConfig as YAML/JSON) or fields={'data_path': ..., 'datasets': ...}"
         )
-    base = PipelineConfig.from_file(pipeline).to_dict() if pipeline else {}
+    # the file is read with the options given in ``fields`` (its own come with it)
+    given = storage_options_of(fields.get("storage_options"), name="fields['storage_options']")
+    base = PipelineConfig.from_file(pipeline, given).to_dict() if pipeline else {}
     return PipelineConfig.from_dict(
         {
             **base,
@@ -128,7 +134,8 @@ class TokenDataLoader(BaseDataLoader):
         """A PipelineConfig as YAML or JSON (any fsspec URL): datasets, weights, formats, URLs."""
 
         fields: dict[str, Any] = field(default_factory=dict)
-        """PipelineConfig fields, over those of ``pipeline``."""
+        """PipelineConfig fields, over those of ``pipeline``; ``storage_options`` here also
+        reach the ``pipeline`` file's URL."""
 
         num_workers: int = 0
         """Dataloader worker processes per rank (0: a background thread)."""

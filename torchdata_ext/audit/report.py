@@ -158,11 +158,12 @@ class AuditReport:
     verified: str | None = None
     mix_note: str | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
+    _storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (what :meth:`to_json` writes)."""
         out = asdict(self)
-        del out["_cursors"]
+        del out["_cursors"], out["_storage_options"]
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -205,7 +206,8 @@ class AuditReport:
 
         Args:
             url: the file to write (e.g. ``consumed.parquet``).
-            storage_options: fsspec options for ``url``.
+            storage_options: fsspec options for ``url`` (default: the audit's, see
+                :func:`~torchdata_ext.remote.urls.storage_options_of`).
 
         Returns:
             The number of rows written.
@@ -215,7 +217,9 @@ class AuditReport:
         table = self.documents()
         buf = io.BytesIO()
         pq.write_table(table, buf)
-        write_bytes_atomic(url, buf.getvalue(), storage_options)
+        write_bytes_atomic(
+            url, buf.getvalue(), storage_options_of(storage_options, self._storage_options)
+        )
         return table.num_rows
 
     def format_table(self) -> str:
@@ -229,12 +233,13 @@ class AuditReport:
         Args:
             url: the image file to write (any fsspec URL; its suffix picks the format:
                 ``.png``, ``.svg``, ``.pdf``).
-            storage_options: fsspec options for ``url``.
+            storage_options: fsspec options for ``url`` (default: the audit's, see
+                :func:`~torchdata_ext.remote.urls.storage_options_of`).
 
         Raises:
             ImportError: matplotlib is not installed (``pip install 'torchdata-ext[plot]'``).
         """
-        _audit_render.plot(self, url, storage_options)
+        _audit_render.plot(self, url, storage_options_of(storage_options, self._storage_options))
 
 
 def audit_checkpoint(
@@ -327,6 +332,7 @@ def audit_checkpoint(
         verified=verified,
         mix_note=mix_note(cfg, audits, lengths, mixers),
         _cursors=cursors,
+        _storage_options=storage_options,
     )
 
 

@@ -339,6 +339,7 @@ class TokenLoader:
         self._skip = 0  # batches to drop after a restore (see state_dict)
         self._step0 = 0  # the run's step when the state was loaded (see state_dict)
         self._skip_steps: list[list[int]] = []  # step ranges whose data is skipped
+        self._loaded = False  # a state was loaded (else a fresh run reads skip_steps itself)
         self._skipped0: list[list[Any]] = []  # documents skipped before the state was loaded
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
@@ -377,6 +378,8 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._it is not None:
             self.close()
+        if not self._loaded:
+            self._configured_skip_steps()
         self._reset_live()
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
@@ -396,6 +399,16 @@ class TokenLoader:
             produced = _Background(produced, self.prefetch * self.batches_per_message)
         self._it = produced
         return self._deliver(produced)
+
+    def _configured_skip_steps(self) -> None:
+        """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
+        graph root, as a restore reads them) are dropped when the run reaches them."""
+        root = self.build(World(self.rank, self.world_size, 0, self.logical_workers))
+        self._skip_steps = [[int(a), int(b)] for a, b in getattr(root, "skip_steps", ())]
+        if self._skip_steps and not self._names:
+            root.reset(None)  # the dataset names are known once reset
+            named = [n for n in graph_nodes(root) if hasattr(n, "dataset_names")]
+            self._names = list(named[0].dataset_names) if named else []
 
     def close(self) -> None:
         """Stop the stream now: the background thread and the worker processes, which would
@@ -626,6 +639,7 @@ class TokenLoader:
         self._step0 = int(step)
         self._skip_steps = [[int(a), int(b)] for a, b in skip_steps]
         self._skipped0 = [list(p) for p in skipped_documents]
+        self._loaded = True
         if dataset_names:
             self._names = list(dataset_names)
         self._reset_live()

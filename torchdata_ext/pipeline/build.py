@@ -181,6 +181,8 @@ def _build(
         node = _shuffle_buffer(cfg, node, list(indexes.values()), readers)
     if collate:
         node = _collate(cfg, node)
+        if evaluating:  # skip_steps count training steps
+            node.skip_steps = []
     return node
 
 

@@ -214,9 +214,9 @@ class PipelineConfig:
             over a worker's documents with none kept); None: only after that pass. See
             ``docs/first-hour.md``.
         skip_steps: ranges ``[A, B]`` of the training loop's steps (counted from 1 over the
-            run, ``B`` excluded) whose data is skipped when the loader is restored from a
-            checkpoint taken before step ``A``: the trainer's step ``A`` receives what step
-            ``B`` would have received. The skip is recorded in the loader state (later
+            run, ``B`` excluded) whose data is skipped when the run reaches step ``A``
+            (restored from a checkpoint taken before step ``A``, or started fresh): the
+            trainer's step ``A`` receives what step ``B`` would have received. The skip is recorded in the loader state (later
             restores, rescales and ``show_batches`` know it); a range starting at or before
             the checkpoint's step is refused. See ``docs/forensics.md``.
     """
@@ -304,6 +304,8 @@ class PipelineConfig:
         check_int("byte_offset", self.byte_offset, 0)
         if self.max_dropped_documents is not None:
             check_int("max_dropped_documents", self.max_dropped_documents, 1)
+        if self.mix_quantum_tokens is not None:  # named here, not as Interleave's argument
+            check_int("mix_quantum_tokens", self.mix_quantum_tokens, 0)
         self.skip_steps = step_ranges(self.skip_steps)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
