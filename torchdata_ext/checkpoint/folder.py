@@ -181,12 +181,9 @@ def loader_storage_options(loader: TokenLoader) -> dict[str, Any]:
     ``functools.partial`` given a config): the config's ``storage_options``. None for a build
     function of another kind: pass ``storage_options=`` to the checkpoint call then.
     """
-    build = loader.build
-    for arg in (*getattr(build, "args", ()), *getattr(build, "keywords", {}).values()):
-        options = getattr(arg, "storage_options", None)
-        if isinstance(options, dict) and hasattr(arg, "data_path"):  # a PipelineConfig
-            return dict(options)
-    return {}
+    cfg = loader.built_config()
+    options = getattr(cfg, "storage_options", None)
+    return dict(options) if isinstance(options, dict) else {}
 
 
 # -- folder checkpoints -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 708 lines: the worker side (the messages and their iterator) and the loader side
+This module is 736 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step and its skipped step ranges) are the two ends of
 one message format.
 """
@@ -400,9 +400,23 @@ class TokenLoader:
         self._it = produced
         return self._deliver(produced)
 
+    def built_config(self) -> Any | None:
+        """The ``PipelineConfig`` this loader's build function was given
+        (``functools.partial(build_pipeline, cfg)``, or any ``functools.partial`` given a
+        config); None for a build function of another kind."""
+        build = self.build
+        for arg in (*getattr(build, "args", ()), *getattr(build, "keywords", {}).values()):
+            if hasattr(arg, "data_path") and hasattr(arg, "skip_steps"):  # a PipelineConfig
+                return arg
+        return None
+
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
-        graph root, as a restore reads them) are dropped when the run reaches them."""
+        graph root, as a restore reads them) are dropped when the run reaches them. A config
+        found in the build function without them costs nothing (no graph is built here)."""
+        cfg = self.built_config()
+        if cfg is not None and not cfg.skip_steps:
+            return
         root = self.build(World(self.rank, self.world_size, 0, self.logical_workers))
         self._skip_steps = [[int(a), int(b)] for a, b in getattr(root, "skip_steps", ())]
         if self._skip_steps and not self._names:
