@@ -353,3 +353,15 @@ def test_replay_from_a_dcp_checkpoint(run, tmp_path) -> None:
         warnings.simplefilter("ignore")
         got = show_batches(str(tmp_path / "dcp"), cfg, range(12, 17))
     assert _without_worker(got) == _as_shown(cfg, recorded, range(12, 17), 1)
+
+
+def test_a_skip_with_batches_made_again_at_the_restore_is_refused(run) -> None:
+    """A state taken between snapshots (snapshot_every_n_steps > 1) makes its last batches
+    again at a restore; a skip range there or after is refused by name, one in the past is not."""
+    cfg, _, _, _, _ = run
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2, world_size=2)
+    with pytest.raises(ValueError, match=r"skip_steps \[\[30, 35\]\] with a state taken 3 "
+                       r"batches after .*steps 18..20 are made again"):  # fmt: skip
+        loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[30, 35]])
+    loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[5, 10]])
+    loader.close()

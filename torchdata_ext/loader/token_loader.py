@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 736 lines: the worker side (the messages and their iterator) and the loader side
+This module is 744 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step and its skipped step ranges) are the two ends of
 one message format.
 """
@@ -647,6 +647,15 @@ class TokenLoader:
         bad = sorted(set(graphs) - set(range(W)))
         if bad:
             raise ValueError(f"worker ids {bad} are not in 0..{W - 1}")
+        replayed = int(step) - int(skip_batches)  # the graphs' step: later batches are made again
+        if int(skip_batches) and any(int(b) > replayed for _, b in skip_steps):
+            raise ValueError(
+                f"skip_steps {[list(r) for r in skip_steps]} with a state taken "
+                f"{skip_batches} batches after its workers' snapshot (snapshot_every_n_steps > 1): "
+                f"the batches of steps {replayed + 1}..{step} are made again at this restore, "
+                "which a skip range there or after cannot be combined with; restore from a "
+                "checkpoint saved with snapshot_every_n_steps=1"
+            )
         self._initial = dict(graphs)
         self._offset = int(next_worker) % W
         self._skip = int(skip_batches)
