@@ -82,7 +82,11 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "max_tokens": ("must_match", "the saved shares are of the budget saved"),
     "max_documents": ("must_match", "the saved shares are of the budget saved"),
     "max_dropped_documents": ("may_change", "only when an endless stream gives up"),
-    "skip_steps": ("may_change", "applied at a restore and recorded in the loader state"),
+    "skip_steps": (
+        "may_change",
+        "a range is applied when the run reaches its first step (fresh or restored) and "
+        "recorded in the loader state; a range the checkpoint is past is refused",
+    ),
 }
 """What each :class:`PipelineConfig` field may do across a checkpoint restore, with the reason
 (the table of ``docs/checkpoint.md``)."""
