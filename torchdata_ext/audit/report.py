@@ -104,7 +104,7 @@ from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
 from torchdata_ext.order.shards import file_offsets
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
-from torchdata_ext.pipeline.config import PipelineConfig
+from torchdata_ext.pipeline.config import PipelineConfig, as_config
 from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.remote.urls import storage_options_of
 from torchdata_ext.sources.fingerprint import check_data_files, compared
@@ -301,7 +301,7 @@ def audit_checkpoint(
             "allow_changed_files=True needs verify=True: without verify no data file is "
             "re-checked, so there is nothing to allow; pass verify=True as well"
         )
-    cfg = _as_config(cfg, storage_options)
+    cfg = as_config(cfg, storage_options)
     if storage_options and not cfg.storage_options:  # given once, they reach every URL
         cfg = copy.copy(cfg)
         cfg.storage_options = storage_options_of(storage_options)
@@ -536,25 +536,6 @@ def _with_token_shares(audits: list[DatasetAudit]) -> list[DatasetAudit]:
     if total and None not in got:
         return [replace(a, token_share=(a.tokens_delivered or 0) / total) for a in audits]
     return audits
-
-
-def _as_config(cfg: Any, storage_options: dict[str, Any] | None) -> PipelineConfig:
-    if isinstance(cfg, PipelineConfig):
-        return cfg
-    if isinstance(cfg, Mapping):
-        return PipelineConfig.from_dict(cfg)
-    if isinstance(cfg, (str, os.PathLike)):
-        try:
-            return PipelineConfig.from_file(os.fspath(cfg), storage_options)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"cfg={os.fspath(cfg)!r} does not exist; pass the pipeline config (.yaml or "
-                ".json) the run used"
-            ) from None
-    raise TypeError(
-        f"cfg must be a PipelineConfig, a mapping of its fields or a YAML/JSON config path, "
-        f"not {type(cfg).__name__}"
-    )
 
 
 def _check_matches(

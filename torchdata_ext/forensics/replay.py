@@ -36,24 +36,12 @@ from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
-from torchdata_ext.pipeline.config import PipelineConfig
+from torchdata_ext.pipeline.config import PipelineConfig, as_config
 from torchdata_ext.provenance import PAD, literal_owner
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.world import World
 
-__all__ = ["as_config", "parse_steps", "replay_rank", "row_record", "show_batches"]
-
-
-def as_config(config: PipelineConfig | str | os.PathLike[str]) -> PipelineConfig:
-    """``config`` as a :class:`PipelineConfig` (a path is read as YAML/JSON)."""
-    if isinstance(config, PipelineConfig):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        return PipelineConfig.from_file(os.fspath(config))
-    raise TypeError(
-        f"config must be a PipelineConfig or the path of the run's YAML/JSON config, not "
-        f"{type(config).__name__}"
-    )
+__all__ = ["parse_steps", "replay_rank", "row_record", "show_batches"]
 
 
 def parse_steps(steps: str | int | range | Sequence[int]) -> range:
@@ -273,7 +261,8 @@ def show_batches(
             per rank); default: the checkpoint's. Another topology replays the rescale the
             job made when it restored there.
         text: decode each piece through the config's ``tokenizer``.
-        storage_options: fsspec options of the checkpoint (the data's are the config's).
+        storage_options: fsspec options of the checkpoint and of a config URL (the data's
+            are the config's).
         key: DCP checkpoint: the loader state's key, when it holds several.
 
     Returns:
@@ -284,7 +273,7 @@ def show_batches(
         ValueError: a step at or before the checkpoint's, a rank out of range, ``text``
             without a tokenizer in the config.
     """
-    cfg = as_config(config)
+    cfg = as_config(config, storage_options, name="config")
     span = parse_steps(steps)
     manifest = _manifest(checkpoint, storage_options, key)
     R = int(manifest["world_size"]) if ranks is None else _positive("ranks", ranks)

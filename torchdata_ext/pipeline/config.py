@@ -35,7 +35,7 @@ from torchdata_ext.tokenizers.load import (
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 
-__all__ = ["RESTORE_CONTRACT", "PipelineConfig", "step_ranges"]
+__all__ = ["RESTORE_CONTRACT", "PipelineConfig", "as_config", "step_ranges"]
 
 RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     # field: (class, why) -- "may_change": a restore with another value is exact;
@@ -560,3 +560,36 @@ def _yaml_where(exc: Exception) -> str:
     if context and context_mark is not None:
         out += f", {context} that starts at {at(context_mark)}"
     return out + ")"
+
+
+def as_config(
+    cfg: Any, storage_options: dict[str, Any] | None = None, *, name: str = "cfg"
+) -> PipelineConfig:
+    """``cfg`` as a :class:`PipelineConfig`: one as it is, a mapping of its fields, or the
+    path or fsspec URL of a YAML/JSON config, read with ``storage_options``.
+
+    Args:
+        cfg: the config the run used.
+        storage_options: fsspec options for a config URL.
+        name: the caller's argument name, which the errors use.
+
+    Raises:
+        FileNotFoundError: no config file there.
+        TypeError: ``cfg`` is none of these.
+    """
+    if isinstance(cfg, PipelineConfig):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return PipelineConfig.from_dict(cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        try:
+            return PipelineConfig.from_file(os.fspath(cfg), storage_options)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{name}={os.fspath(cfg)!r} does not exist; pass the pipeline config (.yaml or "
+                ".json) the run used"
+            ) from None
+    raise TypeError(
+        f"{name} must be a PipelineConfig, a mapping of its fields or a YAML/JSON config path, "
+        f"not {type(cfg).__name__}"
+    )
