@@ -420,10 +420,12 @@ def _set_reader_states(
         merged = merge_reader_states(states, complete=False)
         if old.returned.get(name):
             merged = live[name].with_returned(merged, old.returned[name])
-            for extras in reader_cursors(merged).extras.values():
-                for file, doc, start, _stop in extras.get("returned", []):
-                    if start == 0 and (name, int(file), int(doc)) in old.bos_done:
-                        no_bos.append([name, int(file), int(doc)])
+        # every returned piece, also one an old worker got back at an earlier rescale and had
+        # not read yet (it is in its reader's state, not among the pieces held)
+        for extras in reader_cursors(merged).extras.values():
+            for file, doc, start, _stop in extras.get("returned", []):
+                if start == 0 and (name, int(file), int(doc)) in old.bos_done:
+                    no_bos.append([name, int(file), int(doc)])
         set_at(box, path, merged)
     return no_bos
 
