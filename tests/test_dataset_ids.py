@@ -192,3 +192,26 @@ def test_eval_ids_index_the_config_order_and_padding_rows_are_minus_one(data) ->
     assert padded, "pick eval_fraction so the last batch is short"
     for b in padded:
         assert (b["dataset_ids"][~b["row_mask"]] == -1).all()
+
+
+@pytest.mark.multiprocess
+def test_the_key_can_be_added_at_a_restore(data) -> None:
+    """``output_keys`` may change at a restore (the state holds positions, not keys): a run
+    saved without ``dataset_ids`` and resumed with it continues with exactly the batches, ids
+    included, of a run that had the key from the start."""
+    with_ids = _cfg(data, "concat", True)
+    plain = _cfg(data, "concat", True)
+    plain.output_keys = [k for k in with_ids.output_keys if k != "dataset_ids"]
+    reference = list(TokenLoader(functools.partial(build_pipeline, with_ids), num_workers=2))
+    first = TokenLoader(functools.partial(build_pipeline, plain), num_workers=2)
+    for step, _ in enumerate(first, 1):
+        if step == 4:
+            break
+    state = first.state_dict()
+    first.close()
+    resumed = TokenLoader(functools.partial(build_pipeline, with_ids), num_workers=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(reference) - 4 > 3
+    for a, b in zip(rest, reference[4:]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
