@@ -215,3 +215,16 @@ def test_the_key_can_be_added_at_a_restore(data) -> None:
     assert len(rest) == len(reference) - 4 > 3
     for a, b in zip(rest, reference[4:]):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ids_follow_the_config_order_whatever_the_datasets_mapping_order(data) -> None:
+    """Pre-built indexes given in another order, and a build function without a config:
+    the ids still index the config's ``datasets`` and ``dataset_names`` says so."""
+    from torchdata_ext.pipeline.build import build_datasets
+
+    cfg = _cfg(data, "concat", True)
+    backwards = dict(reversed(build_datasets(cfg).items()))
+    assert list(backwards) == NAMES[::-1]
+    loader = TokenLoader(lambda w: build_pipeline(cfg, w, backwards))
+    assert loader.built_config() is None and loader.dataset_names == NAMES
+    assert _check(list(loader), True) >= {0, 1, 2}  # the token values agree with the ids
