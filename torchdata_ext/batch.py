@@ -30,10 +30,12 @@ import torch
 __all__ = [
     "ALL_KEYS",
     "BOUNDARY_KEYS",
+    "DATASET_KEY",
     "HF_KEYS",
     "BatchGroup",
     "PackedBatch",
     "boundaries",
+    "dataset_ids",
     "layout_runs",
     "loss_mask",
     "position_starts",
@@ -42,7 +44,17 @@ __all__ = [
 
 BOUNDARY_KEYS = ("seq_lens", "cu_seqlens", "max_seqlen")
 """The document-boundary keys (see :func:`boundaries`), built only when asked for."""
-ALL_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels", *BOUNDARY_KEYS)
+DATASET_KEY = "dataset_ids"
+"""The key of each token's dataset (see :func:`dataset_ids`), built only when asked for."""
+ALL_KEYS = (
+    "input_ids",
+    "position_ids",
+    "document_ids",
+    "loss_mask",
+    "labels",
+    *BOUNDARY_KEYS,
+    DATASET_KEY,
+)
 HF_KEYS = ("input_ids", "labels", "position_ids")  # a causal LM with packed attention
 
 
@@ -126,6 +138,52 @@ def boundaries(flat: np.ndarray, rows: int, n: int, keys: Sequence[str]) -> dict
     return out
 
 
+def dataset_ids(
+    runs: np.ndarray,
+    rows: int,
+    size: int,
+    n: int,
+    shift: bool,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """``dataset_ids``: int16 ``[B, L]``, the dataset of each token, for a loss per dataset.
+
+    The value is an index into the datasets in the config's order
+    (``TokenLoader.dataset_names``); -1 where the token belongs to no dataset: padding, the
+    line specials ``bol`` / ``eol``, and separators that name no document. A BOS / EOS the
+    packer placed counts for the document it opens or closes.
+
+    With ``shift`` the ids follow ``labels``: ``dataset_ids[b, t]`` is the dataset of
+    ``labels[b, t]``, the token the model predicts at position ``t``, so
+    ``loss[dataset_ids == k]`` is dataset ``k``'s loss (-1 wherever ``labels`` is padding,
+    so ``dataset_ids >= 0`` implies ``loss_mask``). Without ``shift`` they follow
+    ``input_ids`` (each token's own dataset): a loss on next-token predictions uses
+    ``dataset_ids[:, 1:]``, shifted like the labels.
+
+    Args:
+        runs: ``[R, 2]`` integer ``(dataset id, tokens)`` pairs that tile the ``rows * size``
+            packed tokens laid end to end (one per provenance row, in order).
+        rows: ``B``, the rows of the batch.
+        size: tokens packed per row (``L + 1`` with ``shift``).
+        n: ``L``, tokens per output row.
+        shift: whether ``labels`` are the packed tokens ``[1:]``.
+        out: an int16 ``[rows, n]`` array to write into (default: a new one).
+    """
+    runs = np.asarray(runs).reshape(-1, 2)
+    flat = runs[:, 0].astype(np.int16).repeat(runs[:, 1])
+    if len(flat) != rows * size:
+        raise ValueError(
+            f"the dataset runs cover {len(flat)} tokens but the batch packs {rows} x {size}; "
+            "give one (dataset id, tokens) pair per provenance row of every sequence"
+        )
+    grid = flat.reshape(rows, size)
+    part = grid[:, size - n :] if shift else grid[:, :n]
+    if out is None:
+        return np.ascontiguousarray(part)
+    out[...] = part
+    return out
+
+
 def segment_starts(cuts: np.ndarray, size: int, n: int) -> np.ndarray:
     """Where the segments of :func:`boundaries` start, from run starts ``cuts`` (increasing
     offsets into rows of ``size`` tokens laid end to end, see :func:`layout_runs`): the runs
@@ -182,6 +240,8 @@ class PackedBatch:
         shift: ``labels`` are ``tokens[:, 1:]``.
         keys: the keys :meth:`to_tensors` builds.
         provenance: ``[B, k, 5]`` int64 provenance, when asked for.
+        datasets: ``[R, 2]`` int32 ``(dataset id, tokens)`` runs tiling the batch's tokens
+            (see :func:`dataset_ids`), when ``dataset_ids`` is asked for.
     """
 
     tokens: torch.Tensor
@@ -193,6 +253,7 @@ class PackedBatch:
     shift: bool
     keys: tuple[str, ...]
     provenance: np.ndarray | None = None
+    datasets: np.ndarray | None = None
 
     def to_tensors(self, *, own: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
         """The batch as the model consumes it, only the keys in :attr:`keys`, each a
@@ -230,6 +291,9 @@ class PackedBatch:
                 out[key] = torch.from_numpy(arrays[key])
         if self.provenance is not None and "provenance" in keys:
             out["provenance"] = torch.from_numpy(self.provenance)
+        if self.datasets is not None and DATASET_KEY in keys:
+            ids = dataset_ids(self.datasets, rows, size, n, self.shift)
+            out[DATASET_KEY] = torch.from_numpy(ids)
         if any(k in keys for k in BOUNDARY_KEYS):
             flat = segment_starts(self.cuts, size, n)
             for key, a in boundaries(flat, rows, n, keys).items():
@@ -266,6 +330,7 @@ class BatchGroup:
     shift: bool
     keys: tuple[str, ...]
     slot: int | None = None  # the worker's TokenRing slot holding ``tokens`` (see loader)
+    datasets: list[np.ndarray | None] | None = None  # per batch, PackedBatch.datasets
 
     @staticmethod
     def can_group(items: Sequence[Any]) -> bool:
@@ -299,6 +364,7 @@ class BatchGroup:
             first.shift,
             first.keys,
             slot,
+            [x.datasets for x in items],
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -313,6 +379,7 @@ class BatchGroup:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         state.setdefault("slot", None)
+        state.setdefault("datasets", None)
         if state["tokens"] is not None:
             state["tokens"] = torch.from_numpy(state["tokens"])
         self.__dict__.update(state)
@@ -343,6 +410,7 @@ class BatchGroup:
                 self.shift,
                 self.keys,
                 self.provenance[i],
+                None if self.datasets is None else self.datasets[i],
             )
             for i in range(len(self.cuts))
         ]

@@ -43,6 +43,7 @@ __all__ = [
     "literal_owner",
     "remap_ids",
     "resolve",
+    "row_datasets",
 ]
 
 LITERAL = -1
@@ -65,6 +66,18 @@ def literal_owner(row: Sequence[int]) -> tuple[int, int, int] | None:
         return None
     code = -1 - int(row[3])
     return code & ((1 << _DATASET_BITS) - 1), code >> _DATASET_BITS, int(row[2])
+
+
+def row_datasets(rows: np.ndarray) -> np.ndarray:
+    """Per provenance row (``(k, 5)``), the dataset id of the document its tokens belong to
+    (int64): the ``dataset_id`` of a document row, the owner's (:func:`literal_owner`) of a
+    BOS/EOS that names its document, -1 for the rest (line specials, padding, separators that
+    name no document)."""
+    rows = np.asarray(rows, np.int64).reshape(-1, PROV_COLUMNS)
+    ds, code = rows[:, 0], rows[:, 3]
+    named = (ds == LITERAL) & (code < 0)
+    owner = np.where(named, (-1 - code) & ((1 << _DATASET_BITS) - 1), -1)
+    return np.where(ds >= 0, ds, owner)
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torchdata_ext.batch import DATASET_KEY
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -135,6 +136,12 @@ class EvalLoader:
                 return
             yield batch if batch is not None else self._padding_batch()
 
+    @property
+    def dataset_names(self) -> list[str]:
+        """The dataset names that the batches' ``dataset_ids`` index, in order (the config's
+        ``datasets``, as in training)."""
+        return list(self.cfg.dataset_weights)
+
     def clear_cache(self) -> None:
         """Forget the cached batches: the next pass reads the data again."""
         self._cached = None
@@ -174,6 +181,8 @@ class EvalLoader:
                 empty[key] = torch.zeros(0, cfg.seq_length, dtype=torch.bool)
             elif key == "provenance":
                 empty[key] = torch.zeros(0, 1, 5, dtype=torch.int64)
+            elif key == DATASET_KEY:
+                empty[key] = torch.zeros(0, cfg.seq_length, dtype=torch.int16)
             elif key != "labels" or cfg.shift:
                 empty[key] = torch.zeros(0, cfg.seq_length, dtype=dtype)
         out = self._padded(empty)
@@ -186,7 +195,7 @@ def _grow(key: str, value: torch.Tensor, size: int, pad_token: int) -> torch.Ten
     rows = int(value.shape[0])
     if rows >= size:
         return value
-    fill: dict[str, int] = {"input_ids": pad_token, "labels": pad_token, "document_ids": -1}
+    fill = {"input_ids": pad_token, "labels": pad_token, "document_ids": -1, DATASET_KEY: -1}
     extra = torch.full((size - rows, *value.shape[1:]), fill.get(key, 0), dtype=value.dtype)
     if key == "provenance":  # rows of length 0, as Collate fills short tables
         extra[..., 0] = LITERAL

@@ -410,6 +410,20 @@ class TokenLoader:
                 return arg
         return None
 
+    @property
+    def dataset_names(self) -> list[str]:
+        """The dataset names that the batches' ``dataset_ids`` (and provenance dataset ids)
+        index, in order: a config's ``datasets``; for another build function, read off worker
+        0's graph (built and reset here)."""
+        cfg = self.built_config()
+        if cfg is not None:
+            return list(cfg.dataset_weights)
+        root = self.build(World(self.rank, self.world_size, 0, self.logical_workers))
+        root.reset(None)
+        return next(
+            (list(n.dataset_names) for n in graph_nodes(root) if hasattr(n, "dataset_names")), []
+        )
+
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
         graph root, as a restore reads them) are dropped when the run reaches them. A config

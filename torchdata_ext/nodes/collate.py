@@ -12,19 +12,22 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import (
     BOUNDARY_KEYS,
+    DATASET_KEY,
     PackedBatch,
     boundaries,
+    dataset_ids,
     position_starts,
     segment_starts,
 )
 from torchdata_ext.nodes.pack import PackedSequence
-from torchdata_ext.provenance import LITERAL, PROV_COLUMNS
+from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, row_datasets
 
 __all__ = ["Collate"]
 
 DEFAULT_KEYS = ("input_ids", "position_ids", "document_ids", "loss_mask", "labels")
 _PACKED_PROTOCOL = ("next_packed", "materialize", "materialize_batch_into")
 _BOOL_KEYS = frozenset({"loss_mask"})
+_MAX_DATASET_ID = int(np.iinfo(np.int16).max)
 
 
 class Collate(BaseNode[dict[str, torch.Tensor]]):
@@ -51,7 +54,10 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             variable-length attention, ``seq_lens`` / ``cu_seqlens`` / ``max_seqlen``
             (int32, see :func:`~torchdata_ext.batch.boundaries`), come from the runs Pack
             emitted (a source of dicts: from their ``position_ids``, a segment starting where
-            they are 0); they cost nothing when not listed.
+            they are 0); they cost nothing when not listed. ``"dataset_ids"`` (int16
+            ``[B, seq_len]``, see :func:`~torchdata_ext.batch.dataset_ids`): each token's
+            dataset, from the items' provenance (following ``labels`` with ``shift``; -1 on
+            padding and line specials), for a loss per dataset.
 
     State: ``{"source": <upstream state>}``. A batch is built within one call, so between calls
     the upstream sits at a batch boundary. Resume guarantee: restoring continues with exactly
@@ -139,6 +145,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 out[key] = self._stack(key, [it[key] for it in items])
         if any(k in self.keys for k in BOUNDARY_KEYS):
             out.update(self._boundaries_of_dicts(items))
+        if DATASET_KEY in self.keys:
+            out[DATASET_KEY] = self._datasets_of_dicts(items)
         if get_worker_info() is None:
             return {k: torch.from_numpy(a) for k, a in out.items()}
         arrays, tensors = _one_storage({k: (a.shape, a.dtype) for k, a in out.items()})
@@ -173,7 +181,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         row_runs = np.zeros(len(items) + 1, np.int32)
         np.cumsum(counts, out=row_runs[1:])
         produced = tuple(self.source.output_keys)
-        keys = tuple(k for k in self.keys if k in produced or k in BOUNDARY_KEYS)
+        keys = tuple(k for k in self.keys if k in produced or k in _BUILT_KEYS)
+        tables = [it.provenance for it in items]
         return PackedBatch(
             torch.from_numpy(tokens),
             np.fromiter(
@@ -187,7 +196,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             size - ("labels" in produced),
             "labels" in produced,
             keys,
-            _stack_provenance([it.provenance for it in items]) if "provenance" in keys else None,
+            _stack_provenance(tables) if "provenance" in keys else None,
+            _dataset_runs(tables) if DATASET_KEY in keys else None,
         )
 
     def _take(self) -> list[Any]:
@@ -229,13 +239,20 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 specs[key] = ((len(items), rows, PROV_COLUMNS), np.dtype(np.int64))
             elif key in bounds:
                 specs[key] = (bounds[key].shape, bounds[key].dtype)
+            elif key == DATASET_KEY:
+                specs[key] = ((len(items), width), np.dtype(np.int16))
             elif key in produced:
                 dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
                 specs[key] = ((len(items), width), dt)
         arrays, tensors = _one_storage(specs)
+        built = {"provenance", DATASET_KEY, *bounds}
         self.source.materialize_batch_into(
-            items, {k: a for k, a in arrays.items() if k != "provenance" and k not in bounds}
+            items, {k: a for k, a in arrays.items() if k not in built}
         )
+        if DATASET_KEY in arrays:
+            runs = _dataset_runs([it.provenance for it in items])
+            size = len(items[0].tokens)
+            dataset_ids(runs, len(items), size, width, "labels" in produced, arrays[DATASET_KEY])
         if "provenance" in arrays:
             _stack_provenance([it.provenance for it in items], out=arrays["provenance"])
         for key, a in bounds.items():
@@ -252,6 +269,25 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             )
         pos = self._stack("position_ids", [it["position_ids"] for it in items])
         return boundaries(position_starts(pos), len(pos), pos.shape[1], self.keys)
+
+    def _datasets_of_dicts(self, items: list[Any]) -> np.ndarray:
+        """The ``dataset_ids`` of a batch of dicts, from their ``provenance``."""
+        if not all("provenance" in it and "input_ids" in it for it in items):
+            raise KeyError(
+                f"keys={self.keys!r} asks for 'dataset_ids', which Collate reads from each "
+                "item's 'provenance' (and 'input_ids'); this source gives items without them: "
+                "collate Pack's output"
+            )
+        tables = [np.asarray(it["provenance"], np.int64).reshape(-1, PROV_COLUMNS) for it in items]
+        sizes = {int(t[:, 4].sum()) for t in tables}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"the items' provenance covers {sorted(sizes)} tokens; Collate stacks "
+                "sequences of one length"
+            )
+        n = len(items[0]["input_ids"])
+        shift = "labels" in items[0]
+        return dataset_ids(_dataset_runs(tables), len(items), sizes.pop(), n, shift)
 
     def _stack(self, key: str, arrays: list[np.ndarray]) -> np.ndarray:
         width = len(arrays[0])
@@ -315,6 +351,25 @@ _TORCH_DTYPES = {
         if hasattr(torch, f"uint{bits}")
     },
 }
+
+
+_BUILT_KEYS = frozenset({*BOUNDARY_KEYS, DATASET_KEY})  # built from the runs, not Pack's keys
+
+
+def _dataset_runs(tables: list[np.ndarray]) -> np.ndarray:
+    """``[R, 2]`` int32 ``(dataset id, tokens)``, one per provenance row of ``tables`` laid
+    end to end (what :func:`~torchdata_ext.batch.dataset_ids` spreads over the tokens)."""
+    rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
+    owner = row_datasets(rows)
+    if len(owner) and int(owner.max()) > _MAX_DATASET_ID:
+        raise ValueError(
+            f"dataset id {int(owner.max())} does not fit 'dataset_ids' (int16, at most "
+            f"{_MAX_DATASET_ID} datasets); drop 'dataset_ids' from output_keys"
+        )
+    runs = np.empty((len(rows), 2), np.int32)
+    runs[:, 0] = owner
+    runs[:, 1] = rows[:, 4]
+    return runs
 
 
 def _stack_provenance(tables: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:

@@ -176,7 +176,10 @@ def _build(
             node if evaluating else with_budget(node, cfg, name, f"dataset:{name}", world)
         )
     node = _mix(cfg, sources, world, evaluating)
-    node = _pack(cfg, node, list(indexes))
+    # provenance / dataset_ids index the config's datasets, also where eval leaves some out
+    node = _pack(
+        cfg, node, [*cfg.dataset_weights, *(n for n in indexes if n not in cfg.dataset_weights)]
+    )
     if cfg.shuffle_buffer > 1 and not evaluating:
         node = _shuffle_buffer(cfg, node, list(indexes.values()), readers)
     if collate:

@@ -192,7 +192,8 @@ class PipelineConfig:
         output_keys: the batch keys (list or comma-separated string) out of ``input_ids``,
             ``labels``, ``position_ids``, ``document_ids``, ``loss_mask``, ``provenance``,
             and the document boundaries ``seq_lens``, ``cu_seqlens``, ``max_seqlen``
-            (:func:`torchdata_ext.batch.boundaries`, ``docs/trainers.md``).
+            (:func:`torchdata_ext.batch.boundaries`, ``docs/trainers.md``), ``dataset_ids``
+            (each token's dataset, for a loss per dataset: :func:`~torchdata_ext.batch.dataset_ids`).
             Default: what a Hugging Face causal LM with packed-sequence attention consumes
             (``input_ids``, ``labels``, ``position_ids``). Through dataloader workers only the
             tokens and document runs cross; these keys are built in the training process.
