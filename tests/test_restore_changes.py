@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from harness import document_lengths, write_random_arrow_datasets
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from torchdata_ext import World
@@ -70,7 +70,12 @@ CHANGES: dict[str, list[Any]] = {
     "output_keys": ["input_ids,labels,provenance"],
     "eval_fraction": [0.25],
     "eval_seed": [3],
-    "transforms": [[{"min_length": 2}]],
+    "transforms": [
+        [{"max_length": 500}],  # a changed parameter of the base's step
+        [{"max_length": 1000}, {"truncate": 30}],  # a step added
+        [{"drop_tokens": [7]}],  # another step
+        [],  # the step removed (no transform node)
+    ],
     "drop_remainder": [True],
     "phases": [[{"datasets": "web"}, {"datasets": "code"}]],
     "max_tokens": [2000],
@@ -100,6 +105,7 @@ def base(tmp_path_factory) -> PipelineConfig:
         data_path=str(root / "data"), datasets="web,code", weights="2,1", seq_length=32,
         eos_token=0, bos_token=1, logical_shards=12, batch_size=2, seed=5, shuffle_buffer=4,
         block_docs=5, epochs=1, mix_quantum_tokens=0, output_keys="input_ids,provenance",
+        transforms=[{"max_length": 1000}],  # keeps every document: a step whose change is drawn
     )  # fmt: skip
 
 
@@ -234,6 +240,8 @@ change = st.sampled_from(field_names).flatmap(
     changes=st.lists(change, min_size=1, max_size=2, unique_by=lambda c: c[0]),
     steps=st.tuples(st.integers(1, 6), st.integers(0, 6)),
 )
+@example(changes=[("transforms", [{"max_length": 500}])], steps=(3, 2))  # a parameter
+@example(changes=[("transforms", [{"drop_tokens": [7]}]), ("batch_size", 3)], steps=(2, 4))
 def test_a_changed_setting_restores_exactly_or_is_refused_by_name(
     base, tmp_path_factory, changes, steps
 ) -> None:
@@ -269,3 +277,116 @@ def test_a_reader_reset_with_another_setting_refuses_by_name(base, field, value)
     other = build_pipeline(dataclasses.replace(cfg, **{field: value}), World(), collate=False)
     with pytest.raises(ValueError, match=f"reader of dataset .*{field} differs.*{field}="):
         other.reset(state)
+
+
+def _plus_one(tokens: np.ndarray, meta: Any) -> np.ndarray:
+    return tokens + 1
+
+
+def _plus_two(tokens: np.ndarray, meta: Any) -> np.ndarray:
+    return tokens + 2
+
+
+@pytest.mark.parametrize(
+    "saved,now,says",
+    [
+        (
+            [{"max_length": 1000}],
+            [{"max_length": 500}],
+            "transforms step 1 (length_filter) differs in max_length: the checkpoint was taken "
+            "with max_length=1000, this pipeline has max_length=500; ",
+        ),
+        (
+            [{"max_length": 1000}, {"truncate": 30}],
+            [{"max_length": 1000}, {"truncate": 20}],
+            "transforms step 2 (truncate) differs in max_tokens: the checkpoint was taken with "
+            "max_tokens=30, this pipeline has max_tokens=20; ",
+        ),
+        (
+            [{"max_length": 1000}],
+            [{"max_length": 1000}, {"drop_tokens": [7]}],
+            "transforms differs: the checkpoint was taken with 1 step(s) [length_filter("
+            "min_length=None, max_length=1000)], this pipeline has 2 [length_filter(min_length="
+            "None, max_length=1000), drop_tokens(tokens=[7])]; ",
+        ),
+        (
+            [_plus_one],
+            [_plus_two],
+            "transforms step 1 (Map) differs in name: the checkpoint was taken with "
+            "name='_plus_one', this pipeline has name='_plus_two'; ",
+        ),
+    ],
+)
+def test_a_changed_transform_step_is_refused_naming_the_step_and_parameter(
+    base, tmp_path, saved, now, says
+) -> None:
+    """Folder and DCP checkpoints alike: refused before any data moves, in one line naming
+    the step, the parameter, both values and the checkpoint's steps to restore with."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+
+    cfg = dataclasses.replace(base, transforms=saved)
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), background=False)
+    for _, _batch in zip(range(3), loader):
+        pass
+    save_checkpoint(loader, str(tmp_path / "folder"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+        dcp.save({"data": DCPLoaderState(loader)}, checkpoint_id=str(tmp_path / "dcp"))
+    other = dataclasses.replace(base, transforms=now)
+    first = next(iter(TokenLoader(functools.partial(build_pipeline, other), background=False)))
+    for kind in ("folder", "dcp"):
+        fresh = TokenLoader(functools.partial(build_pipeline, other), background=False)
+        with pytest.raises(ValueError) as err, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if kind == "folder":
+                load_checkpoint(fresh, str(tmp_path / kind))
+            else:
+                dcp.load({"data": DCPLoaderState(fresh)}, checkpoint_id=str(tmp_path / kind))
+        msg = str(err.value)
+        assert says in msg and "\n" not in msg, msg
+        assert "Restore with the checkpoint's transforms ([" in msg, msg
+        assert msg.endswith("or start a new run"), msg
+        again = next(iter(fresh))  # nothing was restored: the refused loader starts afresh
+        assert torch.equal(again["input_ids"], first["input_ids"])
+
+
+def test_a_transform_node_reset_with_other_steps_refuses_by_name(base) -> None:
+    """A hand-built graph reset from a state of other steps refuses (no checkpoint)."""
+    cfg = dataclasses.replace(base, output_keys="input_ids")
+    root = build_pipeline(cfg, World(), collate=False)
+    root.reset()
+    for _ in range(5):
+        next(root)
+    other = build_pipeline(
+        dataclasses.replace(cfg, transforms=[{"max_length": 999}]), World(), collate=False
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cannot restore TransformDocuments: transforms step 1 \(length_filter\) differs "
+        r"in max_length: the checkpoint was taken with max_length=1000, this pipeline has "
+        r"max_length=999;",
+    ):
+        other.reset(root.state_dict())
+
+
+def test_a_user_step_is_recorded_by_its_function_and_partial_arguments() -> None:
+    """The same in every process and run (no memory address), other for other arguments."""
+    from torchdata_ext.transforms import Filter, Map, from_spec
+
+    one, two = functools.partial(_plus_one, meta=1), functools.partial(_plus_one, meta=2)
+    assert Map(one).identity() == {
+        "step": "Map",
+        "name": "partial(_plus_one)",
+        "on": "tokens",
+        "function": "test_restore_changes._plus_one((), [('meta', 1)])",
+    }
+    assert Map(one).identity() != Map(two).identity()
+    assert Filter(_plus_one, on="text").identity()["step"] == "Filter"
+    assert from_spec({"min_length": 3, "max_length": 9}).identity() == {
+        "step": "length_filter", "min_length": 3, "max_length": 9,
+    }  # fmt: skip

@@ -76,7 +76,7 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "output_keys": ("may_change", "only which arrays a batch carries"),
     "eval_fraction": ("must_match", "the held-out split (checked)"),
     "eval_seed": ("must_match", "the held-out split (checked)"),
-    "transforms": ("must_match", "adding or removing is refused; a changed step is not checked"),
+    "transforms": ("must_match", "each step and its parameters are recorded (checked)"),
     "drop_remainder": ("must_match", "changes what the chunk packer keeps"),
     "phases": ("must_match", "phase states and budgets go by place (checked)"),
     "max_tokens": ("must_match", "the saved shares are of the budget saved"),

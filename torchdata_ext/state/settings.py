@@ -25,7 +25,9 @@ def settings_mismatch(
 ) -> str | None:
     """The description of the first setting of ``mine`` that ``saved`` (a state's
     :data:`SETTINGS_KEY` value, or None) records with another value; None if none does.
-    ``args`` names a node argument where it differs from the config field."""
+    ``args`` names a node argument where it differs from the config field. A setting that is
+    a list of steps (``transforms``: one mapping per step, its ``"step"`` name and its
+    parameters) is described by the first step and parameter that differ."""
     if not isinstance(saved, Mapping):
         return None
     for key, now in mine.items():
@@ -34,6 +36,13 @@ def settings_mismatch(
         then = saved[key]
         if then == now:
             continue
+        steps = _steps_difference(key, then, now)
+        if steps is not None:
+            return (
+                f"{steps}; the saved position counts documents as the checkpoint's steps made "
+                "them, so the restore would repeat or lose data. Restore with the checkpoint's "
+                f"{key} ({_shown_steps(then)}), or start a new run"
+            )
         arg = (args or {}).get(key)
         name = f"{key} (node argument {arg})" if arg and arg != key else key
         return (
@@ -43,6 +52,42 @@ def settings_mismatch(
             f"({key}={then!r}), or start a new run"
         )
     return None
+
+
+def _is_steps(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, Mapping) and "step" in x for x in value)
+
+
+def _shown_step(step: Mapping[str, Any]) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in step.items() if k != "step")
+    return f"{step['step']}({args})"
+
+
+def _shown_steps(steps: Any) -> str:
+    return "[" + ", ".join(_shown_step(s) for s in steps) + "]" if _is_steps(steps) else repr(steps)
+
+
+def _steps_difference(key: str, then: Any, now: Any) -> str | None:
+    """Where two lists of steps differ (the step, the parameter, both values); None if they
+    are not both lists of steps."""
+    if not (_is_steps(then) and _is_steps(now)):
+        return None
+    for i, (a, b) in enumerate(zip(then, now), 1):
+        if a["step"] != b["step"]:
+            return (
+                f"{key} step {i} differs: the checkpoint was taken with {_shown_step(a)}, this "
+                f"pipeline has {_shown_step(b)}"
+            )
+        for p in [*a, *(k for k in b if k not in a)]:
+            if a.get(p) != b.get(p):
+                return (
+                    f"{key} step {i} ({a['step']}) differs in {p}: the checkpoint was taken "
+                    f"with {p}={a.get(p)!r}, this pipeline has {p}={b.get(p)!r}"
+                )
+    return (
+        f"{key} differs: the checkpoint was taken with {len(then)} step(s) "
+        f"{_shown_steps(then)}, this pipeline has {len(now)} {_shown_steps(now)}"
+    )
 
 
 def check_settings(
