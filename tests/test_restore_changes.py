@@ -390,3 +390,37 @@ def test_a_user_step_is_recorded_by_its_function_and_partial_arguments() -> None
     assert from_spec({"min_length": 3, "max_length": 9}).identity() == {
         "step": "length_filter", "min_length": 3, "max_length": 9,
     }  # fmt: skip
+
+
+def test_another_col_name_is_refused_by_name(tmp_path) -> None:
+    """Arrow files with two token columns of equal lengths: the other column passes every
+    check of the files (names, document and token counts), but its documents are others."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(3)
+    for f in range(2):
+        lengths = 1 + rng.integers(0, 30, 20)
+        with pa.ipc.new_file(str(tmp_path / f"p{f}.arrow"), pa.schema(
+            [("tokens", pa.uint32()), ("ids", pa.uint32())]
+        )) as out:  # fmt: skip
+            for n in lengths.tolist():
+                doc = rng.integers(5, 30_000, n, dtype=np.uint32)
+                out.write_batch(pa.record_batch([doc, doc[::-1].copy()], ["tokens", "ids"]))
+    cfg = PipelineConfig(
+        data_path=str(tmp_path), seq_length=16, eos_token=0, logical_shards=4, batch_size=2,
+        output_keys="input_ids",
+    )  # fmt: skip
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), background=False)
+    for _, _batch in zip(range(3), loader):
+        pass
+    save_checkpoint(loader, str(tmp_path / "ckpt"))
+    other = dataclasses.replace(cfg, col_name="ids")
+    fresh = TokenLoader(functools.partial(build_pipeline, other), background=False)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(fresh, str(tmp_path / "ckpt"))
+    assert (
+        "col_name differs: the checkpoint was taken with col_name='tokens', this pipeline has "
+        "col_name='ids'" in str(err.value)
+    )
+    assert "Restore with the checkpoint's value (col_name='tokens')" in str(err.value)
+    load_checkpoint(TokenLoader(functools.partial(build_pipeline, cfg)), str(tmp_path / "ckpt"))

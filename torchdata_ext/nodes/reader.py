@@ -199,6 +199,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             "max_chunksize": None if max_chunksize is None else int(max_chunksize),
             "min_length": self.min_length,
             "strip_tokens": list(self.strip_tokens),
+            "col_name": dataset.handler_options.get("col_name"),  # another column: other docs
         }
         self.on_error = on_error
         self.dtype = np.dtype(dtype)

@@ -46,7 +46,7 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "datasets": ("opt_in", "order is free; added needs allow_new_datasets, removed refused"),
     "weights": ("opt_in", "allow_weight_changes: the mix moves to the new targets from there"),
     "file_type": ("must_match", "selects the files read (checked as the data's files)"),
-    "col_name": ("must_match", "another column is other documents (not checked)"),
+    "col_name": ("must_match", "another column is other documents (checked)"),
     "seq_length": ("must_match", "the packer's position counts tokens of a row"),
     "shift": ("must_match", "changes the tokens packed per row"),
     "bos_token": ("must_match", "the packer's position counts the specials it placed"),
