@@ -20,7 +20,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import document_lengths, write_random_arrow_datasets
+from harness import (
+    document_lengths,
+    text_config,
+    write_random_arrow_datasets,
+    write_random_text_datasets,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -189,7 +194,7 @@ def _expected(cfg: PipelineConfig) -> dict[Key, int]:
     and transforms applied): one in-process run of the whole epoch."""
     unfiltered = cfg.min_length <= 1 and (cfg.eval_fraction, cfg.transforms) == (0, [])
     unbudgeted = not cfg.phases and cfg.max_tokens is None and cfg.max_documents is None
-    if unfiltered and unbudgeted and cfg.strip_tokens == []:
+    if unfiltered and unbudgeted and cfg.strip_tokens == [] and cfg.tokenizer is None:
         return document_lengths(cfg)
     ref = dataclasses.replace(cfg, shuffle_buffer=1, epochs=1)
     got: dict[Key, int] = {}
@@ -223,6 +228,17 @@ def _shown(value: Any) -> list[str]:
     return [repr(value), str(value)]
 
 
+def _refusable(field: str, value: Any, cfg: PipelineConfig) -> bool:
+    """Whether the contract lets a restore with ``field`` changed to ``value`` (config
+    ``cfg``) be refused: a must-match or opt-in field, or a may-change one in the cases its
+    reason excepts (a shuffle buffer added or removed; block_docs with pack_mode best_fit)."""
+    if RESTORE_CONTRACT[field][0] != "may_change":
+        return True
+    if field == "shuffle_buffer":
+        return value <= 1
+    return field == "block_docs" and cfg.pack_mode == "best_fit"
+
+
 field_names = sorted(CHANGES)
 change = st.sampled_from(field_names).flatmap(
     lambda f: st.tuples(st.just(f), st.sampled_from(CHANGES[f]))
@@ -241,6 +257,10 @@ change = st.sampled_from(field_names).flatmap(
     steps=st.tuples(st.integers(1, 6), st.integers(0, 6)),
 )
 @example(changes=[("transforms", [{"max_length": 500}])], steps=(3, 2))  # a parameter
+@example(changes=[("block_docs", 2)], steps=(4, 3))
+@example(changes=[("block_docs", 9), ("shuffle_buffer", 9)], steps=(5, 1))
+@example(changes=[("shuffle_buffer", 1)], steps=(3, 3))  # may change, but not to 1
+@example(changes=[("block_docs", 2), ("pack_mode", "best_fit")], steps=(2, 2))
 @example(changes=[("transforms", [{"drop_tokens": [7]}]), ("batch_size", 3)], steps=(2, 4))
 def test_a_changed_setting_restores_exactly_or_is_refused_by_name(
     base, tmp_path_factory, changes, steps
@@ -255,7 +275,7 @@ def test_a_changed_setting_restores_exactly_or_is_refused_by_name(
         msg = str(exc)
         named = [f for f in fields if f in msg]
         assert named, f"{fields} changed; the refusal names none of them: {msg}"
-        assert any(RESTORE_CONTRACT[f][0] != "may_change" for f in fields), (
+        assert any(_refusable(f, v, base) for f, v in changes), (
             f"{fields} may change, yet the restore was refused: {msg}"
         )
         assert "KeyError" not in msg and "Traceback" not in msg
@@ -424,3 +444,59 @@ def test_another_col_name_is_refused_by_name(tmp_path) -> None:
     )
     assert "Restore with the checkpoint's value (col_name='tokens')" in str(err.value)
     load_checkpoint(TokenLoader(functools.partial(build_pipeline, cfg)), str(tmp_path / "ckpt"))
+
+
+def _restore_same(cfg: PipelineConfig, ckpt: str) -> list[Rows]:
+    """Restore at the checkpoint's 2 ranks x 1 worker (no rescale: each rank's nodes replay
+    from their saved states) and run each rank to the end of the epoch."""
+    streams = []
+    for r in range(2):
+        loader = TokenLoader(
+            functools.partial(build_pipeline, cfg), rank=r, world_size=2, background=False
+        )
+        load_checkpoint(loader, ckpt)
+        streams.append([row for batch in loader for row in _rows(batch, list(cfg.datasets))])
+    return streams
+
+
+@pytest.mark.parametrize("mode", ["concat", "pad", "chunk", "best_fit"])
+@pytest.mark.parametrize(
+    "extra", [{}, {"mix_quantum_tokens": 64}, {"max_chunksize": 10}], ids=["", "quantum", "cut"]
+)
+def test_block_docs_may_change_but_with_best_fit(base, tmp_path, mode, extra) -> None:
+    """The readers read the block the nodes above replay at the saved size, then at the new
+    one: exact on the same topology and through a rescale, for every pack mode but best_fit
+    (its window replays several blocks), where the restore is refused naming both fields."""
+    saved = dataclasses.replace(base, pack_mode=mode, **extra)
+    for i, (new, steps) in enumerate([(2, (3, 2)), (9, (5, 4)), (1, (1, 6))]):
+        ckpt = str(tmp_path / f"ckpt{i}")
+        before = _save(saved, ckpt, steps)
+        now = dataclasses.replace(saved, block_docs=new)
+        if mode == "best_fit":
+            with pytest.raises(ValueError) as err:
+                _restore(now, ckpt)
+            assert (
+                f"block_docs differs: the checkpoint was taken with block_docs=5, this pipeline "
+                f"has block_docs={new};"
+            ) in str(err.value)
+            assert "(with pack_mode='best_fit', whose window replays several blocks)" in str(
+                err.value
+            )
+            continue
+        _check(before, _restore(now, ckpt), now)  # 2 x 1 -> 1 x 2
+        _check(before, _restore_same(now, ckpt), now)  # 2 x 1 -> 2 x 1
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_chunksize": 7, "transforms": [{"max_length": 900}]}])
+def test_block_docs_may_change_on_text(tmp_path, extra) -> None:
+    """Text read ahead by Tokenize (its thread pool) and cut by the reader: the same rule."""
+    root = str(tmp_path / "text")
+    words = ["alpha", "beta", "gamma", "delta", "zeta"]
+    write_random_text_datasets(root, (("web", 40, 6), ("code", 20, 12)), words, seed=4)
+    saved = text_config(root, output_keys="input_ids,provenance", **extra)
+    for i, (new, steps) in enumerate([(1, (1, 6)), (9, (4, 3))]):
+        ckpt = str(tmp_path / f"ckpt{i}")
+        before = _save(saved, ckpt, steps)
+        now = dataclasses.replace(saved, block_docs=new)
+        _check(before, _restore(now, ckpt), now)
+        _check(before, _restore_same(now, ckpt), now)

@@ -69,7 +69,10 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "epochs": ("may_change", "cursors count epochs; the run ends after the new count"),
     "min_length": ("must_match", "changes the blocks the packer replays"),
     "max_chunksize": ("must_match", "changes the blocks the packer replays"),
-    "block_docs": ("must_match", "changes the blocks the packer replays"),
+    "block_docs": (
+        "may_change",
+        "the replayed block is read at the saved size; refused with pack_mode best_fit",
+    ),
     "pad_token": ("may_change", "padding is written when a row is made"),
     "storage_options": ("may_change", "only how the files are reached"),
     "dtype": ("may_change", "only the output tensors' type"),

@@ -12,7 +12,7 @@ anything is restored (:mod:`torchdata_ext.checkpoint.restore`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 __all__ = ["SETTINGS_KEY", "check_graph_settings", "check_settings", "settings_mismatch"]
@@ -107,10 +107,17 @@ def check_settings(
         raise ValueError(f"cannot restore {node}: {problem}")
 
 
-def check_graph_settings(saved: Any, mine: Any, where: str = "this checkpoint") -> None:
+def check_graph_settings(
+    saved: Any,
+    mine: Any,
+    where: str = "this checkpoint",
+    may_differ: Collection[str] = (),
+    notes: Mapping[str, str] | None = None,
+) -> None:
     """Refuse a saved graph state whose recorded settings differ from those of the graph state
     ``mine`` (a fresh graph of the current pipeline) at the same place. Places only one side
-    has (a dataset added since) are not compared here.
+    has (a dataset added since) are not compared here. Settings in ``may_differ`` are not
+    compared; ``notes`` adds to a setting's refusal why it must match here.
 
     Raises:
         ValueError: naming the setting (see :func:`check_settings`).
@@ -119,14 +126,17 @@ def check_graph_settings(saved: Any, mine: Any, where: str = "this checkpoint") 
         if isinstance(saved.get(SETTINGS_KEY), Mapping) and isinstance(
             mine.get(SETTINGS_KEY), Mapping
         ):
-            problem = settings_mismatch(saved[SETTINGS_KEY], mine[SETTINGS_KEY])
+            now = {k: v for k, v in mine[SETTINGS_KEY].items() if k not in may_differ}
+            problem = settings_mismatch(saved[SETTINGS_KEY], now)
             if problem is not None:
-                raise ValueError(f"cannot restore {where}: {problem}")
+                key = problem.split(" ", 1)[0]
+                note = f" ({notes[key]})" if notes and key in notes else ""
+                raise ValueError(f"cannot restore {where}: {problem}{note}")
         if "cursors" in saved or "shards" in saved:  # a reader: its cursors hold no node state
             return
         for k, v in saved.items():
             if k != SETTINGS_KEY and k in mine:
-                check_graph_settings(v, mine[k], where)
+                check_graph_settings(v, mine[k], where, may_differ, notes)
     elif isinstance(saved, list) and isinstance(mine, list):
         for a, b in zip(saved, mine):
-            check_graph_settings(a, b, where)
+            check_graph_settings(a, b, where, may_differ, notes)
