@@ -38,8 +38,9 @@ NAMES = ("web", "code")
 ITEMS = 40  # more sequences than the corpus holds: the stream runs into its second epoch
 
 
-def _prepared(tmp_path: Path) -> str:
-    """Two datasets prepared with ``prepare`` (several files each) under ``tmp_path/orig/data``."""
+def _prepared(tmp_path: Path, format: str = "arrow") -> str:
+    """Two datasets prepared with ``prepare`` (several files each, of ``format``) under
+    ``tmp_path/orig/data``."""
     from torchdata_ext import prepare
 
     root = tmp_path / "orig" / "data"
@@ -51,8 +52,9 @@ def _prepared(tmp_path: Path) -> str:
                 for i in range(12)
             )
         )
-        prepare([str(src)], str(root / name), tokenizer="byte", max_tokens_per_file=200)
-    assert len(list((root / "web").glob("*.arrow"))) > 1
+        prepare([str(src)], str(root / name), tokenizer="byte", max_tokens_per_file=200,
+                format=format)  # fmt: skip
+    assert len(list((root / "web").glob(f"*.{format}"))) > 1
     return str(root)
 
 
@@ -113,16 +115,18 @@ def _upload(root: str, s3: Any) -> str:
     return str(s3.url("up"))
 
 
-def _reference(root: str) -> tuple[list[Any], dict[str, list[bytes]]]:
-    cfg = _cfg(root)
+def _reference(root: str, make_cfg: Any = _cfg) -> tuple[list[Any], dict[str, list[bytes]]]:
+    cfg = make_cfg(root)
     return _stream(cfg), _documents(cfg)
 
 
 def _trains_the_same(root: str, reference: tuple[list[Any], dict[str, list[bytes]]],
-                     listings: Counter, so: dict[str, Any] | None = None) -> None:  # fmt: skip
+                     listings: Counter, so: dict[str, Any] | None = None,
+                     make_cfg: Any = _cfg) -> None:  # fmt: skip
     """``root`` gives the reference's documents and stream, from its index files: one check
-    listing per dataset on rank 0, none on another rank, never a build by listing."""
-    cfg = _cfg(root, so)
+    listing per dataset on rank 0, none on another rank, never a build by listing
+    (``make_cfg(root, so)``: the config, :func:`_cfg` by default)."""
+    cfg = make_cfg(root, so)
     listings.clear()
     index_file_module._verified.clear()  # a new job: rank 0 checks the index files again
     assert sorted(build_datasets(cfg, World(1, 2))) == sorted(NAMES)

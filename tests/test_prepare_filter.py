@@ -306,7 +306,7 @@ def _pipeline_documents(cfg: PipelineConfig) -> list[tuple[int, ...]]:
     return [tuple(t for _, p in sorted(pieces[k]) for t in p) for k in sorted(pieces)]
 
 
-def test_data_sources_lists_absolute_paths_the_pipeline_reads_back(
+def test_data_sources_lists_relative_names_the_pipeline_reads_back(
     inputs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, files = inputs
@@ -315,11 +315,12 @@ def test_data_sources_lists_absolute_paths_the_pipeline_reads_back(
                         seed=11, min_length=9)  # fmt: skip
     listed = (tmp_path / "data/bolmo_test/data_sources.txt").read_text()
     assert listed.endswith("\n") and "\n\n" not in listed
-    paths = listed.splitlines()
-    # absolute paths, one per line, every part's files in order (the last part lists all)
-    assert paths == [str(tmp_path / "data/bolmo_test" / Path(p).name)
-                     for r in results for p in r.outputs]  # fmt: skip
-    assert len(paths) > 3 and all(Path(p).is_absolute() and Path(p).is_file() for p in paths)
+    names = listed.splitlines()
+    # names relative to the list's folder, one per line, every part's files in order (the
+    # last part lists all)
+    assert names == [Path(p).name for r in results for p in r.outputs]
+    paths = [str(tmp_path / "data/bolmo_test" / n) for n in names]
+    assert len(paths) > 3 and all(Path(p).is_file() for p in paths)
     kept = [t for t in expected(files, 11, 0.5) if len(t.encode()) >= 9]
     assert texts_of(paths) == kept
     cfg = PipelineConfig(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,13 +38,38 @@ def test_every_config_field_has_one_restore_class() -> None:
         assert cls in CLASSES and why, name
 
 
-def test_the_docs_table_is_the_contract() -> None:
-    from pathlib import Path
+DOCS = Path(__file__).parent.parent / "docs" / "checkpoint.md"
 
-    text = (Path(__file__).parent.parent / "docs" / "checkpoint.md").read_text()
+
+def test_the_docs_table_is_the_contract() -> None:
+    """Every field's row, with its class and reason; and no row of another class or field."""
+    text = DOCS.read_text()
     label = {"may_change": "may change", "must_match": "must match", "opt_in": "opt-in"}
     for name, (cls, why) in RESTORE_CONTRACT.items():
         assert f"| `{name}` | {label[cls]} | {why} |" in text, name
+    rows = re.findall(r"^\| `(\w+)` \| (may change|must match|opt-in) \|", text, re.M)
+    assert sorted(rows) == sorted((n, label[c]) for n, (c, _) in RESTORE_CONTRACT.items())
+
+
+def test_the_docs_folder_example_says_where_its_checkpoint_was_saved(tmp_path, monkeypatch):
+    """The folder-checkpoint example of docs/checkpoint.md loads the checkpoint that
+    tests/test_readme.py's setup saves: its comment's topology and step are that one's."""
+    from test_readme import SETUPS, blocks
+
+    from torchdata_ext.checkpoint.folder import read_manifest
+
+    (code,) = [c for _, c, setup, _ in blocks() if setup == "checkpoint" and "load_checkpoint" in c]
+    said = re.search(r'load_checkpoint\(loader, "ckpt/step_(\d+)/loader"\)\s+# saved at '
+                     r"(\d+) rank x (\d+) workers", code)  # fmt: skip
+    assert said, code
+    step, ranks, workers = map(int, said.groups())
+    assert f"enumerate(loader, {step + 1})" in code  # the steps go on from the checkpoint's
+    monkeypatch.chdir(tmp_path)
+    SETUPS["checkpoint"](tmp_path)
+    manifest = read_manifest(f"ckpt/step_{step}/loader")
+    # 0 workers: the pipeline in a thread, one logical worker in the manifest
+    assert (manifest["world_size"], manifest["num_workers"]) == (ranks, max(workers, 1))
+    assert manifest["step"] == step
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +99,7 @@ def _save(cfg: PipelineConfig, ckpt: str) -> list[tuple[int, ...]]:
     return _rows(batches)
 
 
-MUST_MATCH = [
-    ("block_docs", 8),
+MUST_MATCH = [  # block_docs may change: tests/test_restore_changes.py checks it exact
     ("mix_quantum_tokens", 65_536),
     ("max_chunksize", 10),
     ("min_length", 5),

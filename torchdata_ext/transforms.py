@@ -27,6 +27,7 @@ original exception chained (``__cause__``); a filter's ``fn`` must return a ``bo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -181,11 +182,27 @@ class Transform:
         name: a name for error messages (the function's name by default).
         changes_documents: whether the step may change a document's contents (maps), not only
             drop documents (filters).
+        params: a built-in's name and arguments (``{"step": "truncate", "max_tokens": 2048}``);
+            None for a user's step.
     """
 
     on: On = "tokens"
     name: str = "transform"
     changes_documents = False
+    params: dict[str, Any] | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of this step, so a restore with another step or other
+        parameters is refused by name: a built-in's name and arguments; for a user's step its
+        kind, name, ``on`` and function (module and qualified name, with a ``partial``'s
+        arguments). Plain values, the same in every process and run."""
+        if self.params is not None:
+            return dict(self.params)
+        out: dict[str, Any] = {"step": type(self).__name__, "name": self.name, "on": self.on}
+        fn = getattr(self, "fn", None) or getattr(self, "block_fn", None)
+        if fn is not None:
+            out["function"] = _fn_identity(fn)
+        return out
 
     def apply(self, block: DocumentBlock) -> DocumentBlock:
         """The block after this step: a subset of its documents, in order, each possibly
@@ -194,6 +211,25 @@ class Transform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, on={self.on!r})"
+
+
+def _fn_name(f: Callable) -> str:
+    """A function's name for messages and identities (no memory address)."""
+    if isinstance(f, functools.partial):
+        return f"partial({_fn_name(f.func)})"
+    return str(getattr(f, "__name__", None) or type(f).__name__)
+
+
+def _fn_identity(f: Callable) -> str:
+    """``module.qualname`` of a function (of its class for a callable object), with a
+    ``partial``'s or a callable object's arguments where their ``repr`` is stable."""
+    if isinstance(f, functools.partial):
+        args = repr((f.args, sorted(f.keywords.items())))
+        return f"{_fn_identity(f.func)}{args if ' at 0x' not in args else ''}"
+    owner = f if hasattr(f, "__qualname__") else type(f)
+    where = f"{getattr(owner, '__module__', '')}.{owner.__qualname__}"
+    attrs = repr(sorted(vars(f).items())) if owner is type(f) and hasattr(f, "__dict__") else ""
+    return where + (attrs if " at 0x" not in attrs else "")
 
 
 def _check_on(on: str) -> On:
@@ -244,7 +280,7 @@ class Map(Transform):
     ) -> None:
         f = _check_fns("Map", fn, block_fn)
         self.fn, self.block_fn, self.on = fn, block_fn, _check_on(on)
-        self.name = str(name or getattr(f, "__name__", repr(f)))
+        self.name = str(name or _fn_name(f))
 
     def apply(self, block: DocumentBlock) -> DocumentBlock:
         if not len(block):
@@ -388,7 +424,7 @@ class Filter(Transform):
     ) -> None:
         f = _check_fns("Filter", fn, block_fn)
         self.fn, self.block_fn, self.on = fn, block_fn, _check_on(on)
-        self.name = str(name or getattr(f, "__name__", repr(f)))
+        self.name = str(name or _fn_name(f))
 
     def keep(self, block: DocumentBlock) -> np.ndarray:
         """The bool keep mask of ``block``'s documents."""
@@ -459,7 +495,9 @@ def length_filter(min_length: int | None = None, max_length: int | None = None) 
     hi = None if max_length is None else check_int("max_length", max_length, 0)
     if lo is not None and hi is not None and hi < lo:
         raise ValueError(f"{max_length=} must be >= {min_length=}")
-    return Filter(block_fn=_LengthKeep(lo, hi), name=f"length_filter({lo}, {hi})")
+    out = Filter(block_fn=_LengthKeep(lo, hi), name=f"length_filter({lo}, {hi})")
+    out.params = {"step": "length_filter", "min_length": lo, "max_length": hi}
+    return out
 
 
 class _NoneOf:
@@ -482,7 +520,9 @@ def drop_tokens(tokens: int | Sequence[int]) -> Filter:
         check_int("drop_tokens", t, 0)
     if not ids:
         raise ValueError("drop_tokens needs at least one token id")
-    return Filter(block_fn=_NoneOf(np.asarray(ids, np.int64)), name=f"drop_tokens({ids})")
+    out = Filter(block_fn=_NoneOf(np.asarray(ids, np.int64)), name=f"drop_tokens({ids})")
+    out.params = {"step": "drop_tokens", "tokens": [int(t) for t in ids]}
+    return out
 
 
 class _Truncate:
@@ -505,7 +545,9 @@ class _Truncate:
 def truncate(max_tokens: int) -> Map:
     """Cut every document to its first ``max_tokens`` tokens (the rest is dropped)."""
     n = check_int("truncate", max_tokens, 1)
-    return Map(block_fn=_Truncate(n), name=f"truncate({n})")
+    out = Map(block_fn=_Truncate(n), name=f"truncate({n})")
+    out.params = {"step": "truncate", "max_tokens": n}
+    return out
 
 
 def from_spec(spec: Any, on: On = "tokens") -> Transform:

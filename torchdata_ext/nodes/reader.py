@@ -32,7 +32,7 @@ deliver pieces handed back by a rescale, the state it saves and restores, and th
 :class:`~torchdata_ext.sources.file_access.FileAccess`, which the reader asks for a file number and
 document ids; the state format (``Cursor``, :func:`merge_reader_states`) is
 :mod:`torchdata_ext.state.reader_state` and the hand-back's state edit and blocks are
-:mod:`torchdata_ext.nodes.hand_back`. This module is 814 lines: what is left is one state machine over the
+:mod:`torchdata_ext.nodes.hand_back`. This module is 840 lines: what is left is one state machine over the
 per-shard cursor (``Cursor``) that the plan, block, file-switch and hand-back code all advance.
 """
 
@@ -79,6 +79,11 @@ __all__ = ["ShardReader", "merge_reader_states"]
 logger = logging.getLogger(__name__)
 
 
+def _starts_anything(block: DocumentBlock) -> bool:
+    """``block`` holds a document's first piece or handed-back pieces (a transform uses it)."""
+    return block.stop is not None or bool((block.start == 0).any())
+
+
 class ShardReader(BaseNode[DocumentBlock]):
     """Read a dataset's documents in random-walk order, exactly once per epoch per document.
 
@@ -94,7 +99,8 @@ class ShardReader(BaseNode[DocumentBlock]):
         epochs: stop after this many epochs over the worker's shards (``StopIteration``);
             None (default) runs forever, starting each new epoch with a new order.
         block_docs: at most this many documents (or pieces) per output block; a block never
-            spans two files.
+            spans two files. Restored from a state of another size, the first block (up to
+            one holding a document's first piece) is read at the saved size.
         min_length: skip documents shorter than this (tokens; characters for text) after
             ``strip_tokens``.
         strip_tokens: token ids removed from both ends of each document (e.g. BOS/EOS already
@@ -191,15 +197,19 @@ class ShardReader(BaseNode[DocumentBlock]):
         self.max_chunksize = max_chunksize
         # what the blocks the nodes above replay from a saved state depend on (see
         # state/settings.py): another value is refused in reset, naming the field, but for
-        # block_docs: the cursors alone restore under another block size (a merged reader
-        # state, tests/test_reader.py); checkpoint/restore.py refuses it for a whole graph,
-        # whose nodes above would replay other blocks. Never mutated
+        # block_docs: restored under another block size, the reader reads its first blocks
+        # at the saved size up to the block the nodes above replay (see _replay_size), then
+        # at the new one; checkpoint/restore.py refuses it with pack_mode best_fit, whose
+        # window replays several blocks. Never mutated
         self._settings = {
             "block_docs": self.block_docs,
             "max_chunksize": None if max_chunksize is None else int(max_chunksize),
             "min_length": self.min_length,
             "strip_tokens": list(self.strip_tokens),
+            "col_name": dataset.handler_options.get("col_name"),  # another column: other docs
         }
+        # the block size in effect and the settings the state records (see _replay_size)
+        self._docs_now, self._settings_now = self.block_docs, self._settings
         self.on_error = on_error
         self.dtype = np.dtype(dtype)
         self._given_world = world
@@ -245,6 +255,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             self._check_state(initial_state)
             mine = {k: v for k, v in self._settings.items() if k != "block_docs"}
             check_settings(f"the reader of dataset {self.dataset.name!r}", initial_state, mine)
+            self._replay_size(initial_state.get(SETTINGS_KEY))
             rows = view.rows(ids)
             if (rows < 0).any():
                 sid = int(ids[np.argmax(rows < 0)])
@@ -257,6 +268,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             view = view.take(rows)
         else:
             view = ReaderCursors.fresh(ids)
+            self._docs_now, self._settings_now = self.block_docs, self._settings
         self._cursors = {int(sid): view.cursor(i) for i, sid in enumerate(ids.tolist())}
         self._row = {int(sid): i for i, sid in enumerate(ids.tolist())}
         frozen = cursor_state({}, view)
@@ -289,6 +301,8 @@ class ShardReader(BaseNode[DocumentBlock]):
                 block = self._read_block(sid)
                 passed = c.pos - pos if c.epoch == epoch else 0
                 if block is not None:
+                    if self._docs_now != self.block_docs and _starts_anything(block):
+                        self._docs_now, self._settings_now = self.block_docs, self._settings
                     self._empty_run = 0
                     self._drops.count(passed, len(block))
                     return block
@@ -308,11 +322,21 @@ class ShardReader(BaseNode[DocumentBlock]):
             "seed": self.seed,
             "n_logical_shards": self.n_logical_shards,
             "split": self._split_state(),
-            SETTINGS_KEY: self._settings,
+            SETTINGS_KEY: self._settings_now,
             "cursors": self._columns,
             "extras": self._extras,
             "active": active,
         }
+
+    def _replay_size(self, saved: Any) -> None:
+        """The block size after a restore: the saved one up to the block the nodes above replay
+        (a transform node passes over blocks of a document it emitted whole), then ours."""
+        then = saved.get("block_docs") if isinstance(saved, dict) else None
+        if then is None or int(then) == self.block_docs:
+            self._docs_now, self._settings_now = self.block_docs, self._settings
+        else:
+            self._docs_now = int(then)
+            self._settings_now = {**self._settings, "block_docs": self._docs_now}
 
     def _why_dropped(self) -> str:
         why = [f"min_length={self.min_length}"]
@@ -384,7 +408,7 @@ class ShardReader(BaseNode[DocumentBlock]):
             return None
         file = c.returned[0][0]
         take: list[list[int]] = []
-        while c.returned and c.returned[0][0] == file and len(take) < self.block_docs:
+        while c.returned and c.returned[0][0] == file and len(take) < self._docs_now:
             take.append(c.returned.pop(0))
         return returned_block(
             self.dataset.name,
@@ -535,14 +559,14 @@ class ShardReader(BaseNode[DocumentBlock]):
         # passed over, consumed like filtered ones)
         walk = self._walk(frag.size, plan.seeds[j])
         if self._split is None:
-            count = min(self.block_docs, frag.size - k)
+            count = min(self._docs_now, frag.size - k)
             doc_ids = walk.take(k, count) + frag.start
             ends = np.arange(1, count + 1)
         else:
-            count = min(self._split.window(self.block_docs), frag.size - k)
+            count = min(self._split.window(self._docs_now), frag.size - k)
             ids = walk.take(k, count) + frag.start
-            rel = np.flatnonzero(self._split.keep(frag.file, ids))[: self.block_docs]
-            if len(rel) == self.block_docs:
+            rel = np.flatnonzero(self._split.keep(frag.file, ids))[: self._docs_now]
+            if len(rel) == self._docs_now:
                 count = int(rel[-1]) + 1
             if not len(rel):
                 c.pos += count
@@ -562,14 +586,14 @@ class ShardReader(BaseNode[DocumentBlock]):
         lasts: list[bool] = []
         limit = self.max_chunksize
         for d, end, data in zip(doc_ids.tolist(), ends.tolist(), docs):
-            if len(pieces) >= self.block_docs:
+            if len(pieces) >= self._docs_now:
                 break
             if data is not None:
                 if self._strip_arr.size and not isinstance(data, str):
                     data = _strip(data, self._strip_arr)
                 n = len(data)
                 if n >= self.min_length and n > 0:
-                    while len(pieces) < self.block_docs:
+                    while len(pieces) < self._docs_now:
                         off = c.offset
                         stop = n if limit is None else min(n, off + limit)
                         pieces.append(data[off:stop])

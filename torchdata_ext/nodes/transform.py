@@ -24,7 +24,10 @@ Exactness (restore, rescale) rests on three rules:
   twice and the results compared (``ValueError`` naming the step if they differ).
 
 State: ``{"source": <the source's state after the last block this node used>, "skip":
-[file, doc] of a cut document whose remaining source pieces are to be skipped, or None}``.
+[file, doc] of a cut document whose remaining source pieces are to be skipped, or None,
+"settings": {"transforms": [each step's identity: a built-in's name and arguments, a user's
+step's kind, name and function]}}``; a restore whose steps or their parameters differ is refused
+naming the step and the parameter (:mod:`~torchdata_ext.state.settings`).
 Resume guarantee: restoring continues with exactly the blocks the uninterrupted run would have
 produced. Rescaling: :meth:`inflight` first reads the source on to the end of a document being
 skipped (so the reader's cursor lies between documents), and reports the pieces it read ahead.
@@ -44,6 +47,7 @@ from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.state.graph import graph_nodes
+from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 from torchdata_ext.transforms import Filter, Map, On, Transform, TransformError, from_spec
 
 __all__ = ["FilterDocuments", "MapDocuments", "TransformDocuments"]
@@ -168,6 +172,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         self.source = source
         self.steps: list[Transform] = steps
         self.on: On = steps[0].on
+        self._settings = {"transforms": [step.identity() for step in steps]}  # never mutated
         self.check_deterministic = bool(check_deterministic)
         self._checked = not self.check_deterministic
         self._source_state: Any = None
@@ -192,6 +197,7 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         super().reset(initial_state)
         self._ahead = []
         if initial_state is not None:
+            check_settings("TransformDocuments", initial_state, self._settings)
             self.source.reset(initial_state[self.SOURCE_KEY])
             skip = initial_state[self.SKIP_KEY]
             self._skip = None if skip is None else [int(x) for x in skip]
@@ -236,7 +242,11 @@ class TransformDocuments(BaseNode[DocumentBlock]):
         return "; ".join(parts)
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self._source_state, self.SKIP_KEY: self._skip}
+        return {
+            self.SOURCE_KEY: self._source_state,
+            self.SKIP_KEY: self._skip,
+            SETTINGS_KEY: self._settings,
+        }
 
     # -- provenance ----------------------------------------------------------------------------
     def inflight(self) -> list[tuple[str, int, int, int, int]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import os
 import posixpath
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.remote import write_bytes_atomic
-from torchdata_ext.remote.urls import is_local, unstrip
+from torchdata_ext.remote.urls import unstrip
 from torchdata_ext.sources.index import DatasetIndex
 from torchdata_ext.sources.index_file import write_index_file
 
@@ -113,7 +112,7 @@ def write_listings(
     if not names:
         return
     if format == "npy":
-        listed = [os.path.abspath(p) if is_local(fs) else unstrip(fs, p) for p in names]
+        listed = [posixpath.basename(p) for p in names]  # relative: the folder may move
         data = ("\n".join(listed) + "\n").encode()
         write_bytes_atomic(
             unstrip(fs, posixpath.join(out_path, "data_sources.txt")), data, storage_options

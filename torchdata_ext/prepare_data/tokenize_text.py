@@ -15,7 +15,7 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``format="arrow"`` (Bamba layout): Arrow IPC files, one record batch per document, one
   integer column ``tokens``. ``format="npy"`` (Bolmo layout): flat ``.npy`` token arrays,
   every document followed by ``eos_token`` (default 0), plus ``data_sources.txt`` listing
-  them. ``format="mds"`` (Mosaic MDS, as ``mosaicml-streaming`` and LLM Foundry read it): one
+  them (by names relative to its folder, so the folder can move). ``format="mds"`` (Mosaic MDS, as ``mosaicml-streaming`` and LLM Foundry read it): one
   sample per document in an ``ndarray:<dtype>`` column ``tokens``, plus ``index.json``. All
   get ``meta/torchdata_ext_counts.csv`` (documents and tokens per file). Tokens are stored as
   the smallest of ``uint16``/``uint32`` that holds the vocabulary and ``eos_token`` (``uint16``
