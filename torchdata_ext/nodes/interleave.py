@@ -53,9 +53,10 @@ the new owner delivers contiguously: documents stay whole in each new worker's s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -64,6 +65,9 @@ from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
+
+if TYPE_CHECKING:
+    from torchdata_ext.nodes.stream import StreamCursor
 
 __all__ = ["Interleave"]
 
@@ -116,6 +120,9 @@ class Interleave(BaseNode[DocumentBlock]):
     SOURCES_KEY = "sources"
     SOURCE_KEY = "source"
     CONSUMED_KEY = "consumed"
+    OFFSET_KEY = "offset"
+    FILL_KEY = "row_fill"
+    FINISHING_KEY = "finishing"
     ENDED_KEY = "ended"
     TOKENS_KEY = "tokens_delivered"
     COUNTER_KEY = "counter"
@@ -179,6 +186,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._blocks: list[DocumentBlock | None] = [None] * n
         self._before: list[Any] = [None] * n  # source state before its current block
         self._consumed = [0] * n
+        self._offset = [0] * n  # tokens of piece ``consumed`` already emitted (a row cut)
         self._whole = [True] * n  # whether every piece of the current block ends its document
         self._ended = [False] * n
         self._tokens = [0] * n
@@ -187,6 +195,16 @@ class Interleave(BaseNode[DocumentBlock]):
         # blocks inflight() read ahead to the end of an open document: (state before, block)
         self._ahead: list[list[tuple[Any, DocumentBlock]]] = [[] for _ in range(n)]
         self._owner: dict[str, int] = {}  # dataset name -> source index, learned from blocks
+        self._mirror: StreamCursor | None = None  # Pack's cursor, mirrored (see follow_rows)
+        self._capacity = 0  # document tokens per row
+        self._fill: int | None = None  # tokens of the current row after our output; None: off
+
+    def follow_rows(self, mirror: StreamCursor, capacity: int) -> None:
+        """Let ``"tokens"`` mode switch sources inside a document where a row ends (Pack in
+        ``concat`` mode calls this with a mirror of its cursor, reset with it, and its
+        document tokens per row ``capacity``). Ignored in ``"samples"`` mode."""
+        if self.mode == "tokens":
+            self._mirror, self._capacity = mirror, int(capacity)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -198,8 +216,10 @@ class Interleave(BaseNode[DocumentBlock]):
         self._blocks = [None] * n
         self._before = [None] * n
         self._consumed = [0] * n
+        self._offset = [0] * n
         self._ended = [False] * n
         self._open = None
+        self._fill = None if self._mirror is None else 0
         self._ahead = [[] for _ in range(n)]
         self.weights = list(self._target_weights)
         self._switch_weights = False
@@ -229,13 +249,17 @@ class Interleave(BaseNode[DocumentBlock]):
             )
         self._tokens = [int(tokens[name]) for name in self.names]
         self._counter = int(initial_state[self.COUNTER_KEY])
+        fill = initial_state.get(self.FILL_KEY)  # absent before row cuts: they stay off
+        self._fill = None if fill is None or self._mirror is None else int(fill)
+        finishing = initial_state.get(self.FINISHING_KEY, "")  # "" : not recorded
         replay: list[tuple[int, str, Any, int]] = []  # sources whose block is read again
         for i, name in enumerate(self.names):
             st = per_source[name]
             self.sources[i].reset(st[self.SOURCE_KEY])
             self._ended[i] = bool(st[self.ENDED_KEY])
             consumed = int(st[self.CONSUMED_KEY])
-            if consumed == 0 or self._ended[i]:
+            self._offset[i] = int(st.get(self.OFFSET_KEY, 0))
+            if (consumed == 0 and not self._offset[i]) or self._ended[i]:
                 continue
             # a tokenizing source need not encode what was delivered before, and starts on
             # the rest now: every source's block is encoded side by side (see Tokenize)
@@ -248,7 +272,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 block = next(self.sources[i])
             except StopIteration:
                 block = None
-            if block is None or len(block) < consumed:
+            if block is None or len(block) < consumed + (self._offset[i] > 0):
                 raise ValueError(
                     f"source {name!r}: the block read again on restore has "
                     f"{0 if block is None else len(block)} pieces but the state says {consumed} "
@@ -260,8 +284,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._consumed[i] = consumed
             self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
-            if not block.last[consumed - 1]:
+            if finishing == "" and not block.last[consumed - 1]:  # a state from before 0.3
                 self._open = i
+        if finishing:
+            self._open = self.names.index(finishing)
 
     def next(self) -> DocumentBlock:
         while True:
@@ -278,6 +304,7 @@ class Interleave(BaseNode[DocumentBlock]):
             drawn = s is None
             if s is None:
                 s = self._pick(active)
+            resuming = drawn and self._holds_open(s)  # a document left open at a row end
             if not self._ensure_block(s):
                 self._open = None
                 continue  # s ended: decide again among the others
@@ -285,11 +312,12 @@ class Interleave(BaseNode[DocumentBlock]):
             assert block is not None
             lo = self._consumed[s]
             if self.mode == "tokens":
-                count = self._tokens_run(s, active, block, lo)
+                hi, cut = self._tokens_run(s, active, block, lo)
             else:
                 count, draws = self._samples_run(s, active, block, lo, drawn)
                 self._counter += draws
-            out = self._emit(s, block, lo, lo + count)
+                hi, cut = lo + count, 0
+            out = self._emit(s, block, lo, hi, cut, resuming)
             if self._switch_weights:
                 self.weights, self._switch_weights = list(self._target_weights), False
             return out
@@ -306,11 +334,14 @@ class Interleave(BaseNode[DocumentBlock]):
             per_source[name] = {
                 self.SOURCE_KEY: src,
                 self.CONSUMED_KEY: consumed,
+                self.OFFSET_KEY: self._offset[i] if self._blocks[i] is not None else 0,
                 self.ENDED_KEY: self._ended[i],
             }
         return {
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
+            self.FILL_KEY: self._fill,
+            self.FINISHING_KEY: None if self._open is None else self.names[self._open],
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
             SETTINGS_KEY: self._settings,
@@ -329,7 +360,8 @@ class Interleave(BaseNode[DocumentBlock]):
         out: list[tuple[str, int, int, int, int]] = []
         for i, block in enumerate(self._blocks):
             if block is not None and self._consumed[i] < len(block):
-                out.extend(block.select(self._consumed[i], len(block)).pieces())
+                rest = _cut_block(block, self._consumed[i], self._offset[i], len(block), 0)
+                out.extend(rest.pieces())
             ahead = self._ahead[i]
             tail = ahead[-1][1] if ahead else block
             while tail is not None and len(tail) and not tail.last[-1]:
@@ -402,6 +434,7 @@ class Interleave(BaseNode[DocumentBlock]):
                     self._consumed[i] = 0
                     return False
             self._blocks[i], self._before[i], self._consumed[i] = block, before, 0
+            self._offset[i] = 0
             self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
         return True
@@ -422,12 +455,15 @@ class Interleave(BaseNode[DocumentBlock]):
                 best, best_ratio = i, r
         return best
 
-    def _tokens_run(self, s: int, active: list[int], block: DocumentBlock, lo: int) -> int:
-        """How many pieces from ``lo`` the one-at-a-time rule would take from ``s`` in a row."""
+    def _tokens_run(
+        self, s: int, active: list[int], block: DocumentBlock, lo: int
+    ) -> tuple[int, int]:
+        """``(hi, cut)``: the one-at-a-time rule takes pieces ``lo .. hi`` from ``s`` in a row
+        (from token ``offset`` of piece ``lo``), and ``cut`` tokens of piece ``hi`` (0: none)."""
         n = len(block)
         others = [i for i in active if i != s]
         if not others:
-            return n - lo
+            return n, 0
         r2 = min(self._ratio(i) for i in others)
         first_at_r2 = min(i for i in others if self._ratio(i) == r2)
         if self.quantum_tokens:
@@ -437,13 +473,69 @@ class Interleave(BaseNode[DocumentBlock]):
         # document open (ratios only grow, so the rule holds up to a point, then the run goes
         # on to the end of the document in progress there)
         off = block.offsets
-        ratios = (off[lo + 1 : n] + (self._tokens[s] - int(off[lo]))) / self.weights[s]
+        base = int(off[lo]) + self._offset[s]
+        ratios = (off[lo + 1 : n] + (self._tokens[s] - base)) / self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
         end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
+        if self._fill is not None and block.stop is None:  # may end inside a document
+            anywhere = any(self._holds_open(i) for i in others)
+            cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
+            if cut is not None:
+                return cut
         if self._whole[s] or block.last[end]:
-            return end + 1 - lo
+            return end + 1, 0
         closing = int(block.last[end:].argmax())  # the first piece that ends a document
-        return n - lo if not block.last[end + closing] else end + closing + 1 - lo
+        return (n if not block.last[end + closing] else end + closing + 1), 0
+
+    def _row_cut(
+        self,
+        s: int,
+        block: DocumentBlock,
+        lo: int,
+        end: int,
+        r2: float,
+        side: Any,
+        anywhere: bool,
+    ) -> tuple[int, int] | None:
+        """Where the run ends at a row end (Pack's, mirrored), as ``(hi, cut)`` of
+        :meth:`_tokens_run`: the first row end from piece ``end`` on at which the rule would
+        not choose ``s`` again. Only inside the document of piece ``end`` (with a token of it
+        on each side), or with ``anywhere`` (another source holds a document open, which must
+        go on at a row start) at any row end of the block that is not between a document's
+        BOS and first token nor between its last token and EOS. None when there is none: the
+        run goes on to the document's end (or the block's, and on after it, see ``_emit``)."""
+        assert self._mirror is not None and self._fill is not None
+        last, n = block.last, len(block)
+        close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
+        rest = _cut_block(block, lo, self._offset[s], (n - 1 if anywhere else close) + 1, 0)
+        units = self._mirror.units(rest, peek=True)
+        if units.pin_at:  # a rescale's hand-back: rows restart there, keep documents whole
+            return None
+        cap, fill, lengths, taken = self._capacity, self._fill, rest.lengths, rest.offsets
+        for j in range(end - lo, len(rest)):
+            first = int(units.off[j] + units.bos[j])  # the stream offset of the piece's tokens
+            at = first + 1 + (-(fill + first + 1)) % cap  # the first row end after a token
+            cand = np.arange(at, first + int(lengths[j]), cap, dtype=np.int64)  # inside it
+            after = int(units.off[j + 1])  # after the piece (and its EOS)
+            if (fill + after) % cap == 0:
+                cand = np.append(cand, after)
+            if not len(cand):
+                continue
+            k = 0
+            if j == end - lo:  # inside the rule's last piece: where the rule stops
+                count = np.minimum(cand - first, lengths[j]) + int(taken[j]) + self._tokens[s]
+                k = int(np.searchsorted(count / self.weights[s], r2, side=side))
+                if k == len(cand):
+                    continue
+            if int(cand[k]) == after:
+                return lo + j + 1, 0
+            return lo + j, int(cand[k]) - first + (self._offset[s] if j == 0 else 0)
+        return None
+
+    def _holds_open(self, i: int) -> bool:
+        """Whether source ``i``'s last emitted piece left its document open."""
+        block, c = self._blocks[i], self._consumed[i]
+        return block is not None and (self._offset[i] > 0 or (c > 0 and not block.last[c - 1]))
 
     def _pick_samples(self, active: list[int], u: np.ndarray) -> np.ndarray:
         """Positions in ``active`` of the sources draws ``u`` pick."""
@@ -472,12 +564,56 @@ class Interleave(BaseNode[DocumentBlock]):
         pieces = n - lo if taken >= docs else (taken if starts is None else int(starts[taken]))
         return pieces, taken - skip
 
-    def _emit(self, s: int, block: DocumentBlock, lo: int, hi: int) -> DocumentBlock:
-        out = block.select(lo, hi)
-        self._tokens[s] += int(block.offsets[hi] - block.offsets[lo])
-        self._consumed[s] = hi
-        self._open = None if block.last[hi - 1] else s
-        if hi >= len(block) and self._open is None:
+    def _emit(
+        self, s: int, block: DocumentBlock, lo: int, hi: int, cut: int, resuming: bool
+    ) -> DocumentBlock:
+        """Pieces ``lo .. hi`` of ``s``'s block (from its ``offset``) and ``cut`` tokens of
+        piece ``hi``; the mirrored row position moves on over them. A document left open at
+        a row end and ``resuming`` mid-row (only after a finite source ended mid-row) is
+        marked handed back (``stop``), so Pack starts it on a new row, as after a rescale."""
+        out = _cut_block(block, lo, self._offset[s], hi, cut)
+        if resuming and self._fill:
+            out = dataclasses.replace(out, stop=out.start + out.lengths)
+        self._tokens[s] += out.num_tokens
+        self._consumed[s], self._offset[s] = hi, cut
+        left_open = cut > 0 or not block.last[hi - 1]
+        if self._fill is None:  # documents whole: one left open goes on now
+            self._open = s if left_open else None
+        else:  # a row left open goes on now, as does a document cut mid-row
+            self._fill = self._row_fill_after(out)
+            others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
+            self._open = s if self._fill and (left_open or others) else None
+            if left_open and block.stop is not None:
+                self._open = s
+        if hi >= len(block) and not left_open:
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
         return out
+
+    def _row_fill_after(self, out: DocumentBlock) -> int:
+        """The mirrored row position after Pack lays ``out`` out (a unit that must start a
+        row ends the one before, padded)."""
+        assert self._mirror is not None and self._fill is not None
+        units = self._mirror.units(out)
+        fill, at = self._fill, 0
+        for pin in units.pin_at or ():
+            fill, at = 0, pin
+        return (fill + int(units.off[-1]) - at) % self._capacity
+
+
+def _cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> DocumentBlock:
+    """Pieces ``lo .. hi`` of ``block`` from token ``a`` of piece ``lo`` on, and tokens ``0 ..
+    b`` of piece ``hi`` (none when ``b`` is 0), sharing ``block``'s tokens (zero-copy)."""
+    out = block.select(lo, hi + 1 if b else hi)
+    if not a and not b:
+        return out
+    off, start, last = out.offsets.copy(), out.start.copy(), out.last.copy()
+    if b:  # the last piece ends inside its document
+        off[-1] = off[-2] + b
+        last[-1] = False
+    if a:  # the first piece begins where an earlier run cut it
+        off[1:] -= a
+        start[0] += a
+    assert out.tokens is not None, "only token blocks are cut inside a document"
+    tokens = out.tokens[a : a + int(off[-1])]
+    return dataclasses.replace(out, tokens=tokens, offsets=off, start=start, last=last)
