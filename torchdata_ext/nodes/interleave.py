@@ -6,16 +6,27 @@ decision, as fms-fsdp's sampler does: after such a piece the same source goes on
 piece that ends the document, even across the source's blocks. So downstream every document's
 pieces are contiguous and in order, and the packer places its BOS/EOS at the document's real
 ends only (``Pack`` in ``concat`` and ``pad`` mode keeps them so in its sequences; ``best_fit``
-places the pieces of a window by size, by design). The decision rules (pieces are never split):
+places the pieces of a window by size, by design). The decision rules:
+
+**Row cuts** (``"tokens"`` mode feeding a ``concat`` Pack directly, which calls
+:meth:`Interleave.follow_rows`): the node mirrors Pack's cursor, so it knows where rows end in
+its own output (``row_fill``), and a run may end inside a document exactly at a row end
+(:mod:`.row_cuts`; a zero-copy token slice); the rest goes on later at a row start, with no
+BOS, as any document spanning rows. While another source holds a document open, runs end only
+at row ends (a source mid-row goes on), so a document always goes on at a row start; only when
+a finite source ends mid-row does one go on marked handed back (``stop``: Pack pads that row,
+as after a rescale). ``pad``, ``best_fit``, ``chunk``, ``"samples"`` and a mix under a budget
+or in phases keep documents whole (pieces never split).
 
 * ``"tokens"`` (deterministic, as in Bamba): the source furthest below its target share of
   tokens, i.e. the active source with the lowest ``tokens_delivered[s] / weight[s]``; ties go to
   the source listed first. Instead of deciding document by document in Python, the node takes in
   one step the longest run of the chosen source's current block for which the rule would have
   kept choosing it (a ``searchsorted`` on the block's cumulative lengths against the
-  second-lowest ratio, then on to the next piece that ends a document), which gives exactly
-  the same sequence of documents. The tokens of a whole document count, so a share stays within
-  ``(quantum_tokens + longest document) / tokens delivered`` of its target.
+  second-lowest ratio, then on to the next piece that ends a document, or to a row end), which
+  gives exactly the same sequence. The tokens of a whole document count, so a share stays within
+  ``(quantum_tokens + longest document) / tokens delivered`` of its target; with row cuts within
+  about ``(quantum_tokens + 2 rows) / tokens delivered``.
 * ``"samples"`` (random): draw ``k`` picks source ``s`` with probability ``weight[s] / sum of
   the active weights``, once per document (the rest of a cut document takes no draw). Draw
   ``k`` is a pure function of ``(seed, k)``: uniform ``u_k`` is the SplitMix64 finalizer of
@@ -33,15 +44,19 @@ State (replay, no token copies)::
 
     {"sources": {name: {"source": <its state before its current block>,
                         "consumed": <pieces of that block already emitted>,
+                        "offset": <tokens of the next piece already emitted (a row cut)>,
                         "ended": bool}},
      "tokens_delivered": {name: int},
+     "row_fill": <tokens of Pack's current row after the output; None: no row cuts>,
+     "finishing": <the source that must go on next, or None>,
      "counter": int}
 
 On restore each source is reset to its saved state, its current block is read again and the
 ``consumed`` pieces are skipped. A source whose last emitted piece leaves a document open keeps
 its block in the state even when all of it was emitted (``consumed`` equals the block's length),
-so the restored node knows from the block's ``last`` flags that the source must go on; no other
-key records it. Resume guarantee: restoring a state continues with exactly the blocks the
+so the restored node knows from the block's ``last`` flags that the document is open. A
+state without ``row_fill`` (saved before row cuts) goes on document by document, exactly as it
+would have. Resume guarantee: restoring a state continues with exactly the blocks the
 uninterrupted run would have produced next. ``tokens_delivered`` is plain ``name -> int`` so it
 can be summed and re-split across ranks.
 
@@ -63,6 +78,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
+from torchdata_ext.nodes.row_cuts import cut_block, fill_after, first_row_end
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
@@ -110,7 +126,7 @@ class Interleave(BaseNode[DocumentBlock]):
             current block (``block_docs`` documents), or of a document open there, where the
             rule decides again. A few thousand tokens cuts the per-decision overhead when
             documents are short; any share stays within ``(quantum_tokens + longest document)
-            / tokens delivered`` of its target (documents are never split between sources).
+            / tokens delivered`` of its target, or with row cuts (module docstring) ~2 rows.
 
     Raises:
         ValueError: no sources, a weight <= 0 (or not finite), a missing or extra weight, or an
@@ -360,7 +376,7 @@ class Interleave(BaseNode[DocumentBlock]):
         out: list[tuple[str, int, int, int, int]] = []
         for i, block in enumerate(self._blocks):
             if block is not None and self._consumed[i] < len(block):
-                rest = _cut_block(block, self._consumed[i], self._offset[i], len(block), 0)
+                rest = cut_block(block, self._consumed[i], self._offset[i], len(block), 0)
                 out.extend(rest.pieces())
             ahead = self._ahead[i]
             tail = ahead[-1][1] if ahead else block
@@ -507,30 +523,21 @@ class Interleave(BaseNode[DocumentBlock]):
         assert self._mirror is not None and self._fill is not None
         last, n = block.last, len(block)
         close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
-        rest = _cut_block(block, lo, self._offset[s], (n - 1 if anywhere else close) + 1, 0)
+        skip = self._offset[s]
+        rest = cut_block(block, lo, skip, (n - 1 if anywhere else close) + 1, 0)
         units = self._mirror.units(rest, peek=True)
         if units.pin_at:  # a rescale's hand-back: rows restart there, keep documents whole
             return None
-        cap, fill, lengths, taken = self._capacity, self._fill, rest.lengths, rest.offsets
-        for j in range(end - lo, len(rest)):
-            first = int(units.off[j] + units.bos[j])  # the stream offset of the piece's tokens
-            at = first + 1 + (-(fill + first + 1)) % cap  # the first row end after a token
-            cand = np.arange(at, first + int(lengths[j]), cap, dtype=np.int64)  # inside it
-            after = int(units.off[j + 1])  # after the piece (and its EOS)
-            if (fill + after) % cap == 0:
-                cand = np.append(cand, after)
-            if not len(cand):
-                continue
-            k = 0
-            if j == end - lo:  # inside the rule's last piece: where the rule stops
-                count = np.minimum(cand - first, lengths[j]) + int(taken[j]) + self._tokens[s]
-                k = int(np.searchsorted(count / self.weights[s], r2, side=side))
-                if k == len(cand):
-                    continue
-            if int(cand[k]) == after:
-                return lo + j + 1, 0
-            return lo + j, int(cand[k]) - first + (self._offset[s] if j == 0 else 0)
-        return None
+        t0, w = self._tokens[s], self.weights[s]
+        at = first_row_end(
+            rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side
+        )
+        if at is None:
+            return None
+        j, t = at
+        if t == rest.lengths[j]:  # after the piece
+            return lo + j + 1, 0
+        return lo + j, t + (skip if j == 0 else 0)
 
     def _holds_open(self, i: int) -> bool:
         """Whether source ``i``'s last emitted piece left its document open."""
@@ -571,7 +578,7 @@ class Interleave(BaseNode[DocumentBlock]):
         piece ``hi``; the mirrored row position moves on over them. A document left open at
         a row end and ``resuming`` mid-row (only after a finite source ended mid-row) is
         marked handed back (``stop``), so Pack starts it on a new row, as after a rescale."""
-        out = _cut_block(block, lo, self._offset[s], hi, cut)
+        out = cut_block(block, lo, self._offset[s], hi, cut)
         if resuming and self._fill:
             out = dataclasses.replace(out, stop=out.start + out.lengths)
         self._tokens[s] += out.num_tokens
@@ -580,7 +587,8 @@ class Interleave(BaseNode[DocumentBlock]):
         if self._fill is None:  # documents whole: one left open goes on now
             self._open = s if left_open else None
         else:  # a row left open goes on now, as does a document cut mid-row
-            self._fill = self._row_fill_after(out)
+            assert self._mirror is not None
+            self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
             others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
             self._open = s if self._fill and (left_open or others) else None
             if left_open and block.stop is not None:
@@ -589,31 +597,3 @@ class Interleave(BaseNode[DocumentBlock]):
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
         return out
-
-    def _row_fill_after(self, out: DocumentBlock) -> int:
-        """The mirrored row position after Pack lays ``out`` out (a unit that must start a
-        row ends the one before, padded)."""
-        assert self._mirror is not None and self._fill is not None
-        units = self._mirror.units(out)
-        fill, at = self._fill, 0
-        for pin in units.pin_at or ():
-            fill, at = 0, pin
-        return (fill + int(units.off[-1]) - at) % self._capacity
-
-
-def _cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> DocumentBlock:
-    """Pieces ``lo .. hi`` of ``block`` from token ``a`` of piece ``lo`` on, and tokens ``0 ..
-    b`` of piece ``hi`` (none when ``b`` is 0), sharing ``block``'s tokens (zero-copy)."""
-    out = block.select(lo, hi + 1 if b else hi)
-    if not a and not b:
-        return out
-    off, start, last = out.offsets.copy(), out.start.copy(), out.last.copy()
-    if b:  # the last piece ends inside its document
-        off[-1] = off[-2] + b
-        last[-1] = False
-    if a:  # the first piece begins where an earlier run cut it
-        off[1:] -= a
-        start[0] += a
-    assert out.tokens is not None, "only token blocks are cut inside a document"
-    tokens = out.tokens[a : a + int(off[-1])]
-    return dataclasses.replace(out, tokens=tokens, offsets=off, start=start, last=last)

@@ -283,11 +283,17 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             self._strategy = ConcatPad(
                 self._cursor, self._layout, whole_units=mode == "pad", flush=self.flush
             )
-        self._mirror: StreamCursor | None = None
+        self._mirror = self._rows_to(source, specials)
+
+    def _rows_to(self, source: BaseNode, specials: Specials) -> StreamCursor | None:
+        """In ``concat`` mode, give a source that takes it (``follow_rows``) a mirror of this
+        Pack's cursor and the row capacity, so the mix may switch sources at row ends."""
         follow = getattr(source, "follow_rows", None)
-        if mode == "concat" and callable(follow):  # the mix may switch sources at row ends
-            self._mirror = StreamCursor(source, self.dtype, specials)
-            follow(self._mirror, self._layout.capacity)
+        if self.mode != "concat" or not callable(follow):
+            return None
+        mirror = StreamCursor(source, self.dtype, specials)
+        follow(mirror, self._layout.capacity)
+        return mirror
 
     @property
     def dataset_names(self) -> list[str]:
