@@ -28,6 +28,7 @@ from torchdata_ext.audit.row_check import RowRules, row_problems
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.interleave import Interleave
 from torchdata_ext.nodes.pack import Pack
+from torchdata_ext.pipeline.build import mix_cuts_rows
 from torchdata_ext.provenance import LITERAL
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.testing import write_arrow_batches
@@ -277,3 +278,20 @@ def test_the_first_50_batches_hold_the_weights_with_one_long_document(
         m.setattr(Interleave, "follow_rows", lambda self, mirror, capacity: None)
         before = _code_share(cfg, 50)
     assert before - 1 / 3 > 0.1, before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"pack_mode": "pad"}, {"pack_mode": "best_fit"}, {"interleave_mode": "samples"},
+     {"max_tokens": 5000}, {"max_tokens": {"code": 900}}],
+    ids=str,
+)  # fmt: skip
+def test_mix_cuts_rows_says_which_graphs_cut_documents(long_cfg, extra) -> None:
+    """``mix_cuts_rows`` (what the audit's note goes by) is True exactly when the built mix
+    follows Pack's rows: tokens mode, concat, no run budget (a per-dataset one sits below)."""
+    cfg = dataclasses.replace(long_cfg, epochs=None, **extra)
+    node = build_pipeline(cfg, World(), collate=False)
+    node.reset()
+    (mix,) = [n for n in graph_nodes(node) if isinstance(n, Interleave)]
+    follows = mix.get_state()["row_fill"] is not None
+    assert follows == mix_cuts_rows(cfg) == (extra in ({}, {"max_tokens": {"code": 900}}))
