@@ -2,8 +2,9 @@
 
 Two corpora, each run with the old default ``mix_quantum_tokens=65536`` and with the current
 default (``None``: one sequence, ``seq_length`` tokens), in the same run (the long-document
-corpus also with ``shuffle_fill="full"``, whose buffer mixes 10,000 rows before the first
-batch):
+corpus also with documents kept whole, as the mix was before it switched datasets at row ends
+inside a document, and with ``shuffle_fill="full"``, whose buffer mixes 10,000 rows before
+the first batch):
 
 * **long document**: ``code`` (1.3M tokens in ~1,300 documents, median 600, and one of 690,000 tokens) and
   ``prose`` (lognormal lengths, median 600, 4M tokens) at weights 1 : 2, otherwise the
@@ -23,6 +24,7 @@ pipeline's tokens/s (rough: one run, a shared machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -35,12 +37,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import lognormal_lengths  # noqa: E402
 
 from torchdata_ext import PipelineConfig, build_pipeline  # noqa: E402
+from torchdata_ext.nodes.interleave import Interleave  # noqa: E402
 from torchdata_ext.sources.index import DatasetIndex  # noqa: E402
 
 OLD_DEFAULT = 65_536
 LONG = 690_000
 # token id ranges: (first, last + 1) of each dataset's ordinary documents; the long one apart
 RANGES = {"code": (10_000, 20_000), "prose": (30_000, 40_000), "long": (50_000, 50_001)}
+
+
+@contextlib.contextmanager
+def whole_documents(on: bool):
+    """With ``on``, the mix as it was before row cuts: Pack gives it no rows to follow, so
+    it never switches datasets inside a document."""
+    follow = Interleave.follow_rows
+    if on:
+        Interleave.follow_rows = lambda self, mirror, capacity: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Interleave.follow_rows = follow  # type: ignore[method-assign]
 
 
 def long_document_corpus(seed: int) -> dict[str, DatasetIndex]:
@@ -130,22 +146,24 @@ def main() -> None:
     groups = {"code": ["code", "long"], "prose": ["prose"]}
     print(f"long document corpus, weights code 1 : prose 2 (target code {100 / 3:.1f}%), "
           f"default config, {args.batches} batches of 8 x 4,097")  # fmt: skip
-    print("seed  mix_quantum_tokens  " + "  ".join(f"code 1-{w:<5}" for w in windows)
+    print("seed  mix                  " + "  ".join(f"code 1-{w:<5}" for w in windows)
           + "  long doc in batch  tokens/s")  # fmt: skip
     for seed in args.seeds:
         datasets = long_document_corpus(seed)
-        for quantum, fill, label in (
-            (OLD_DEFAULT, "stream", "65536 (old)"),
-            (None, "stream", "None = 4096 (new)"),
-            (None, "full", "new, fill full"),
+        for quantum, fill, whole, label in (
+            (OLD_DEFAULT, "stream", True, "65536, whole docs"),
+            (None, "stream", True, "4096, whole docs"),
+            (None, "stream", False, "4096, row cuts"),
+            (None, "full", False, "row cuts, fill full"),
         ):
             cfg = PipelineConfig(
                 data_path="memory", datasets="code,prose", weights="1,2", seed=seed,
                 tokenizer=None, mix_quantum_tokens=quantum, shuffle_fill=fill,
             )  # fmt: skip
-            r = shares(cfg, datasets, args.batches, windows, groups)
+            with whole_documents(whole):
+                r = shares(cfg, datasets, args.batches, windows, groups)
             cells = "  ".join(f"{100 * r[w]['code']:>10.1f}%" for w in windows)
-            print(f"{seed:<4}  {label:<18}  {cells}  {r['first_long']!s:>17}  "
+            print(f"{seed:<4}  {label:<19}  {cells}  {r['first_long']!s:>17}  "
                   f"{r['tokens_per_s'] / 1e6:.1f}M")  # fmt: skip
     qs = [w for w in (11, 50, 200) if w <= args.batches]
     print("\nquick start (README), web 3 : code 1 (target web 75.0%), seq 128, batch 4")

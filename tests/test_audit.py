@@ -100,8 +100,9 @@ def test_consumed_between_two_checkpoints_is_what_was_delivered(
     assert between == done[31] - done[9]
     assert len(between) > 20
     # something is in flight everywhere it can be: the test covers each holder
-    by = reports[9].datasets[0].in_flight_by_holder
-    assert by["pipeline"] and by["shuffle_buffer"]
+    # (by either dataset: where the mix's row cuts fall decides which one the pipeline holds)
+    held = [d.in_flight_by_holder for d in reports[9].datasets]
+    assert any(by["pipeline"] for by in held) and any(by["shuffle_buffer"] for by in held), held
     web = reports[31].datasets[0]
     if eval_fraction:  # the held-out documents are in no count and no row
         from torchdata_ext.order.split import heldout_documents

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 
+import numpy as np
 import pytest
 from harness import text_config, write_random_text_datasets
 
@@ -139,7 +140,9 @@ def test_command_prints_json_text_and_parquet(run, tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     (batch,) = show_batches(ckpt, cfg, 25, rank=1, text=True)
     first = batch["rows"][0]["pieces"][0]
-    ids = recorded[(25, 1)]["input_ids"][0].numpy()
+    # the packed tokens (input_ids and the last label): a piece may run to the row's end
+    b25 = recorded[(25, 1)]
+    ids = np.concatenate([b25["input_ids"][0].numpy(), b25["labels"][0].numpy()[-1:]])
     piece = ids[first["at"] : first["stop"] - first["start"] + first["at"]]
     decode = load_tokenizer("byte", byte_offset=cfg.byte_offset).decode
     assert first["text"] == decode(piece) and len(first["text"]) > 0

@@ -336,13 +336,17 @@ def test_state_layout(data) -> None:
     node = Interleave(readers(data, weights, block_docs=8), weights)
     run(node, 5)
     state = node.state_dict()
-    assert set(state) == {"sources", "tokens_delivered", "weights", "counter", "settings"}
+    assert set(state) == {
+        "sources", "tokens_delivered", "weights", "counter", "settings", "row_fill", "finishing"
+    }  # fmt: skip
+    assert state["row_fill"] is None and state["finishing"] is None  # no Pack follows it here
     assert state["settings"] == {"interleave_mode": "tokens", "mix_quantum_tokens": 0}
     assert state["weights"] == weights
     assert list(state["sources"]) == ["tiny", "code"]
     for s in state["sources"].values():
-        assert set(s) == {"source", "consumed", "ended"}
+        assert set(s) == {"source", "consumed", "offset", "ended"}
         assert is_reader_state(s["source"]) and 0 <= s["consumed"] < 8 and s["ended"] is False
+        assert s["offset"] == 0
     assert state["counter"] == 0  # tokens mode draws nothing
 
 

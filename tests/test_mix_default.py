@@ -187,10 +187,12 @@ def test_a_checkpoint_of_the_old_default_is_refused_by_name_or_restored_exactly(
     again.close()
 
 
-def test_the_audit_says_why_a_share_is_far_off(tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["pad", "concat"])
+def test_the_audit_says_why_a_share_is_far_off(tmp_path, mode) -> None:
     """One very long document: where a share is 5 points or more off its target, the audit's
     table ends with one line naming the dataset, its share and target, mix_quantum_tokens and
-    the longest document; where every share is closer, no such line."""
+    the longest document (``pad``: documents whole) or two rows (``concat``: the mix switches
+    datasets at row ends inside it); where every share is closer, no such line."""
     rng = np.random.default_rng(1)
     for name, n in (("code", 4), ("prose", 60)):
         docs = [rng.integers(5, 999, int(rng.integers(5, 40)), dtype=np.uint32) for _ in range(n)]
@@ -199,7 +201,7 @@ def test_the_audit_says_why_a_share_is_far_off(tmp_path) -> None:
         write_arrow_batches(str(tmp_path / "data" / name / "a.arrow"), docs)
     cfg = PipelineConfig(
         data_path=str(tmp_path / "data"), datasets="code,prose", weights="1,2", seq_length=32,
-        logical_shards=4, batch_size=2, shuffle_buffer=4, block_docs=4, seed=0,
+        logical_shards=4, batch_size=2, shuffle_buffer=4, block_docs=4, seed=0, pack_mode=mode,
     )  # fmt: skip
     loader = TokenLoader(functools.partial(build_pipeline, cfg))
     it = iter(loader)
@@ -223,10 +225,15 @@ def test_the_audit_says_why_a_share_is_far_off(tmp_path) -> None:
             continue
         far += 1
         worst = max(report.datasets, key=lambda d: abs(d.token_share - d.target_share))
+        why = (
+            "two rows (66 tokens) past a share, as it switches datasets at row ends"
+            if mode == "concat"
+            else "its longest document (800 tokens) past a share"
+        )
         assert note is not None and note.startswith(
             f"mix: {worst.name} has {100 * worst.token_share:.1f}% of the tokens delivered "
             f"against its {100 * worst.target_share:.1f}% target: each of the 1 worker(s) may "
-            "run mix_quantum_tokens (32) + its longest document (800 tokens) past a share"
+            f"run mix_quantum_tokens (32) + {why}"
         ), (step, note)
         assert report.format_table().splitlines().count(note) == 1
     assert 0 < far < len(steps)  # both cases seen

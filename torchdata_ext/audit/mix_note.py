@@ -1,10 +1,11 @@
 """Why a dataset's token share is off its target: one line for the audit's table.
 
-In ``interleave_mode: tokens`` each worker may run ``mix_quantum_tokens`` plus its longest
-document past a dataset's share (documents are never split between datasets); the audit says
-so, with the bound in tokens, when a share is :data:`FAR_OFF` or more from its target, and
-names what else moves shares when the gap is larger than that (``docs/pipeline.md``, "How
-close the mix is").
+In ``interleave_mode: tokens`` each worker may run ``mix_quantum_tokens`` plus two rows past a
+dataset's share when the mix switches datasets at row ends inside documents (``pack_mode:
+concat``, no run budget, no phases), else ``mix_quantum_tokens`` plus its longest document
+(documents are then never split between datasets); the audit says so, with the bound in
+tokens, when a share is :data:`FAR_OFF` or more from its target, and names what else moves
+shares when the gap is larger than that (``docs/pipeline.md``, "How close the mix is").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from torchdata_ext.audit.consumption import DatasetAudit
-from torchdata_ext.pipeline.build import mix_quantum_tokens
+from torchdata_ext.pipeline.build import mix_cuts_rows, mix_quantum_tokens
 from torchdata_ext.pipeline.config import PipelineConfig
 
 __all__ = ["FAR_OFF", "mix_note"]
@@ -62,9 +63,11 @@ def mix_note(
             f"{head}: interleave_mode 'samples' draws documents by weight, so token shares "
             "follow the datasets' document lengths; 'tokens' mixes by tokens (docs/pipeline.md)"
         )
+    quantum = mix_quantum_tokens(cfg)
+    if mix_cuts_rows(cfg):
+        return _row_cut_note(head, cfg, quantum, workers, gap * total, total)
     known = [x for x in lengths.values() if x is not None and len(x)]
     longest = max((int(x.max()) for x in known), default=None)
-    quantum = mix_quantum_tokens(cfg)
     if longest is None:
         return (
             f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
@@ -83,4 +86,25 @@ def mix_note(
         f"{head}, more than mix_quantum_tokens ({quantum:,}) and the longest document "
         f"({longest:,} tokens) explain: a dataset that ran out (epochs), a weight change or "
         "a budget (max_tokens) moves shares too (docs/pipeline.md)"
+    )
+
+
+def _row_cut_note(
+    head: str, cfg: PipelineConfig, quantum: int, workers: int, off: float, total: int
+) -> str:
+    """The note when the mix switches datasets at row ends (``off``: the gap in tokens)."""
+    rows = 2 * (cfg.seq_length + int(cfg.shift))
+    bound = workers * (quantum + rows)
+    if off <= bound:
+        return (
+            f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
+            f"+ two rows ({rows:,} tokens) past a share, as it switches datasets at row ends "
+            f"(up to {bound:,} tokens here, {total:,} delivered so far); the gap closes as "
+            "delivery goes on (docs/pipeline.md)"
+        )
+    return (
+        f"{head}, more than mix_quantum_tokens ({quantum:,}) and two rows ({rows:,} tokens) "
+        "per worker explain: the shuffle buffer's draws, a dataset that ran out (epochs), a "
+        "weight change, or a checkpoint from before row cuts (documents whole) move shares "
+        "too (docs/pipeline.md)"
     )

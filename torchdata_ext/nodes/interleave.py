@@ -6,16 +6,27 @@ decision, as fms-fsdp's sampler does: after such a piece the same source goes on
 piece that ends the document, even across the source's blocks. So downstream every document's
 pieces are contiguous and in order, and the packer places its BOS/EOS at the document's real
 ends only (``Pack`` in ``concat`` and ``pad`` mode keeps them so in its sequences; ``best_fit``
-places the pieces of a window by size, by design). The decision rules (pieces are never split):
+places the pieces of a window by size, by design). The decision rules:
+
+**Row cuts** (``"tokens"`` mode feeding a ``concat`` Pack directly, which calls
+:meth:`Interleave.follow_rows`): the node mirrors Pack's cursor, so it knows where rows end in
+its own output (``row_fill``), and a run may end inside a document exactly at a row end
+(:mod:`.row_cuts`; a zero-copy token slice); the rest goes on later at a row start, with no
+BOS, as any document spanning rows. While another source holds a document open, runs end only
+at row ends (a source mid-row goes on), so a document always goes on at a row start; only when
+a finite source ends mid-row does one go on marked handed back (``stop``: Pack pads that row,
+as after a rescale). ``pad``, ``best_fit``, ``chunk``, ``"samples"`` and a mix under a budget
+or in phases keep documents whole (pieces never split).
 
 * ``"tokens"`` (deterministic, as in Bamba): the source furthest below its target share of
   tokens, i.e. the active source with the lowest ``tokens_delivered[s] / weight[s]``; ties go to
   the source listed first. Instead of deciding document by document in Python, the node takes in
   one step the longest run of the chosen source's current block for which the rule would have
   kept choosing it (a ``searchsorted`` on the block's cumulative lengths against the
-  second-lowest ratio, then on to the next piece that ends a document), which gives exactly
-  the same sequence of documents. The tokens of a whole document count, so a share stays within
-  ``(quantum_tokens + longest document) / tokens delivered`` of its target.
+  second-lowest ratio, then on to the next piece that ends a document, or to a row end), which
+  gives exactly the same sequence. The tokens of a whole document count, so a share stays within
+  ``(quantum_tokens + longest document) / tokens delivered`` of its target; with row cuts within
+  about ``(quantum_tokens + 2 rows) / tokens delivered``.
 * ``"samples"`` (random): draw ``k`` picks source ``s`` with probability ``weight[s] / sum of
   the active weights``, once per document (the rest of a cut document takes no draw). Draw
   ``k`` is a pure function of ``(seed, k)``: uniform ``u_k`` is the SplitMix64 finalizer of
@@ -33,15 +44,19 @@ State (replay, no token copies)::
 
     {"sources": {name: {"source": <its state before its current block>,
                         "consumed": <pieces of that block already emitted>,
+                        "offset": <tokens of the next piece already emitted (a row cut)>,
                         "ended": bool}},
      "tokens_delivered": {name: int},
+     "row_fill": <tokens of Pack's current row after the output; None: no row cuts>,
+     "finishing": <the source that must go on next, or None>,
      "counter": int}
 
 On restore each source is reset to its saved state, its current block is read again and the
 ``consumed`` pieces are skipped. A source whose last emitted piece leaves a document open keeps
 its block in the state even when all of it was emitted (``consumed`` equals the block's length),
-so the restored node knows from the block's ``last`` flags that the source must go on; no other
-key records it. Resume guarantee: restoring a state continues with exactly the blocks the
+so the restored node knows from the block's ``last`` flags that the document is open. A
+state without ``row_fill`` (saved before row cuts) goes on document by document, exactly as it
+would have. Resume guarantee: restoring a state continues with exactly the blocks the
 uninterrupted run would have produced next. ``tokens_delivered`` is plain ``name -> int`` so it
 can be summed and re-split across ranks.
 
@@ -53,17 +68,22 @@ the new owner delivers contiguously: documents stay whole in each new worker's s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
+from torchdata_ext.nodes.row_cuts import cut_block, fill_after, first_row_end
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
+
+if TYPE_CHECKING:
+    from torchdata_ext.nodes.stream import StreamCursor
 
 __all__ = ["Interleave"]
 
@@ -106,7 +126,7 @@ class Interleave(BaseNode[DocumentBlock]):
             current block (``block_docs`` documents), or of a document open there, where the
             rule decides again. A few thousand tokens cuts the per-decision overhead when
             documents are short; any share stays within ``(quantum_tokens + longest document)
-            / tokens delivered`` of its target (documents are never split between sources).
+            / tokens delivered`` of its target, or with row cuts (module docstring) ~2 rows.
 
     Raises:
         ValueError: no sources, a weight <= 0 (or not finite), a missing or extra weight, or an
@@ -116,6 +136,9 @@ class Interleave(BaseNode[DocumentBlock]):
     SOURCES_KEY = "sources"
     SOURCE_KEY = "source"
     CONSUMED_KEY = "consumed"
+    OFFSET_KEY = "offset"
+    FILL_KEY = "row_fill"
+    FINISHING_KEY = "finishing"
     ENDED_KEY = "ended"
     TOKENS_KEY = "tokens_delivered"
     COUNTER_KEY = "counter"
@@ -179,6 +202,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._blocks: list[DocumentBlock | None] = [None] * n
         self._before: list[Any] = [None] * n  # source state before its current block
         self._consumed = [0] * n
+        self._offset = [0] * n  # tokens of piece ``consumed`` already emitted (a row cut)
         self._whole = [True] * n  # whether every piece of the current block ends its document
         self._ended = [False] * n
         self._tokens = [0] * n
@@ -187,6 +211,16 @@ class Interleave(BaseNode[DocumentBlock]):
         # blocks inflight() read ahead to the end of an open document: (state before, block)
         self._ahead: list[list[tuple[Any, DocumentBlock]]] = [[] for _ in range(n)]
         self._owner: dict[str, int] = {}  # dataset name -> source index, learned from blocks
+        self._mirror: StreamCursor | None = None  # Pack's cursor, mirrored (see follow_rows)
+        self._capacity = 0  # document tokens per row
+        self._fill: int | None = None  # tokens of the current row after our output; None: off
+
+    def follow_rows(self, mirror: StreamCursor, capacity: int) -> None:
+        """Let ``"tokens"`` mode switch sources inside a document where a row ends (Pack in
+        ``concat`` mode calls this with a mirror of its cursor, reset with it, and its
+        document tokens per row ``capacity``). Ignored in ``"samples"`` mode."""
+        if self.mode == "tokens":
+            self._mirror, self._capacity = mirror, int(capacity)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -198,8 +232,10 @@ class Interleave(BaseNode[DocumentBlock]):
         self._blocks = [None] * n
         self._before = [None] * n
         self._consumed = [0] * n
+        self._offset = [0] * n
         self._ended = [False] * n
         self._open = None
+        self._fill = None if self._mirror is None else 0
         self._ahead = [[] for _ in range(n)]
         self.weights = list(self._target_weights)
         self._switch_weights = False
@@ -229,13 +265,17 @@ class Interleave(BaseNode[DocumentBlock]):
             )
         self._tokens = [int(tokens[name]) for name in self.names]
         self._counter = int(initial_state[self.COUNTER_KEY])
+        fill = initial_state.get(self.FILL_KEY)  # absent before row cuts: they stay off
+        self._fill = None if fill is None or self._mirror is None else int(fill)
+        finishing = initial_state.get(self.FINISHING_KEY, "")  # "" : not recorded
         replay: list[tuple[int, str, Any, int]] = []  # sources whose block is read again
         for i, name in enumerate(self.names):
             st = per_source[name]
             self.sources[i].reset(st[self.SOURCE_KEY])
             self._ended[i] = bool(st[self.ENDED_KEY])
             consumed = int(st[self.CONSUMED_KEY])
-            if consumed == 0 or self._ended[i]:
+            self._offset[i] = int(st.get(self.OFFSET_KEY, 0))
+            if (consumed == 0 and not self._offset[i]) or self._ended[i]:
                 continue
             # a tokenizing source need not encode what was delivered before, and starts on
             # the rest now: every source's block is encoded side by side (see Tokenize)
@@ -248,7 +288,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 block = next(self.sources[i])
             except StopIteration:
                 block = None
-            if block is None or len(block) < consumed:
+            if block is None or len(block) < consumed + (self._offset[i] > 0):
                 raise ValueError(
                     f"source {name!r}: the block read again on restore has "
                     f"{0 if block is None else len(block)} pieces but the state says {consumed} "
@@ -260,8 +300,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._consumed[i] = consumed
             self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
-            if not block.last[consumed - 1]:
+            if finishing == "" and not block.last[consumed - 1]:  # a state from before 0.3
                 self._open = i
+        if finishing:
+            self._open = self.names.index(finishing)
 
     def next(self) -> DocumentBlock:
         while True:
@@ -278,6 +320,7 @@ class Interleave(BaseNode[DocumentBlock]):
             drawn = s is None
             if s is None:
                 s = self._pick(active)
+            resuming = drawn and self._holds_open(s)  # a document left open at a row end
             if not self._ensure_block(s):
                 self._open = None
                 continue  # s ended: decide again among the others
@@ -285,11 +328,12 @@ class Interleave(BaseNode[DocumentBlock]):
             assert block is not None
             lo = self._consumed[s]
             if self.mode == "tokens":
-                count = self._tokens_run(s, active, block, lo)
+                hi, cut = self._tokens_run(s, active, block, lo)
             else:
                 count, draws = self._samples_run(s, active, block, lo, drawn)
                 self._counter += draws
-            out = self._emit(s, block, lo, lo + count)
+                hi, cut = lo + count, 0
+            out = self._emit(s, block, lo, hi, cut, resuming)
             if self._switch_weights:
                 self.weights, self._switch_weights = list(self._target_weights), False
             return out
@@ -306,11 +350,14 @@ class Interleave(BaseNode[DocumentBlock]):
             per_source[name] = {
                 self.SOURCE_KEY: src,
                 self.CONSUMED_KEY: consumed,
+                self.OFFSET_KEY: self._offset[i] if self._blocks[i] is not None else 0,
                 self.ENDED_KEY: self._ended[i],
             }
         return {
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
+            self.FILL_KEY: self._fill,
+            self.FINISHING_KEY: None if self._open is None else self.names[self._open],
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
             SETTINGS_KEY: self._settings,
@@ -329,7 +376,8 @@ class Interleave(BaseNode[DocumentBlock]):
         out: list[tuple[str, int, int, int, int]] = []
         for i, block in enumerate(self._blocks):
             if block is not None and self._consumed[i] < len(block):
-                out.extend(block.select(self._consumed[i], len(block)).pieces())
+                rest = cut_block(block, self._consumed[i], self._offset[i], len(block), 0)
+                out.extend(rest.pieces())
             ahead = self._ahead[i]
             tail = ahead[-1][1] if ahead else block
             while tail is not None and len(tail) and not tail.last[-1]:
@@ -402,6 +450,7 @@ class Interleave(BaseNode[DocumentBlock]):
                     self._consumed[i] = 0
                     return False
             self._blocks[i], self._before[i], self._consumed[i] = block, before, 0
+            self._offset[i] = 0
             self._whole[i] = bool(block.last.all())
             self._owner.setdefault(block.dataset, i)
         return True
@@ -422,12 +471,15 @@ class Interleave(BaseNode[DocumentBlock]):
                 best, best_ratio = i, r
         return best
 
-    def _tokens_run(self, s: int, active: list[int], block: DocumentBlock, lo: int) -> int:
-        """How many pieces from ``lo`` the one-at-a-time rule would take from ``s`` in a row."""
+    def _tokens_run(
+        self, s: int, active: list[int], block: DocumentBlock, lo: int
+    ) -> tuple[int, int]:
+        """``(hi, cut)``: the one-at-a-time rule takes pieces ``lo .. hi`` from ``s`` in a row
+        (from token ``offset`` of piece ``lo``), and ``cut`` tokens of piece ``hi`` (0: none)."""
         n = len(block)
         others = [i for i in active if i != s]
         if not others:
-            return n - lo
+            return n, 0
         r2 = min(self._ratio(i) for i in others)
         first_at_r2 = min(i for i in others if self._ratio(i) == r2)
         if self.quantum_tokens:
@@ -437,13 +489,60 @@ class Interleave(BaseNode[DocumentBlock]):
         # document open (ratios only grow, so the rule holds up to a point, then the run goes
         # on to the end of the document in progress there)
         off = block.offsets
-        ratios = (off[lo + 1 : n] + (self._tokens[s] - int(off[lo]))) / self.weights[s]
+        base = int(off[lo]) + self._offset[s]
+        ratios = (off[lo + 1 : n] + (self._tokens[s] - base)) / self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
         end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
+        if self._fill is not None and block.stop is None:  # may end inside a document
+            anywhere = any(self._holds_open(i) for i in others)
+            cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
+            if cut is not None:
+                return cut
         if self._whole[s] or block.last[end]:
-            return end + 1 - lo
+            return end + 1, 0
         closing = int(block.last[end:].argmax())  # the first piece that ends a document
-        return n - lo if not block.last[end + closing] else end + closing + 1 - lo
+        return (n if not block.last[end + closing] else end + closing + 1), 0
+
+    def _row_cut(
+        self,
+        s: int,
+        block: DocumentBlock,
+        lo: int,
+        end: int,
+        r2: float,
+        side: Any,
+        anywhere: bool,
+    ) -> tuple[int, int] | None:
+        """Where the run ends at a row end (Pack's, mirrored), as ``(hi, cut)`` of
+        :meth:`_tokens_run`: the first row end from piece ``end`` on at which the rule would
+        not choose ``s`` again. Only inside the document of piece ``end`` (with a token of it
+        on each side), or with ``anywhere`` (another source holds a document open, which must
+        go on at a row start) at any row end of the block that is not between a document's
+        BOS and first token nor between its last token and EOS. None when there is none: the
+        run goes on to the document's end (or the block's, and on after it, see ``_emit``)."""
+        assert self._mirror is not None and self._fill is not None
+        last, n = block.last, len(block)
+        close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
+        skip = self._offset[s]
+        rest = cut_block(block, lo, skip, (n - 1 if anywhere else close) + 1, 0)
+        units = self._mirror.units(rest, peek=True)
+        if units.pin_at:  # a rescale's hand-back: rows restart there, keep documents whole
+            return None
+        t0, w = self._tokens[s], self.weights[s]
+        at = first_row_end(
+            rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side
+        )
+        if at is None:
+            return None
+        j, t = at
+        if t == rest.lengths[j]:  # after the piece
+            return lo + j + 1, 0
+        return lo + j, t + (skip if j == 0 else 0)
+
+    def _holds_open(self, i: int) -> bool:
+        """Whether source ``i``'s last emitted piece left its document open."""
+        block, c = self._blocks[i], self._consumed[i]
+        return block is not None and (self._offset[i] > 0 or (c > 0 and not block.last[c - 1]))
 
     def _pick_samples(self, active: list[int], u: np.ndarray) -> np.ndarray:
         """Positions in ``active`` of the sources draws ``u`` pick."""
@@ -472,12 +571,29 @@ class Interleave(BaseNode[DocumentBlock]):
         pieces = n - lo if taken >= docs else (taken if starts is None else int(starts[taken]))
         return pieces, taken - skip
 
-    def _emit(self, s: int, block: DocumentBlock, lo: int, hi: int) -> DocumentBlock:
-        out = block.select(lo, hi)
-        self._tokens[s] += int(block.offsets[hi] - block.offsets[lo])
-        self._consumed[s] = hi
-        self._open = None if block.last[hi - 1] else s
-        if hi >= len(block) and self._open is None:
+    def _emit(
+        self, s: int, block: DocumentBlock, lo: int, hi: int, cut: int, resuming: bool
+    ) -> DocumentBlock:
+        """Pieces ``lo .. hi`` of ``s``'s block (from its ``offset``) and ``cut`` tokens of
+        piece ``hi``; the mirrored row position moves on over them. A document left open at
+        a row end and ``resuming`` mid-row (only after a finite source ended mid-row) is
+        marked handed back (``stop``), so Pack starts it on a new row, as after a rescale."""
+        out = cut_block(block, lo, self._offset[s], hi, cut)
+        if resuming and self._fill:
+            out = dataclasses.replace(out, stop=out.start + out.lengths)
+        self._tokens[s] += out.num_tokens
+        self._consumed[s], self._offset[s] = hi, cut
+        left_open = cut > 0 or not block.last[hi - 1]
+        if self._fill is None:  # documents whole: one left open goes on now
+            self._open = s if left_open else None
+        else:  # a row left open goes on now, as does a document cut mid-row
+            assert self._mirror is not None
+            self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
+            others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
+            self._open = s if self._fill and (left_open or others) else None
+            if left_open and block.stop is not None:
+                self._open = s
+        if hi >= len(block) and not left_open:
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
         return out

@@ -93,7 +93,10 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             that is only the BOS goes last, so it cannot be read as the start of the next).
             ``"chunk"`` (epochraft's ``chunk``): each document (with its BOS/EOS) cut into
             sequences of its own, never two documents in one sequence; its last, partial
-            sequence padded, or dropped with ``drop_remainder``.
+            sequence padded, or dropped with ``drop_remainder``. In ``"concat"`` mode a
+            source with a ``follow_rows(cursor, capacity)`` method (``Interleave``) is
+            given a mirror of this Pack's cursor and the row capacity, so it knows where rows
+            end in its own output (it may switch datasets inside a document there).
         bos_token: placed before the first piece (``start == 0``) of every document, unless the
             document already begins with it.
         eos_token: placed after the last piece (``last``) of every document, unless the
@@ -280,6 +283,17 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             self._strategy = ConcatPad(
                 self._cursor, self._layout, whole_units=mode == "pad", flush=self.flush
             )
+        self._mirror = self._rows_to(source, specials)
+
+    def _rows_to(self, source: BaseNode, specials: Specials) -> StreamCursor | None:
+        """In ``concat`` mode, give a source that takes it (``follow_rows``) a mirror of this
+        Pack's cursor and the row capacity, so the mix may switch sources at row ends."""
+        follow = getattr(source, "follow_rows", None)
+        if self.mode != "concat" or not callable(follow):
+            return None
+        mirror = StreamCursor(source, self.dtype, specials)
+        follow(mirror, self._layout.capacity)
+        return mirror
 
     @property
     def dataset_names(self) -> list[str]:
@@ -308,6 +322,8 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
             start, bins_done = ReplayMark(self.source.state_dict(), 0, []), 0
             names = list(self._fixed_names)
         self._cursor.reset(start, names)
+        if self._mirror is not None:  # the source's mirror of the cursor, at the same block
+            self._mirror.reset(start, names)
         self._strategy.reset(bins_done)
         if isinstance(self._strategy, Chunk):
             endless, cycle = readers_pass(self.source)

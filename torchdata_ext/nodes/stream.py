@@ -12,10 +12,11 @@ A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and ha
 :class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`).
 
-This module is 543 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 574 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
-open-document state; :class:`Stream` and the types above it are the next cut.
+open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
+mix to cut at row ends); :class:`Stream` and the types above it are the next cut.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ class Stream:
 
 
 StreamPart = tuple[Stream, int, int]  # stream tokens a .. b
+
+
+class Units(NamedTuple):
+    """How Pack lays out one block (:meth:`StreamCursor.units`): ``off``, the stream offsets
+    of its units (``len(block) + 1``); ``bos``, 1 where a BOS is placed before the piece;
+    ``pin_at``, the offsets of units that start a row whatever came before (None: none)."""
+
+    off: np.ndarray
+    bos: np.ndarray
+    pin_at: list[int] | None
 
 
 class Specials(NamedTuple):
@@ -293,12 +304,7 @@ class StreamCursor:
         if tokens.dtype != self.dtype:
             tokens = tokens.astype(self.dtype)
         pieces = _Pieces.of(block)
-        addbos, addeos = self._specials_to_add(block, tokens, pieces)
-        skipped: set[int] = set()
-        if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
-            skipped = self._skip_delivered_bos(block, addbos)
-        addbos, addeos = _marks_any(addbos), _marks_any(addeos)
-        unit_off = _unit_offsets(pieces.lengths, addbos, addeos)
+        addbos, addeos, skipped, unit_off = self._units(block, tokens, pieces)
         rows = self._provenance_rows(block, ds_id, pieces, addbos, addeos)
         row_off = np.empty(len(rows) + 1, np.int64)
         row_off[0] = 0
@@ -318,6 +324,32 @@ class StreamCursor:
             bos_skipped=frozenset(skipped),
             pin_at=_pinned_units(block, pieces, unit_off, skipped),
         )
+
+    def units(self, block: DocumentBlock, *, peek: bool = False) -> Units:
+        """How Pack lays ``block`` out when it is the next block pulled: its units' stream
+        offsets, the BOS placed with each, and the units that must start a row. Without
+        ``peek`` the cursor's open-document and no-BOS records move on as a pull's would (a
+        mirror of Pack's cursor, :class:`~torchdata_ext.nodes.interleave.Interleave`, keeps
+        in step so); with ``peek`` they are left as they were."""
+        saved = (set(self._open), set(self._no_bos), self._no_bos_list) if peek else None
+        pieces = _Pieces.of(block)
+        addbos, _, skipped, unit_off = self._units(block, np.asarray(block.tokens), pieces)
+        if saved is not None:
+            self._open, self._no_bos, self._no_bos_list = saved
+        bos = np.zeros(len(pieces.lengths), np.int64) if addbos is None else addbos.astype(np.int64)
+        return Units(unit_off, bos, _pinned_units(block, pieces, unit_off, skipped))
+
+    def _units(
+        self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
+    ) -> tuple[np.ndarray | None, np.ndarray | None, set[int], np.ndarray]:
+        """The BOS and EOS marks of ``block``'s pieces (None: none), the pieces whose BOS was
+        delivered before a rescale, and the units' stream offsets."""
+        addbos, addeos = self._specials_to_add(block, tokens, pieces)
+        skipped: set[int] = set()
+        if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
+            skipped = self._skip_delivered_bos(block, addbos)
+        addbos, addeos = _marks_any(addbos), _marks_any(addeos)
+        return addbos, addeos, skipped, _unit_offsets(pieces.lengths, addbos, addeos)
 
     def _specials_to_add(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces

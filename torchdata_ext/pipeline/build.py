@@ -37,7 +37,13 @@ from torchdata_ext.world import World
 if TYPE_CHECKING:
     from torchdata_ext.nodes.reader import ShardReader
 
-__all__ = ["build_datasets", "build_eval_pipeline", "build_pipeline", "mix_quantum_tokens"]
+__all__ = [
+    "build_datasets",
+    "build_eval_pipeline",
+    "build_pipeline",
+    "mix_cuts_rows",
+    "mix_quantum_tokens",
+]
 
 
 def build_datasets(cfg: PipelineConfig, world: World | None = None) -> dict[str, DatasetIndex]:
@@ -333,6 +339,19 @@ def mix_quantum_tokens(cfg: PipelineConfig) -> int:
     if cfg.mix_quantum_tokens is None:
         return cfg.seq_length
     return cfg.mix_quantum_tokens
+
+
+def mix_cuts_rows(cfg: PipelineConfig) -> bool:
+    """Whether the training mix of ``cfg`` may switch datasets inside a document at a row end:
+    ``"tokens"`` mode feeding a ``concat`` Pack directly (no run budget, no phases), where the
+    Pack calls ``Interleave.follow_rows``. Otherwise documents are never split between them."""
+    budget = any(isinstance(getattr(cfg, k), int) for k in ("max_tokens", "max_documents"))
+    return (
+        cfg.interleave_mode == "tokens"
+        and cfg.pack_mode == "concat"
+        and not cfg.phases
+        and not budget
+    )
 
 
 def _mix(

@@ -65,7 +65,11 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "shuffle_buffer": ("may_change", "its size, above 1; adding or removing it is refused"),
     "shuffle_fill": ("may_change", "only how a fresh buffer fills"),
     "interleave_mode": ("must_match", "the replayed block is decided as it was"),
-    "mix_quantum_tokens": ("must_match", "the replayed block is decided as it was"),
+    "mix_quantum_tokens": (
+        "must_match",
+        "the replayed block is decided as it was; a checkpoint from before row cuts goes on "
+        "with documents whole (exact)",
+    ),
     "epochs": ("may_change", "cursors count epochs; the run ends after the new count"),
     "min_length": ("must_match", "changes the blocks the packer replays"),
     "max_chunksize": ("must_match", "changes the blocks the packer replays"),
@@ -163,10 +167,10 @@ class PipelineConfig:
         mix_quantum_tokens: in ``"tokens"`` mode, how far (tokens) a source may run past the
             next one's share before the mix switches (0: document by document). None, the
             default: one sequence (``seq_length`` tokens), so the mix switches about once a
-            row and batches hold the weights from the first one. Each share stays within
-            ``(mix_quantum_tokens + longest document) / tokens delivered`` of its target per
-            worker: a document is never split between datasets, so one very long document
-            still delivers in one run (``docs/pipeline.md``, "How close the mix is"). The
+            row and batches hold the weights from the first one. With ``pack_mode: concat``
+            (no run budget, no phases) the mix switches datasets at row ends, inside a long
+            document too: each share stays within ``(mix_quantum_tokens + 2 rows)`` tokens per
+            worker of its target; else within ``(... + longest document)`` (pipeline.md). The
             default was 65,536 before; a checkpoint taken with that restores only with
             ``mix_quantum_tokens=65536`` (refused by name otherwise).
         epochs: None for an endless stream; 1 for validation data.

@@ -1,0 +1,91 @@
+"""Where the mix may cut a document: Pack's row ends in the mix's own output (concat mode).
+
+:class:`~torchdata_ext.nodes.interleave.Interleave` in ``"tokens"`` mode mirrors the cursor of
+the ``concat`` Pack it feeds (:meth:`~torchdata_ext.nodes.stream.StreamCursor.units`), so it
+knows how many tokens of the current row its output has filled. These pure functions cut a
+block at a token offset, find the row ends a run may stop at, and move the row position on::
+
+    stream  |B a a a a a a a a a a a a|  ...      capacity 5, fill 2 before the block
+    rows        ^ end   ^ end     ^ end            a run may stop at a row end inside a, and
+                                                   the rest of a starts the next row later
+
+A row end between a document's BOS and its first token, or between its last token and its
+EOS, is no place to cut (a piece cannot be split from its special); a cut leaves at least one
+token of the document on each side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from torchdata_ext.document import DocumentBlock
+from torchdata_ext.nodes.stream import Units
+
+__all__ = ["cut_block", "fill_after", "first_row_end"]
+
+
+def cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> DocumentBlock:
+    """Pieces ``lo .. hi`` of ``block`` from token ``a`` of piece ``lo`` on, and tokens ``0 ..
+    b`` of piece ``hi`` (none when ``b`` is 0), sharing ``block``'s tokens (zero-copy)."""
+    out = block.select(lo, hi + 1 if b else hi)
+    if not a and not b:
+        return out
+    off, start, last = out.offsets.copy(), out.start.copy(), out.last.copy()
+    if b:  # the last piece ends inside its document
+        off[-1] = off[-2] + b
+        last[-1] = False
+    if a:  # the first piece begins where an earlier run cut it
+        off[1:] -= a
+        start[0] += a
+    assert out.tokens is not None, "only token blocks are cut inside a document"
+    tokens = out.tokens[a : a + int(off[-1])]
+    return dataclasses.replace(out, tokens=tokens, offsets=off, start=start, last=last)
+
+
+def fill_after(units: Units, fill: int, capacity: int) -> int:
+    """The row position (tokens of the current row) after Pack lays out ``units`` from
+    ``fill`` on; a unit that must start a row ends the one before, padded."""
+    at = 0
+    for pin in units.pin_at or ():
+        fill, at = 0, pin
+    return (fill + int(units.off[-1]) - at) % capacity
+
+
+def first_row_end(
+    rest: DocumentBlock,
+    units: Units,
+    fill: int,
+    capacity: int,
+    j0: int,
+    ratio: Any,
+    r2: float,
+    side: Any,
+) -> tuple[int, int] | None:
+    """The first row end in ``rest`` (laid out as ``units`` from row position ``fill``) from
+    piece ``j0`` on where the mix's rule stops, as ``(piece, tokens of it before the cut)``
+    (the tokens are the piece's length when the cut is after the piece and its EOS). Inside
+    piece ``j0`` the rule stops where ``ratio(tokens taken from rest)`` passes ``r2``
+    (``numpy.searchsorted`` ``side``); after it, at the first row end. None: no row end."""
+    lengths, taken = rest.lengths, rest.offsets
+    for j in range(j0, len(rest)):
+        first = int(units.off[j] + units.bos[j])  # the stream offset of the piece's tokens
+        at = first + 1 + (-(fill + first + 1)) % capacity  # the first row end after a token
+        cand = np.arange(at, first + int(lengths[j]), capacity, dtype=np.int64)  # inside it
+        after = int(units.off[j + 1])  # after the piece (and its EOS)
+        if (fill + after) % capacity == 0:
+            cand = np.append(cand, after)
+        if not len(cand):
+            continue
+        k = 0
+        if j == j0:  # inside the rule's last piece: where the rule stops
+            count = np.minimum(cand - first, lengths[j]) + int(taken[j])
+            k = int(np.searchsorted(ratio(count), r2, side=side))
+            if k == len(cand):
+                continue
+        if int(cand[k]) == after:
+            return j, int(lengths[j])
+        return j, int(cand[k]) - first
+    return None
