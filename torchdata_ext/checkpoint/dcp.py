@@ -147,6 +147,7 @@ class DCPLoaderState:
             "num_workers": loader.logical_workers,
             "step": state["step"],
             "skip_steps": state["skip_steps"],
+            "weight_changes": state["weight_changes"],
             "datasets": summary,
         }
         meta = {
@@ -154,6 +155,7 @@ class DCPLoaderState:
             "skip_batches": state["skip_batches"],
             "step": state["step"],
             "skip_steps": state["skip_steps"],
+            "weight_changes": state["weight_changes"],
             "skipped_documents": state["skipped_documents"],
             "file_fingerprints": fingerprint_share(
                 datasets, rank=loader.rank, world_size=loader.world_size

@@ -223,6 +223,7 @@ def save_checkpoint(
         "skip_batches": state["skip_batches"],
         "step": state["step"],
         "skip_steps": state["skip_steps"],
+        "weight_changes": state["weight_changes"],
         "skipped_documents": state["skipped_documents"],
         "files": files,
     }
@@ -245,6 +246,7 @@ def save_checkpoint(
             "num_workers": loader.logical_workers,
             "step": state["step"],
             "skip_steps": state["skip_steps"],
+            "weight_changes": state["weight_changes"],
             "datasets": datasets,
             "checksums": _CHECKSUMS,
             "file_fingerprints": {"sample_bytes": SAMPLE_BYTES, "datasets": data_files},

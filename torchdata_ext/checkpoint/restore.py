@@ -73,6 +73,9 @@ def restore_loader(
     restores the rank's own states; another one is planned by :mod:`torchdata_ext.checkpoint.rescale`."""
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
+    changes = manifest.get("weight_changes", [])
+    # the trainer's set_weights calls of the run: build with the weights in force at its step
+    loader.adopt_weight_changes(changes, int(manifest.get("step", 0)))
     root, mine = _configured(loader)
     rank_meta, worker = _read_once(rank_meta), _read_once(worker)
     # curriculum phases added or removed first: the datasets' weights differ then too, and
@@ -89,6 +92,7 @@ def restore_loader(
     check_files(_datasets_of(root))
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         meta = rank_meta(loader.rank)
+        _check_weight_changes(where, loader.rank, meta, changes)
         graphs = {w: worker(loader.rank * W + w, meta) for w in range(W)}
         _check_graph(where, root, graphs[0], added)
         if reweighted and int(meta.get("skip_batches", 0)):
@@ -119,6 +123,7 @@ def restore_loader(
         r: rank_meta(r) for r in sorted({g // old_workers for gs in needed.values() for g in gs})
     }
     for r, meta in metas.items():  # each old rank that owned a needed worker must be at a snapshot
+        _check_weight_changes(where, r, meta, changes)
         if int(meta.get("skip_batches", 0)):
             raise ValueError(
                 f"{where}: rank {r} saved its state {meta['skip_batches']} batches after "
@@ -155,6 +160,18 @@ def restore_loader(
         skipped_documents=skipped,
         dataset_names=_names(root),
     )
+
+
+def _check_weight_changes(where: str, rank: int, meta: dict[str, Any], changes: list[Any]) -> None:
+    """Refuse a checkpoint whose rank ``rank`` recorded other ``set_weights`` calls than rank
+    0 (every rank must change the mix at the same steps, or the ranks' mixes differ)."""
+    mine = meta.get("weight_changes", changes)
+    if mine != changes:
+        raise ValueError(
+            f"{where}: rank {rank} recorded the weight changes {mine} but rank 0 {changes}; "
+            "every rank must make the same set_weights calls (same weights, same from_step); "
+            "restore from a checkpoint saved before they differed"
+        )
 
 
 def _names(root: BaseNode) -> list[str]:

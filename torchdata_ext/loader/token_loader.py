@@ -18,9 +18,9 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 744 lines: the worker side (the messages and their iterator) and the loader side
-(applying the deltas, the state, the run's step and its skipped step ranges) are the two ends of
-one message format.
+This module is 856 lines: the worker side (the messages and their iterator) and the loader side
+(applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
+changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import contextlib
 import logging
 import pickle
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +40,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.ring import TokenRing
+from torchdata_ext.loader.weights import WeightChanges, check_weights
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -344,6 +345,8 @@ class TokenLoader:
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
+        self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
+        self._restarted = 0  # the step whose weight change the running workers were built with
         self._reset_live()
 
     def _reset_live(self) -> None:
@@ -381,6 +384,12 @@ class TokenLoader:
         if not self._loaded:
             self._configured_skip_steps()
         self._reset_live()
+        self.build = self._weights.build_for(self._step + 1)
+        self._restarted = self._step + 1
+        return self._deliver(self._start())
+
+    def _start(self) -> Iterator[_Delivery]:
+        """Start the workers (or the background thread) from the loaded state."""
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -398,7 +407,77 @@ class TokenLoader:
         if self.background:  # the training thread only takes finished batches
             produced = _Background(produced, self.prefetch * self.batches_per_message)
         self._it = produced
-        return self._deliver(produced)
+        return produced
+
+    def _restart(self) -> Iterator[_Delivery]:
+        """Restart the stream from the exact state now, built with the weights in force at
+        the next step (a :meth:`set_weights` change due there)."""
+        state = self.state_dict()
+        self.close()
+        self.load_state_dict(state)  # builds with the weights in force (weight_changes)
+        self._restarted = self._step + 1
+        return self._start()
+
+    def earliest_weight_step(self) -> int:
+        """The earliest step :meth:`set_weights` can change the mix from: the next batch the
+        training loop takes (the loader restarts its workers from its exact state there)."""
+        return self._step + 1
+
+    def set_weights(self, weights: Mapping[str, float], from_step: int | None = None) -> int:
+        """Change the datasets' weights from batch ``from_step`` on (the run's step, counted
+        from 1 as :meth:`state_dict`'s ``step``; default: the next batch).
+
+        The batches from ``from_step`` on come from the pipeline's state after step
+        ``from_step - 1`` built with the new weights: the loader restarts its workers from its
+        exact state there. The change is recorded in the loader state and checkpoints, so a
+        restore or rescale from any checkpoint of the run, and ``show_batches``, replay it.
+        Rows the pipeline holds already (its shuffle buffer) were mixed before: the delivered
+        share moves to the new weights over about ``shuffle_buffer / batch_size`` steps of
+        each worker (see :mod:`torchdata_ext.loader.weights`). Under ``torchrun`` every rank
+        must make the same calls (a restore refuses ranks whose recorded changes differ).
+
+        Args:
+            weights: dataset name -> weight (> 0, relative, in tokens as the config's).
+            from_step: the first batch under the new weights, >= :meth:`earliest_weight_step`.
+
+        Returns:
+            the step the change takes effect at.
+
+        Raises:
+            TypeError: the loader was not built from ``functools.partial(build_pipeline, cfg)``.
+            ValueError: ``from_step`` before the earliest step (named), a bad weight, a config
+                with phases or ``pack_mode="best_fit"``, or ``snapshot_every_n_steps > 1``.
+        """
+        cfg = self.built_config()
+        if cfg is None:
+            raise TypeError(
+                "set_weights needs a loader built from functools.partial(build_pipeline, cfg): "
+                "the weights are the config's"
+            )
+        checked = check_weights(cfg, weights)
+        earliest = self.earliest_weight_step()
+        step = earliest if from_step is None else from_step
+        if isinstance(step, bool) or not isinstance(step, int) or step < earliest:
+            raise ValueError(
+                f"set_weights(from_step={from_step!r}): the loader has delivered "
+                f"{self._step} batches; the earliest step a change can take effect is {earliest}"
+            )
+        if self.num_workers and self.snapshot_every_n_steps > 1:
+            raise ValueError(
+                "set_weights needs the exact state at every step (snapshot_every_n_steps=1)"
+            )
+        self._weights.add(step, checked)
+        if step == earliest:  # the config a checkpoint saved now records
+            self.build = self._weights.build_for(step)
+        return step
+
+    def adopt_weight_changes(self, changes: Sequence[Sequence[Any]], step: int) -> None:
+        """Take the weight changes recorded in a state saved at ``step`` (batches delivered):
+        the graphs are built with the weights in force at batch ``step + 1``, and the changes
+        after it are made when the run reaches them."""
+        self._weights.changes = WeightChanges.checked(changes, "the loader state")
+        self.build = self._weights.build_for(int(step) + 1)
+        self._restarted = int(step) + 1
 
     def built_config(self) -> Any | None:
         """The ``PipelineConfig`` this loader's build function was given
@@ -464,20 +543,32 @@ class TokenLoader:
         current one (the work is done in :meth:`_produce`)."""
         W, every = self.logical_workers, self.snapshot_every_n_steps
         lagging = self.num_workers > 0 and every > 1  # only then does state_dict read _snap
-        for d in produced:
-            self._states[d.worker] = d.state
-            self._io[d.worker] = d.io
-            self._next = (d.worker + 1) % W
-            self._yielded += 1
-            if lagging and self._yielded % every == 0:
-                self._snap = self._live_snapshot()
-            if self._skip:  # delivered before the checkpoint, after its state
-                self._skip -= 1
-                continue
-            if self._skipping(d.item):
-                continue
-            self._step += 1
-            yield d.item
+        while True:
+            for d in produced:
+                self._states[d.worker] = d.state
+                self._io[d.worker] = d.io
+                self._next = (d.worker + 1) % W
+                self._yielded += 1
+                if lagging and self._yielded % every == 0:
+                    self._snap = self._live_snapshot()
+                if self._skip:  # delivered before the checkpoint, after its state
+                    self._skip -= 1
+                    continue
+                if self._skipping(d.item):
+                    continue
+                self._step += 1
+                yield d.item
+                if self._restart_due():
+                    break
+            else:
+                return
+            produced = self._restart()
+
+    def _restart_due(self) -> bool:
+        """Whether a weight change is due at the next batch and the workers were not built
+        with it."""
+        nxt = self._step + 1
+        return self._weights.due_at(nxt) and self._restarted != nxt and not self._dropping
 
     def _skipping(self, item: Any) -> bool:
         """Whether ``item`` is data of a skipped step range (``skip_steps``): dropped, its
@@ -585,6 +676,7 @@ class TokenLoader:
             "step": self._step,
             "skip_steps": [list(r) for r in self._skip_steps],
             "skipped_documents": list(self._skipped),
+            "weight_changes": [list(c) for c in self._weights.changes],
             "workers": workers,
         }
 
@@ -636,6 +728,7 @@ class TokenLoader:
             step=int(state.get("step", 0)),
             skip_steps=state.get("skip_steps", ()),
             skipped_documents=state.get("skipped_documents", ()),
+            weight_changes=state.get("weight_changes", ()),
         )
 
     def load_worker_states(
@@ -647,6 +740,7 @@ class TokenLoader:
         skip_steps: Sequence[Sequence[int]] = (),
         skipped_documents: Sequence[Sequence[Any]] = (),
         dataset_names: Sequence[str] = (),
+        weight_changes: Sequence[Sequence[Any]] | None = None,
     ) -> None:
         """Start each logical worker (0 .. W-1) of this rank from the given graph state; the
         first ``skip_batches`` batches are produced again and dropped (see ``state_dict``);
@@ -654,7 +748,8 @@ class TokenLoader:
         ``skip_steps``: step ranges ``[A, B]`` whose batches are dropped when step ``A`` is
         due (checked by the restore: :mod:`torchdata_ext.checkpoint.restore`);
         ``skipped_documents``: the pieces skipped before; ``dataset_names``: the names the
-        batches' provenance ids index (to record what is skipped)."""
+        batches' provenance ids index (to record what is skipped); ``weight_changes``: the
+        :meth:`set_weights` changes recorded with the state (None: keep this loader's)."""
         if self._it is not None:
             raise RuntimeError("load the state before iteration starts")
         W = self.logical_workers
@@ -679,6 +774,8 @@ class TokenLoader:
         self._loaded = True
         if dataset_names:
             self._names = list(dataset_names)
+        if weight_changes is not None:
+            self.adopt_weight_changes(weight_changes, int(step))
         self._reset_live()
 
 

@@ -315,7 +315,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 if weighted:
                     active = weighted
                 else:  # only the added sources are left: the new targets apply now
-                    self.weights, self._switch_weights = list(self._target_weights), False
+                    self._take_targets()
             s = self._open  # a document in progress is finished first
             drawn = s is None
             if s is None:
@@ -335,8 +335,20 @@ class Interleave(BaseNode[DocumentBlock]):
                 hi, cut = lo + count, 0
             out = self._emit(s, block, lo, hi, cut, resuming)
             if self._switch_weights:
-                self.weights, self._switch_weights = list(self._target_weights), False
+                self._take_targets()
             return out
+
+    def _take_targets(self) -> None:
+        """Switch from the weights saved in the state to the configured ones (after the block
+        the restore replays), and count the tokens delivered so far as if they had been mixed
+        at the new weights (same total): the new mix holds from here on, without first making
+        up for the old one (weights 1:1 -> 1:3 after 1B tokens would otherwise feed only the
+        second source for the next 2B tokens)."""
+        self.weights, self._switch_weights = list(self._target_weights), False
+        total, w = sum(self._tokens), sum(self.weights)
+        shares = [int(total * x // w) for x in self.weights]
+        shares[0] += total - sum(shares)
+        self._tokens = shares
 
     def get_state(self) -> dict[str, Any]:
         per_source = {}
