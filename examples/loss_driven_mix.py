@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_tiny_lm import VOCAB, TinyLM, make_corpus, repeated_tokens  # noqa: E402
+from train_tiny_lm import TinyLM, make_corpus, repeated_tokens, train_step  # noqa: E402
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline  # noqa: E402
 from torchdata_ext.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -174,17 +174,9 @@ def train(
     for step in steps:
         batch = next(it)
         shares(batch)
-        logits = model(batch["input_ids"])
-        loss_tok = nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), reduction="none"
-        )
-        mask = batch["loss_mask"].reshape(-1).float()
-        loss = (loss_tok * mask).sum() / mask.sum().clamp(min=1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        mixer.observe(loss_tok.detach(), batch["dataset_ids"].reshape(-1))
+        loss, loss_tok = train_step(model, opt, batch)
+        losses.append(loss)
+        mixer.observe(loss_tok, batch["dataset_ids"].reshape(-1))
         if step % mixer.every == 0:
             weights = mixer.update()
             changes.append((set_mix(loader, weights, step + 1), weights))

@@ -190,6 +190,23 @@ class TinyLM(nn.Module):
         return self.head(self.encoder(x, mask=mask, is_causal=True))
 
 
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor]
+) -> tuple[float, torch.Tensor]:
+    """One optimizer step on ``batch``: the loss over ``loss_mask``, and each label token's
+    loss (detached, flat), e.g. for a loss per dataset."""
+    logits = model(batch["input_ids"])
+    loss_tok = nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), reduction="none"
+    )
+    mask = batch["loss_mask"].reshape(-1).float()
+    loss = (loss_tok * mask).sum() / mask.sum().clamp(min=1)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item(), loss_tok.detach()
+
+
 def train_steps(
     model: nn.Module, opt: torch.optim.Optimizer, loader: TokenLoader, steps: int, record: Recorder
 ) -> list[float]:
@@ -198,16 +215,7 @@ def train_steps(
     for _ in range(steps):
         batch = next(it)
         record(batch)
-        logits = model(batch["input_ids"])
-        loss_tok = nn.functional.cross_entropy(
-            logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), reduction="none"
-        )
-        mask = batch["loss_mask"].reshape(-1).float()
-        loss = (loss_tok * mask).sum() / mask.sum().clamp(min=1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, batch)[0])
     return losses
 
 
