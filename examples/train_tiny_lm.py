@@ -364,7 +364,8 @@ def run(args: argparse.Namespace, data_dir: str) -> None:
     if rank == 0:
         repeated = repeated_tokens(pieces)
         delivered = sum(p[4] for p in pieces)
-        ok_loss = after < start and before < start and abs(after - before) < 0.5
+        # the loss went down and did not jump back up at the resume (it may go on falling fast)
+        ok_loss = after < start and before < start and after < before + 0.5
         print(f"verified: {rec.sequences} sequences on rank 0 equal the tokens their provenance "
               "names in the shard files")  # fmt: skip
         print(f"verified: {delivered:,} document tokens delivered on {world_size} rank(s), "

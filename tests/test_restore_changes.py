@@ -86,6 +86,7 @@ CHANGES: dict[str, list[Any]] = {
     "max_tokens": [2000],
     "max_documents": [60],
     "max_dropped_documents": [7],
+    "weight_schedule": [{3: {"web": 1.0, "code": 2.0}}],
 }
 
 # fields whose change at a restore is meant to change what is delivered, each with the test
@@ -124,6 +125,11 @@ def _changed(base: PipelineConfig, changes: dict[str, Any]) -> PipelineConfig:
         extra["weights"] = [1.0]
     if "phases" in extra:
         extra.update(datasets=[], weights=[])
+    if "weight_schedule" in extra:  # the same datasets; with phases or best_fit it is refused
+        if extra.get("datasets") == ["web"]:  # by the config, which is not a restore's doing
+            extra["weight_schedule"] = {3: {"web": 1.0}}
+        if "phases" in extra or extra.get("pack_mode") == "best_fit":
+            del extra["weight_schedule"]
     if "eval_seed" in extra and "eval_fraction" not in extra:
         extra["eval_fraction"] = base.eval_fraction
     return dataclasses.replace(base, **extra)

@@ -134,3 +134,36 @@ def test_a_rescale_after_a_change_delivers_every_document_once(cfg, tmp_path) ->
             if n and ds not in (LITERAL, PAD):
                 coverage.setdefault((names[ds], f, d), []).append((start, start + n))
     check_exactly_once(coverage, document_lengths(cfg))
+
+
+def test_a_weight_schedule_is_the_same_changes_made_by_the_loader(cfg, tmp_path) -> None:
+    """``weight_schedule: {6: ..., 12: ...}`` gives the batches of the same set_weights calls;
+    a restore replays it; a restore under another schedule is refused naming the field."""
+    calls = _run(TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2), 0, 16)
+    scheduled = dataclasses.replace(cfg, weight_schedule={w[1]: w[0] for w in CALLS.values()})
+    build = functools.partial(build_pipeline, scheduled)
+    states: dict = {}
+    loader = TokenLoader(build, num_workers=2)
+    got = []
+    for step, batch in enumerate(loader, 1):
+        got.append(batch)
+        states[step] = loader.state_dict()
+        if step == 16:
+            break
+    loader.close()
+    assert _same(got, calls)
+    again = TokenLoader(build, num_workers=2)
+    again.load_state_dict(states[4])
+    rest = []
+    for step, batch in enumerate(again, 5):
+        rest.append(batch)
+        if step == 16:
+            break
+    again.close()
+    assert _same(rest, calls[4:])
+    save_checkpoint(TokenLoader(build), str(tmp_path / "ckpt"))
+    other = dataclasses.replace(cfg, weight_schedule={6: {"web": 1.0, "code": 2.0}})
+    with pytest.raises(ValueError, match=r"weight_schedule differs: the checkpoint was taken"):
+        load_checkpoint(
+            TokenLoader(functools.partial(build_pipeline, other)), str(tmp_path / "ckpt")
+        )

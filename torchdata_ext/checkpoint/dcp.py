@@ -148,6 +148,7 @@ class DCPLoaderState:
             "step": state["step"],
             "skip_steps": state["skip_steps"],
             "weight_changes": state["weight_changes"],
+            "weight_schedule": state["weight_schedule"],
             "datasets": summary,
         }
         meta = {
@@ -156,6 +157,7 @@ class DCPLoaderState:
             "step": state["step"],
             "skip_steps": state["skip_steps"],
             "weight_changes": state["weight_changes"],
+            "weight_schedule": state["weight_schedule"],
             "skipped_documents": state["skipped_documents"],
             "file_fingerprints": fingerprint_share(
                 datasets, rank=loader.rank, world_size=loader.world_size

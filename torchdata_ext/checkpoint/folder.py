@@ -224,6 +224,7 @@ def save_checkpoint(
         "step": state["step"],
         "skip_steps": state["skip_steps"],
         "weight_changes": state["weight_changes"],
+        "weight_schedule": state["weight_schedule"],
         "skipped_documents": state["skipped_documents"],
         "files": files,
     }
@@ -247,6 +248,7 @@ def save_checkpoint(
             "step": state["step"],
             "skip_steps": state["skip_steps"],
             "weight_changes": state["weight_changes"],
+            "weight_schedule": state["weight_schedule"],
             "datasets": datasets,
             "checksums": _CHECKSUMS,
             "file_fingerprints": {"sample_bytes": SAMPLE_BYTES, "datasets": data_files},

@@ -75,7 +75,9 @@ def restore_loader(
     W = loader.logical_workers
     changes = manifest.get("weight_changes", [])
     # the trainer's set_weights calls of the run: build with the weights in force at its step
-    loader.adopt_weight_changes(changes, int(manifest.get("step", 0)))
+    loader.adopt_weight_changes(
+        changes, int(manifest.get("step", 0)), manifest.get("weight_schedule", [])
+    )
     root, mine = _configured(loader)
     rank_meta, worker = _read_once(rank_meta), _read_once(worker)
     # curriculum phases added or removed first: the datasets' weights differ then too, and

@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 856 lines: the worker side (the messages and their iterator) and the loader side
+This module is 878 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -346,6 +346,10 @@ class TokenLoader:
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
+        cfg = self.built_config()  # a weight_schedule's entries are changes the loader makes
+        self._schedule: list[list[Any]] = list(getattr(cfg, "weight_schedule", None) or [])
+        for at, weights in self._schedule:
+            self._weights.add(at, weights)
         self._restarted = 0  # the step whose weight change the running workers were built with
         self._reset_live()
 
@@ -471,10 +475,24 @@ class TokenLoader:
             self.build = self._weights.build_for(step)
         return step
 
-    def adopt_weight_changes(self, changes: Sequence[Sequence[Any]], step: int) -> None:
+    def adopt_weight_changes(
+        self, changes: Sequence[Sequence[Any]], step: int, schedule: Sequence[Sequence[Any]] = ()
+    ) -> None:
         """Take the weight changes recorded in a state saved at ``step`` (batches delivered):
         the graphs are built with the weights in force at batch ``step + 1``, and the changes
-        after it are made when the run reaches them."""
+        after it are made when the run reaches them. ``schedule``: the config's
+        ``weight_schedule`` recorded with them.
+
+        Raises:
+            ValueError: this loader's config has another ``weight_schedule``.
+        """
+        saved = WeightChanges.checked(schedule, "the loader state")
+        if saved != self._schedule:
+            raise ValueError(
+                f"weight_schedule differs: the checkpoint was taken with {saved}, this config "
+                f"has {self._schedule}; restore with the checkpoint's weight_schedule (a change "
+                "at a later step: set_weights), or start a new run"
+            )
         self._weights.changes = WeightChanges.checked(changes, "the loader state")
         self.build = self._weights.build_for(int(step) + 1)
         self._restarted = int(step) + 1
@@ -677,6 +695,7 @@ class TokenLoader:
             "skip_steps": [list(r) for r in self._skip_steps],
             "skipped_documents": list(self._skipped),
             "weight_changes": [list(c) for c in self._weights.changes],
+            "weight_schedule": [list(c) for c in self._schedule],
             "workers": workers,
         }
 
@@ -729,6 +748,7 @@ class TokenLoader:
             skip_steps=state.get("skip_steps", ()),
             skipped_documents=state.get("skipped_documents", ()),
             weight_changes=state.get("weight_changes", ()),
+            weight_schedule=state.get("weight_schedule", ()),
         )
 
     def load_worker_states(
@@ -741,6 +761,7 @@ class TokenLoader:
         skipped_documents: Sequence[Sequence[Any]] = (),
         dataset_names: Sequence[str] = (),
         weight_changes: Sequence[Sequence[Any]] | None = None,
+        weight_schedule: Sequence[Sequence[Any]] = (),
     ) -> None:
         """Start each logical worker (0 .. W-1) of this rank from the given graph state; the
         first ``skip_batches`` batches are produced again and dropped (see ``state_dict``);
@@ -749,7 +770,8 @@ class TokenLoader:
         due (checked by the restore: :mod:`torchdata_ext.checkpoint.restore`);
         ``skipped_documents``: the pieces skipped before; ``dataset_names``: the names the
         batches' provenance ids index (to record what is skipped); ``weight_changes``: the
-        :meth:`set_weights` changes recorded with the state (None: keep this loader's)."""
+        :meth:`set_weights` changes recorded with the state (None: keep this loader's), and
+        ``weight_schedule`` the config's schedule they were taken under."""
         if self._it is not None:
             raise RuntimeError("load the state before iteration starts")
         W = self.logical_workers
@@ -775,7 +797,7 @@ class TokenLoader:
         if dataset_names:
             self._names = list(dataset_names)
         if weight_changes is not None:
-            self.adopt_weight_changes(weight_changes, int(step))
+            self.adopt_weight_changes(weight_changes, int(step), weight_schedule)
         self._reset_live()
 
 

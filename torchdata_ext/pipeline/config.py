@@ -9,7 +9,7 @@ Its checks (special ids, eval split, transforms, budgets) each need the other fi
 per-feature rules live apart (``curriculum.py``, ``transforms.py``, ``split.py``,
 ``prepared_meta.py``). :mod:`torchdata_ext.pipeline.build` builds the graph from it.
 
-This module is 606 lines: the dataclass's field documentation and the restore contract table
+This module is 612 lines: the dataclass's field documentation and the restore contract table
 (``RESTORE_CONTRACT``, one entry per field) are most of it; new logic goes in its own module.
 """
 
@@ -29,6 +29,7 @@ from torchdata_ext.checks import check_int, split_list
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED
 from torchdata_ext.order.split import EvalSplit
 from torchdata_ext.pipeline.curriculum import check_budget, check_phases
+from torchdata_ext.pipeline.schedule import schedule_of
 from torchdata_ext.remote.urls import filesystem, storage_options_of
 from torchdata_ext.tokenizers.load import (
     DEFAULT_BYTE_OFFSET,
@@ -92,6 +93,7 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "max_tokens": ("must_match", "the saved shares are of the budget saved"),
     "max_documents": ("must_match", "the saved shares are of the budget saved"),
     "max_dropped_documents": ("may_change", "only when an endless stream gives up"),
+    "weight_schedule": ("must_match", "recorded with the loader state, refused by name"),
     "skip_steps": (
         "may_change",
         "a range is applied when the run reaches its first step (fresh or restored) and "
@@ -234,6 +236,8 @@ class PipelineConfig:
             trainer's step ``A`` receives what step ``B`` would have received. The skip is recorded in the loader state (later
             restores, rescales and ``show_batches`` know it); a range starting at or before
             the checkpoint's step is refused. See ``docs/forensics.md``.
+        weight_schedule: ``{step: weights}``: the weights from that training step on
+            (piecewise constant; must match at a restore), see :mod:`~torchdata_ext.pipeline.schedule`.
     """
 
     data_path: str = ""
@@ -277,6 +281,7 @@ class PipelineConfig:
     max_documents: int | dict[str, int] | None = None
     max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
     skip_steps: list[list[int]] = field(default_factory=list)
+    weight_schedule: Any = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_shapes()
@@ -322,6 +327,7 @@ class PipelineConfig:
         if self.mix_quantum_tokens is not None:  # named here, not as Interleave's argument
             check_int("mix_quantum_tokens", self.mix_quantum_tokens, 0)
         self.skip_steps = step_ranges(self.skip_steps)
+        self.weight_schedule = schedule_of(self)
         # the byte tokenizer is known without I/O; a tokenizer.json is checked when loaded
         byte = ByteTokenizer(self.byte_offset) if self.tokenizer == "byte" else None
         self.check_special_ids(byte)

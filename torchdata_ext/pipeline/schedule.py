@@ -1,0 +1,109 @@
+"""``PipelineConfig.weight_schedule``: the datasets' weights as a function of the training step.
+
+``weight_schedule: {20000: "1,1", 25000: {"web": 1, "code": 3}}`` means: the config's
+``weights`` up to step 19,999, 1:1 from step 20,000, 1:3 from step 25,000 (steps of the
+training loop, counted from 1 as the loader's ``step``, the same on every topology: a step is
+one batch on every rank). Piecewise constant; a ramp is a few entries. Each entry is a change
+the loader makes itself at that step, exactly as a trainer's
+:meth:`~torchdata_ext.loader.token_loader.TokenLoader.set_weights` call (see
+:mod:`torchdata_ext.loader.weights`: the workers restart from the exact state after the step
+before, so the change lands at its step; the rows already buffered are delivered as they were
+mixed). The schedule is recorded with the loader state, and a restore under another schedule
+is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torchdata_ext.checks import split_list
+
+__all__ = ["schedule_of", "weight_schedule"]
+
+
+def _weights(value: Any, names: Sequence[str], where: str) -> dict[str, float]:
+    """One entry's weights: a list / comma-separated string in the datasets' order, or a
+    mapping name -> weight; every dataset one finite weight > 0."""
+    if isinstance(value, Mapping):
+        got = {str(k): v for k, v in value.items()}
+    else:
+        items = split_list(value, where)
+        if len(items) != len(names):
+            raise ValueError(
+                f"{where}={value!r}: {len(items)} weights for the {len(names)} datasets "
+                f"{list(names)}; give one per dataset, in that order, or a mapping name -> weight"
+            )
+        got = dict(zip(names, items))
+    if set(got) != set(names):
+        raise ValueError(
+            f"{where}: weights for {sorted(got)}, but the datasets are {list(names)}; give one "
+            "weight per dataset"
+        )
+    out = {}
+    for name in names:
+        try:
+            w = float(got[name])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: weight {got[name]!r} of {name!r} is not a number") from None
+        if not w > 0 or w == float("inf"):
+            raise ValueError(f"{where}: weight {w!r} of {name!r} must be a finite number > 0")
+        out[name] = w
+    return out
+
+
+def weight_schedule(value: Any, names: Sequence[str]) -> list[list[Any]]:
+    """``value`` (``{step: weights}``, or the ``[[step, {name: weight}], ...]`` it becomes)
+    checked against the datasets ``names``: sorted by step, each step an integer >= 1.
+
+    Raises:
+        TypeError: ``value`` is neither a mapping nor a list of ``[step, weights]`` pairs.
+        ValueError: a step < 1 or not an integer, or weights that do not fit the datasets.
+    """
+    if value is None:
+        return []
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        pairs = [tuple(p) for p in value]
+        if any(len(p) != 2 for p in pairs):
+            raise TypeError(f"weight_schedule={value!r}: give a mapping step -> weights")
+    else:
+        raise TypeError(
+            f'weight_schedule={value!r}: give a mapping step -> weights, e.g. {{20000: "1,1"}}'
+        )
+    out: list[list[Any]] = []
+    for step, weights in pairs:
+        s = int(step) if isinstance(step, str) and step.strip().isdigit() else step
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(
+                f"weight_schedule: step {step!r} must be an integer >= 1 (the training step "
+                "the weights apply from)"
+            )
+        out.append([s, _weights(weights, names, f"weight_schedule[{s}]")])
+    out.sort(key=lambda p: p[0])
+    for a, b in zip(out, out[1:]):
+        if a[0] == b[0]:
+            raise ValueError(f"weight_schedule: step {a[0]} is given twice")
+    return out
+
+
+def schedule_of(cfg: Any) -> list[list[Any]]:
+    """``cfg.weight_schedule`` checked (see :func:`weight_schedule`), and refused with the
+    settings a change of weights cannot be exact with.
+
+    Raises:
+        ValueError: as :func:`weight_schedule`, or a schedule with ``phases`` (each phase has
+            its own weights) or ``pack_mode="best_fit"`` (its window replays several blocks).
+    """
+    out = weight_schedule(cfg.weight_schedule, list(cfg.dataset_weights))
+    if out and cfg.phases:
+        raise ValueError(
+            "weight_schedule and phases: each phase has its own weights; give one or the other"
+        )
+    if out and cfg.pack_mode == "best_fit":
+        raise ValueError(
+            "weight_schedule with pack_mode='best_fit': its window replays several blocks the "
+            "old weights decided, so a change there cannot be exact; use pack_mode concat or pad"
+        )
+    return out
