@@ -362,13 +362,15 @@ def _dist_rank(rank: int, port: int, root: str, ckpt: str, so: dict, out: str) -
                 build(World(rank, 3, w, 2))
         loader = TokenLoader(build)
         next(iter(loader))
-        save_checkpoint(loader, ckpt, storage_options=so)
+        with count_s3_requests() as save:
+            save_checkpoint(loader, ckpt, storage_options=so)
         fingerprint._digests.clear()
         with count_s3_requests() as restore:
             load_checkpoint(TokenLoader(build), ckpt, storage_options=so)
         Path(out, f"{rank}.json").write_text(json.dumps({
             "files": {n: len(ix.files) for n, ix in datasets.items()},
             "listing": dict(listing), "graphs": dict(graphs), "restore": dict(restore),
+            "save": dict(save),
         }))  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -393,3 +395,29 @@ def test_under_torch_distributed_rank_0_lists_and_the_index_is_broadcast(s3, tmp
     for g in got:
         assert g["graphs"] == {}  # nor does any worker's graph (prepared metadata included)
         assert "LIST" not in g["restore"] and "RANGE_GET" not in g["restore"]
+    # no index files: each data file (<= 128 KiB: one range read) is read once in the job,
+    # by the rank whose share it is
+    assert sum(g["save"].get("RANGE_GET", 0) for g in got) == 2 * len(NAMES)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torch_distributed_the_index_file_digests_reach_every_rank(s3, tmp_path) -> None:
+    """Rank 0 reads the index files, which record every object's sampled sha256: those digests
+    are broadcast with the indexes, so no rank reads a data file at a save."""
+    import torch.multiprocessing as mp
+
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dist_rank, args=(port, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert all(g["files"] == {"web": 2, "code": 2} for g in got)
+    for g in got[1:]:  # rank 0 reads the index files (and lists to check them), no other rank
+        assert g["listing"] == {}
+    for g in got:
+        assert "RANGE_GET" not in g["save"] and "LIST" not in g["save"], g["save"]
+        assert "LIST" not in g["restore"] and "RANGE_GET" not in g["restore"], g["restore"]

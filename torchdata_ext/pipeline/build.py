@@ -29,7 +29,7 @@ from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.pipeline.curriculum import with_budget
 from torchdata_ext.remote.urls import join
 from torchdata_ext.sources.index import DatasetIndex
-from torchdata_ext.sources.index_file import load_index_file, shared_by_rank0, with_side_files
+from torchdata_ext.sources.index_file import load_index_file, shared_indexes, with_side_files
 from torchdata_ext.sources.prepared_meta import check_config, read_meta
 from torchdata_ext.tokenizers.load import load_tokenizer, token_ids, worker_threads
 from torchdata_ext.world import World
@@ -76,7 +76,7 @@ def build_datasets(cfg: PipelineConfig, world: World | None = None) -> dict[str,
         and dist.is_initialized()
         and dist.get_world_size() > 1
     ):
-        return shared_by_rank0(lambda: _datasets_here(cfg, True), "build the dataset indexes")
+        return shared_indexes(lambda: _datasets_here(cfg, True), "build the dataset indexes")
     return _datasets_here(cfg, _checks_index_files(world))
 
 

@@ -35,7 +35,7 @@ content version (ETag, generation: :func:`current_fingerprints`), so a restore o
 objects reads nothing; the other files are shared among the ranks, with or without a process
 group (:func:`check_data_files`). The request budget is in ``docs/object-storage-at-scale.md``.
 
-This module is 730 lines: the checkpoint and audit code import the stat, compare and check names
+This module is 742 lines: the checkpoint and audit code import the stat, compare and check names
 from here, and the sharing of checks among ranks reads the per-process digests it keeps.
 """
 
@@ -76,6 +76,7 @@ __all__ = [
     "is_collective",
     "listed_changes",
     "remember_digests",
+    "known_digests",
     "stat_from_info",
 ]
 
@@ -223,6 +224,17 @@ def remember_digests(urls: Sequence[str], fingerprints: Sequence[Mapping[str, An
                 _digests[(url, size, version)] = digest
                 kept += 1
     return kept
+
+
+def known_digests(urls: Sequence[str], stats: Sequence[Stat]) -> list[dict[str, Any]]:
+    """The fingerprints this process already holds (:func:`remember_digests`, or read) of
+    ``urls`` as listed with ``stats`` (``(size, version)`` each), for another process's
+    :func:`remember_digests`; files without one are left out (nothing is read)."""
+    with _lock:
+        held = [(u, s, v, _digests.get((u, s, v))) for u, (s, v) in zip(urls, stats)]
+    return [
+        {"url": u, "size": s, "version": v, "sha256": d} for u, s, v, d in held if d is not None
+    ]
 
 
 def _sampled_sha256(url: str, size: int, storage_options: dict[str, Any] | None) -> str:

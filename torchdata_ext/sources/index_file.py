@@ -56,6 +56,7 @@ from torchdata_ext.sources.fingerprint import (
     file_fingerprint,
     file_fingerprints,
     file_stat,
+    known_digests,
     remember_digests,
 )
 from torchdata_ext.sources.index import DatasetIndex, list_data_files
@@ -67,6 +68,7 @@ __all__ = [
     "index_file_url",
     "load_index_file",
     "shared_by_rank0",
+    "shared_indexes",
     "with_side_files",
     "write_index_file",
     "write_index_files",
@@ -410,6 +412,24 @@ def shared_by_rank0(build: Callable[[], T], doing: str) -> T:
     if their_error is not None:
         raise RuntimeError(f"rank 0 could not {doing}: {their_error}")
     return result
+
+
+def shared_indexes(
+    build: Callable[[], dict[str, DatasetIndex]], doing: str
+) -> dict[str, DatasetIndex]:
+    """:func:`shared_by_rank0` of dataset indexes, with the sampled digests rank 0 holds for
+    their files (its index files record them): every rank remembers them
+    (:func:`~torchdata_ext.sources.fingerprint.remember_digests`), so no rank reads a data
+    file at a save or restore over unchanged objects. A collective: every rank calls it."""
+
+    def built() -> tuple[dict[str, DatasetIndex], list[dict[str, Any]]]:
+        datasets = build()
+        digests = [fp for ix in datasets.values() for fp in known_digests(ix.files, ix.file_stats)]
+        return datasets, digests
+
+    datasets, digests = shared_by_rank0(built, doing)
+    remember_digests([fp["url"] for fp in digests], digests)
+    return datasets
 
 
 def write_index_files(
