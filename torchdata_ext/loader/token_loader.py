@@ -40,7 +40,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.ring import TokenRing
-from torchdata_ext.loader.weights import WeightChanges, check_weights
+from torchdata_ext.loader.weights import WeightChanges, check_weights, is_pipeline_config
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -503,7 +503,7 @@ class TokenLoader:
         config); None for a build function of another kind."""
         build = self.build
         for arg in (*getattr(build, "args", ()), *getattr(build, "keywords", {}).values()):
-            if hasattr(arg, "data_path") and hasattr(arg, "skip_steps"):  # a PipelineConfig
+            if is_pipeline_config(arg):
                 return arg
         return None
 

@@ -22,54 +22,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["WeightChanges", "check_weights", "with_weights"]
+__all__ = ["WeightChanges", "check_weights", "is_pipeline_config", "with_weights"]
 
 
 def check_weights(cfg: Any, weights: Mapping[str, float]) -> dict[str, float]:
-    """``weights`` checked against config ``cfg``: one finite weight > 0 per dataset.
+    """``weights`` checked against config ``cfg``: one finite weight > 0 per dataset
+    (:func:`~torchdata_ext.pipeline.schedule.checked_weights`, as a schedule's entries).
 
     Raises:
         TypeError: ``weights`` is not a mapping ``name -> number``.
         ValueError: a dataset missing or unknown, a weight <= 0 or not finite, or a config
             this cannot change (curriculum phases, ``pack_mode="best_fit"``).
     """
+    # imported here: the pipeline package (its builder) is not needed to run a loader
+    from torchdata_ext.pipeline.schedule import checked_weights, refuse_weight_changes
+
     if not isinstance(weights, Mapping):
         raise TypeError(
             f"set_weights: weights={weights!r} must be a mapping dataset name -> weight, e.g. "
             '{"web": 0.5, "code": 0.5}'
         )
-    names = list(cfg.dataset_weights)
-    missing = [n for n in names if n not in weights]
-    unknown = [n for n in weights if n not in names]
-    if missing or unknown:
-        raise ValueError(
-            f"set_weights: give one weight per dataset of the config {names} "
-            f"(missing {missing}, unknown {unknown})"
-        )
-    out: dict[str, float] = {}
-    for name in names:
-        w = weights[name]
-        if isinstance(w, bool) or not isinstance(w, (int, float)):
-            raise TypeError(f"set_weights: weights[{name!r}]={w!r} must be a number")
-        if not math.isfinite(w) or w <= 0:
-            raise ValueError(f"set_weights: weights[{name!r}]={w!r} must be a finite number > 0")
-        out[name] = float(w)
-    if cfg.phases:
-        raise ValueError(
-            "set_weights: the config has curriculum phases, each with its own weights; change "
-            "a phase's weights in the config and restore with allow_weight_changes=True"
-        )
-    if cfg.pack_mode == "best_fit":
-        raise ValueError(
-            "set_weights: pack_mode='best_fit' rebuilds its window from several interleave "
-            "blocks when restarted, which the old weights decided: a change there cannot be "
-            "exact; use pack_mode 'concat' or 'pad' to change the mix during the run"
-        )
+    out = checked_weights(weights, list(cfg.dataset_weights), "set_weights")
+    refuse_weight_changes(cfg, "set_weights")
     return out
+
+
+def is_pipeline_config(arg: Any) -> bool:
+    """Whether ``arg`` is a ``PipelineConfig`` (told by its fields: a build function's
+    arguments are looked through without importing the config module)."""
+    return hasattr(arg, "data_path") and hasattr(arg, "skip_steps")
 
 
 def with_weights(build: Any, weights: Mapping[str, float]) -> Any:
@@ -77,7 +61,7 @@ def with_weights(build: Any, weights: Mapping[str, float]) -> Any:
     replaced by ``weights`` (name -> weight); everything else as it was."""
 
     def swap(arg: Any) -> Any:
-        if hasattr(arg, "data_path") and hasattr(arg, "dataset_weights"):
+        if is_pipeline_config(arg):
             return dataclasses.replace(arg, weights=[weights[n] for n in arg.dataset_weights])
         return arg
 

@@ -19,12 +19,18 @@ from typing import Any
 
 from torchdata_ext.checks import split_list
 
-__all__ = ["schedule_of", "weight_schedule"]
+__all__ = ["checked_weights", "refuse_weight_changes", "schedule_of", "weight_schedule"]
 
 
-def _weights(value: Any, names: Sequence[str], where: str) -> dict[str, float]:
-    """One entry's weights: a list / comma-separated string in the datasets' order, or a
-    mapping name -> weight; every dataset one finite weight > 0."""
+def checked_weights(value: Any, names: Sequence[str], where: str) -> dict[str, float]:
+    """One set of weights (a schedule entry's, or a :meth:`TokenLoader.set_weights` call's): a
+    list / comma-separated string in the datasets' order, or a mapping name -> weight; every
+    dataset one finite number > 0. ``where`` names the setting in the messages.
+
+    Raises:
+        ValueError: a dataset missing or unknown, a count that does not fit, or a weight that
+            is not a finite number > 0.
+    """
     if isinstance(value, Mapping):
         got = {str(k): v for k, v in value.items()}
     else:
@@ -35,21 +41,44 @@ def _weights(value: Any, names: Sequence[str], where: str) -> dict[str, float]:
                 f"{list(names)}; give one per dataset, in that order, or a mapping name -> weight"
             )
         got = dict(zip(names, items))
-    if set(got) != set(names):
+    missing = [n for n in names if n not in got]
+    unknown = [n for n in got if n not in names]
+    if missing or unknown:
         raise ValueError(
-            f"{where}: weights for {sorted(got)}, but the datasets are {list(names)}; give one "
-            "weight per dataset"
+            f"{where}: give one weight per dataset of the config {list(names)} "
+            f"(missing {missing}, unknown {unknown})"
         )
     out = {}
     for name in names:
+        w = got[name]
         try:
-            w = float(got[name])
+            x = float(w) if not isinstance(w, bool) else float("nan")
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: weight {got[name]!r} of {name!r} is not a number") from None
-        if not w > 0 or w == float("inf"):
-            raise ValueError(f"{where}: weight {w!r} of {name!r} must be a finite number > 0")
-        out[name] = w
+            x = float("nan")
+        if not 0 < x < float("inf"):
+            raise ValueError(f"{where}: weights[{name!r}]={w!r} must be a finite number > 0")
+        out[name] = x
     return out
+
+
+def refuse_weight_changes(cfg: Any, what: str) -> None:
+    """Refuse weights that change during the run (``what``: the setting or call) with the
+    settings that cannot make such a change exact.
+
+    Raises:
+        ValueError: ``phases`` (each phase has its own weights) or ``pack_mode="best_fit"``
+            (its window replays several blocks the old weights decided).
+    """
+    if cfg.phases:
+        raise ValueError(
+            f"{what} with curriculum phases: each phase has its own weights; change a phase's "
+            "weights in the config (restore with allow_weight_changes=True), or drop the phases"
+        )
+    if cfg.pack_mode == "best_fit":
+        raise ValueError(
+            f"{what} with pack_mode='best_fit': its window replays several blocks the old "
+            "weights decided, so a change there cannot be exact; use pack_mode concat or pad"
+        )
 
 
 def weight_schedule(value: Any, names: Sequence[str]) -> list[list[Any]]:
@@ -80,7 +109,7 @@ def weight_schedule(value: Any, names: Sequence[str]) -> list[list[Any]]:
                 f"weight_schedule: step {step!r} must be an integer >= 1 (the training step "
                 "the weights apply from)"
             )
-        out.append([s, _weights(weights, names, f"weight_schedule[{s}]")])
+        out.append([s, checked_weights(weights, names, f"weight_schedule[{s}]")])
     out.sort(key=lambda p: p[0])
     for a, b in zip(out, out[1:]):
         if a[0] == b[0]:
@@ -97,13 +126,6 @@ def schedule_of(cfg: Any) -> list[list[Any]]:
             its own weights) or ``pack_mode="best_fit"`` (its window replays several blocks).
     """
     out = weight_schedule(cfg.weight_schedule, list(cfg.dataset_weights))
-    if out and cfg.phases:
-        raise ValueError(
-            "weight_schedule and phases: each phase has its own weights; give one or the other"
-        )
-    if out and cfg.pack_mode == "best_fit":
-        raise ValueError(
-            "weight_schedule with pack_mode='best_fit': its window replays several blocks the "
-            "old weights decided, so a change there cannot be exact; use pack_mode concat or pad"
-        )
+    if out:
+        refuse_weight_changes(cfg, "weight_schedule")
     return out
