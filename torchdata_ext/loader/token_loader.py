@@ -39,6 +39,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
+from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.weights import WeightChanges, check_weights, is_pipeline_config
 from torchdata_ext.state.delta import apply, diff
@@ -342,6 +343,7 @@ class TokenLoader:
         self._skip_steps: list[list[int]] = []  # step ranges whose data is skipped
         self._loaded = False  # a state was loaded (else a fresh run reads skip_steps itself)
         self._skipped0: list[list[Any]] = []  # documents skipped before the state was loaded
+        self._mix = MixHistory()  # tokens per dataset at each weight change (mix_history.py)
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
@@ -390,6 +392,7 @@ class TokenLoader:
         self._reset_live()
         self.build = self._weights.build_for(self._step + 1)
         self._restarted = self._step + 1
+        self._record_mix()
         return self._deliver(self._start())
 
     def _start(self) -> Iterator[_Delivery]:
@@ -420,7 +423,22 @@ class TokenLoader:
         self.close()
         self.load_state_dict(state)  # builds with the weights in force (weight_changes)
         self._restarted = self._step + 1
+        self._record_mix()
         return self._start()
+
+    def _record_mix(self) -> None:
+        """At a weight change due at the next step, record the tokens per dataset delivered
+        through this one (:mod:`~torchdata_ext.loader.mix_history`); not when the loaded
+        state is behind the step (``skip_batches``: the counts would be of an earlier step)."""
+        if self._weights.due_at(self._step + 1) and not self._skip:
+            fresh = {DELIVERED_KEY: {}}  # a worker not started yet has delivered nothing
+            graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
+            self._mix.record(self._step + 1, graphs)
+
+    def adopt_mix_history(self, history: MixHistory) -> None:
+        """Go on with ``history`` (a restore sets it after :meth:`load_worker_states`: the
+        saved one on the same topology, :meth:`MixHistory.rescaled` at a rescale)."""
+        self._mix = history
 
     def earliest_weight_step(self) -> int:
         """The earliest step :meth:`set_weights` can change the mix from: the next batch the
@@ -696,6 +714,9 @@ class TokenLoader:
             "skipped_documents": list(self._skipped),
             "weight_changes": [list(c) for c in self._weights.changes],
             "weight_schedule": [list(c) for c in self._schedule],
+            "mix_history": self._mix.state(
+                (s["graph"] for s in workers.values()), self._step - skip
+            ),
             "workers": workers,
         }
 
@@ -750,6 +771,7 @@ class TokenLoader:
             weight_changes=state.get("weight_changes", ()),
             weight_schedule=state.get("weight_schedule", ()),
         )
+        self._mix = MixHistory.restored(state.get("mix_history"), int(state.get("step", 0)))
 
     def load_worker_states(
         self,
