@@ -16,8 +16,9 @@ from torchdata_ext.remote import write_bytes_atomic
 
 if TYPE_CHECKING:
     from torchdata_ext.audit.report import AuditReport
+    from torchdata_ext.audit.segments import MixSegments
 
-__all__ = ["HOLDERS", "format_table", "plot"]
+__all__ = ["HOLDERS", "format_segments", "format_table", "plot"]
 
 # where a piece in flight is held (the keys of DatasetAudit.in_flight_by_holder)
 HOLDERS = ("pipeline", "shuffle_buffer", "handed_back")
@@ -87,6 +88,9 @@ def format_table(report: AuditReport) -> str:
     )
     if report.mix_note:
         lines.append(report.mix_note)
+    mix = report.mix_segments
+    if mix is not None and (len(mix.segments) > 1 or mix.known_from > 1):
+        lines.extend(format_segments(mix))
     if report.changed_files:
         lines.append(
             f"CHANGED data files since the checkpoint ({len(report.changed_files)}): "
@@ -169,6 +173,39 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
     where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
     fig.suptitle(f"audit of {where}", fontsize="medium")
     return fig
+
+
+def format_segments(mix: MixSegments) -> list[str]:
+    """The per-segment table's lines (what the audit's text prints)."""
+    names = list(mix.segments[0].target) if mix.segments else []
+    head = ["steps", *(f"{n} target/achieved" for n in names), "tokens", "off (tokens)"]
+    rows = [head]
+    for seg in mix.segments:
+        cells = [f"{seg.start}-{seg.stop}"]
+        for n in names:
+            got = "?" if seg.achieved is None else f"{100 * seg.achieved[n]:.1f}%"
+            cells.append(f"{100 * seg.target[n]:.1f}% / {got}")
+        cells.append("?" if seg.total is None else f"{seg.total:,}")
+        cells.append("?" if seg.off_tokens is None else f"{seg.off_tokens:,}")
+        rows.append(cells)
+    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+    lines = ["mix per segment of the weight changes (by step):"]
+    for r in rows:
+        cells = [c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    if mix.known_from > 1:
+        lines.append(
+            f"per-segment history unknown before step {mix.known_from}: the run was restored "
+            "from a state saved before the loader counted it (or behind its step); '?' marks "
+            "what is not known"
+        )
+    bound = "" if mix.bound_tokens is None else f"; a segment's off <= {mix.bound_tokens:,}"
+    lines.append(
+        f"the mix may lag a change by up to {mix.lag_tokens:,} tokens (~{mix.lag_steps} "
+        f"step(s)): rows mixed before it (shuffle buffer, open row, the mix's run) per "
+        f"worker{bound} (the mix's bound plus the lag in and out; docs/pipeline.md)"
+    )
+    return lines
 
 
 def _pct(x: float | None) -> str:

@@ -44,12 +44,16 @@ def _add(a: Mapping[str, int] | None, b: Mapping[str, int] | None) -> dict[str, 
 
 def graph_totals(graphs: Iterable[Any]) -> dict[str, int] | None:
     """The tokens per dataset the worker graph states ``graphs`` (root states) counted,
-    summed; None when one has no count (a root other than ``Collate``, or a count stopped)."""
+    summed. A state without the key counts 0 (restored from a state saved before the counts
+    existed, and no batch since); None when none has the key (a root other than
+    ``Collate``) or a count stopped (None)."""
     total: dict[str, int] | None = {}
+    seen = False
     for g in graphs:
-        counted = g.get(DELIVERED_KEY) if isinstance(g, dict) else None
-        total = _add(total, counted)
-    return total
+        if isinstance(g, dict) and DELIVERED_KEY in g:
+            seen = True
+            total = _add(total, g[DELIVERED_KEY])
+    return total if seen else None
 
 
 @dataclasses.dataclass

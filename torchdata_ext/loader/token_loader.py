@@ -430,10 +430,14 @@ class TokenLoader:
         """At a weight change due at the next step, record the tokens per dataset delivered
         through this one (:mod:`~torchdata_ext.loader.mix_history`); not when the loaded
         state is behind the step (``skip_batches``: the counts would be of an earlier step)."""
-        if self._weights.due_at(self._step + 1) and not self._skip:
-            fresh = {DELIVERED_KEY: {}}  # a worker not started yet has delivered nothing
-            graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
-            self._mix.record(self._step + 1, graphs)
+        if not self._weights.due_at(self._step + 1):
+            return
+        if self._skip:  # the totals through this step are not known: nor what came before
+            self._mix.since = max(self._mix.since, self._step + 1)
+            return
+        fresh = {DELIVERED_KEY: {}}  # a worker not started yet has delivered nothing
+        graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
+        self._mix.record(self._step + 1, graphs)
 
     def adopt_mix_history(self, history: MixHistory) -> None:
         """Go on with ``history`` (a restore sets it after :meth:`load_worker_states`: the
