@@ -435,7 +435,9 @@ class TokenLoader:
         if self._skip:  # the totals through this step are not known: nor what came before
             self._mix.since = max(self._mix.since, self._step + 1)
             return
-        fresh = {DELIVERED_KEY: {}}  # a worker not started yet has delivered nothing
+        fresh: dict[str, Any] = {
+            DELIVERED_KEY: {}
+        }  # a worker not started yet has delivered nothing
         graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
         self._mix.record(self._step + 1, graphs)
 
