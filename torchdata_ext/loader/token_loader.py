@@ -688,7 +688,9 @@ class TokenLoader:
         "graph", "io"}}}``; ``step``: the batches this rank delivered in the whole run, across
         restores (the training loop's step when it counts from 1); ``skip_steps``: the step
         ranges whose data is skipped (``PipelineConfig.skip_steps``), ``skipped_documents``:
-        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far. Costs no copy: the graph
+        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far;
+        ``mix_history``: its tokens delivered per dataset at each weight change and now
+        (:mod:`torchdata_ext.loader.mix_history`). Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
         W = self.logical_workers
         if self.num_workers and self.snapshot_every_n_steps > 1:
