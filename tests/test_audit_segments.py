@@ -105,7 +105,12 @@ def test_per_segment_tokens_are_the_delivered_batches(cfg, tmp_path) -> None:
     assert f"  4-6          25.0% / {100 * mix.segments[1].achieved['web']:.1f}%" in text
     assert f"{total:,}" in text
     assert "the mix may lag a change by up to 658 tokens (~6 step(s))" in text
-    data = json.loads(report.to_json())["mix_segments"]
+    # the run's target: each segment's by its tokens (not the last weights, 75% / 25%)
+    counted = [sum(t.values()) for t in _expected(per_step, SEGMENTS)]
+    for d in report.datasets:
+        want = sum(c * t[d.name] for c, t in zip(counted, TARGETS, strict=True)) / sum(counted)
+        assert d.target_share == pytest.approx(want, abs=1e-12)
+        data = json.loads(report.to_json())["mix_segments"]
     assert [s["tokens"] for s in data["segments"]] == _expected(per_step, SEGMENTS)
     assert data["lag_tokens"] == 658
     # counted from the lag on (the old mix's rows delivered), a segment's tokens are within

@@ -95,7 +95,7 @@ from torchdata_ext.audit.consumption import (
     training_side,
 )
 from torchdata_ext.audit.mix_note import mix_note
-from torchdata_ext.audit.segments import MixSegments, mix_segments
+from torchdata_ext.audit.segments import MixSegments, mix_segments, run_targets
 from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
 from torchdata_ext.checkpoint.dcp_read import read_dcp_manifest, read_dcp_worker_states
 from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
@@ -148,7 +148,9 @@ class AuditReport:
             or what else moves shares); None when every share is closer.
         mix_segments: achieved vs target shares per segment of the weight changes
             (``weight_schedule``, ``set_weights``) and the lag bound
-            (:mod:`torchdata_ext.audit.segments`).
+            (:mod:`torchdata_ext.audit.segments`). With weight changes each dataset's
+            ``target_share`` is the segments' targets weighted by their tokens
+            (:func:`~torchdata_ext.audit.segments.run_targets`), not the last weights.
     """
 
     checkpoint: str
@@ -328,6 +330,10 @@ def audit_checkpoint(
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
     audits = _with_token_shares(_with_step_skips(audits, skipped, datasets, held))
     mixers = int(manifest["world_size"]) * max(1, int(manifest["num_workers"]))
+    segments = mix_segments(manifest, [metas[r] for r in sorted(metas)], cfg, lengths)
+    targets = run_targets(segments)  # with weight changes: the segments' targets by tokens
+    if targets is not None:
+        audits = [replace(a, target_share=targets.get(a.name, a.target_share)) for a in audits]
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
@@ -339,7 +345,7 @@ def audit_checkpoint(
         changed_files=changed,
         verified=verified,
         mix_note=mix_note(cfg, audits, lengths, mixers),
-        mix_segments=mix_segments(manifest, [metas[r] for r in sorted(metas)], cfg, lengths),
+        mix_segments=segments,
         _cursors=cursors,
         _storage_options=storage_options,
     )

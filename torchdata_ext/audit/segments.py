@@ -33,7 +33,7 @@ from torchdata_ext.audit.mix_note import mix_bound_tokens
 from torchdata_ext.pipeline.build import mix_cuts_rows, mix_quantum_tokens
 from torchdata_ext.pipeline.config import PipelineConfig
 
-__all__ = ["MixSegments", "SegmentShares", "lag_tokens", "mix_segments"]
+__all__ = ["MixSegments", "SegmentShares", "lag_tokens", "mix_segments", "run_targets"]
 
 
 @dataclass(frozen=True)
@@ -173,3 +173,17 @@ def mix_segments(
         lag_steps=math.ceil(lag / per_step),
         bound_tokens=None if mix is None else mix + 2 * lag,
     )
+
+
+def run_targets(mix: MixSegments) -> dict[str, float] | None:
+    """The whole run's target share per dataset under its weight changes: each segment's
+    target weighted by the segment's tokens (what the run's achieved share compares with).
+    None with one segment (the weights' own shares hold) or a segment not known."""
+    segs = mix.segments
+    if len(segs) < 2 or any(s.tokens is None for s in segs):
+        return None
+    total = sum(s.total or 0 for s in segs)
+    if not total:
+        return None
+    names = list(segs[0].target)
+    return {n: sum((s.total or 0) * s.target[n] for s in segs) / total for n in names}
