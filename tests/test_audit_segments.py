@@ -125,6 +125,29 @@ def test_per_segment_tokens_are_the_delivered_batches(cfg, tmp_path) -> None:
         assert off <= mix_bound_tokens(cfg, None, 2) + mix.lag_tokens
 
 
+def test_the_plot_has_a_panel_per_segment(cfg, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from torchdata_ext.audit.render import figure
+
+    per_step: dict = {}
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2)
+    _run(loader, 0, 14, per_step)
+    save_checkpoint(loader, str(tmp_path / "ckpt"))
+    loader.close()
+    report = audit_checkpoint(str(tmp_path / "ckpt"), cfg)
+    _, _, segments = figure(report, Figure).axes
+    legend = [t.get_text() for t in segments.get_legend().get_texts()]
+    assert legend == ["web target", "web achieved", "code target", "code achieved"]
+    assert [t.get_text() for t in segments.get_xticklabels()] == ["1-3", "4-6", "7-9", "10-14"]
+    lines = segments.get_lines()
+    assert list(lines[1].get_ydata()) == [
+        100 * s.achieved["web"] for s in report.mix_segments.segments
+    ]
+    assert list(lines[2].get_ydata()) == [100 * t["code"] for t in TARGETS]
+
+
 def test_per_segment_tokens_through_a_rescale(cfg, tmp_path) -> None:
     """Saved at 2 ranks x 2 workers after step 5, restored at 1 x 3, saved again at 14: the
     run's totals are carried by the new rank and the segments are the batches'."""

@@ -136,14 +136,19 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
     """The audit picture (a matplotlib ``figure_class`` instance): per dataset, left, the share of
     the current epoch's documents consumed (delivered, then in flight) with the counts written
     at each bar; right, its share of the tokens delivered so far next to its target share, with
-    the percentages (and the token count) written at each bar."""
+    the percentages (and the token count) written at each bar; with weight changes, a third
+    panel: per segment of the changes, each dataset's target (dashed) and achieved share."""
     names = [d.name for d in report.datasets]
     y = np.arange(len(names))
     seen = np.array([d.current.percent_documents for d in report.datasets])
     flight = np.array([100 * d.in_flight_documents / max(d.documents, 1) for d in report.datasets])
     flight = np.minimum(flight, seen)
-    fig = figure_class(figsize=(10, 1.8 + 0.6 * len(names)), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
+    mix = report.mix_segments
+    segments = mix is not None and len(mix.segments) > 1
+    width = 15 if segments else 10
+    fig = figure_class(figsize=(width, 1.8 + 0.6 * len(names)), layout="constrained")
+    axes = fig.subplots(1, 3 if segments else 2)
+    ax1, ax2 = axes[0], axes[1]
     ax1.barh(y, seen - flight, color="#3b75af", label="delivered")
     ax1.barh(y, flight, left=seen - flight, color="#f0a030", label="in flight")
     for k, d in enumerate(report.datasets):
@@ -170,6 +175,8 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
     ax2.invert_yaxis()
     ax2.set_xlabel("% of the tokens delivered so far (all datasets)")
     ax2.legend(fontsize="small", frameon=False, **below)
+    if segments and mix is not None:
+        _segments_axes(axes[2], mix, below)
     where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
     fig.suptitle(f"audit of {where}", fontsize="medium")
     return fig
@@ -206,6 +213,23 @@ def format_segments(mix: MixSegments) -> list[str]:
         f"worker{bound} (the mix's bound plus the lag in and out; docs/pipeline.md)"
     )
     return lines
+
+
+def _segments_axes(ax: Any, mix: MixSegments, below: dict[str, Any]) -> None:
+    """Per segment of the weight changes (x), each dataset's target share (dashed) and
+    achieved share (dots; none where not known), in %."""
+    x = np.arange(len(mix.segments))
+    for k, name in enumerate(mix.segments[0].target):
+        color = f"C{k}"
+        target = [100 * s.target[name] for s in mix.segments]
+        got = [np.nan if s.achieved is None else 100 * s.achieved[name] for s in mix.segments]
+        ax.plot(x, target, linestyle="--", drawstyle="steps-mid", color=color,
+                label=f"{name} target")  # fmt: skip
+        ax.plot(x, got, marker="o", linestyle="none", color=color, label=f"{name} achieved")
+    ax.set_xticks(x, [f"{s.start}-{s.stop}" for s in mix.segments])
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("segment of the weight changes (steps): % of its tokens")
+    ax.legend(fontsize="small", frameon=False, **{**below, "ncol": 2})
 
 
 def _pct(x: float | None) -> str:
