@@ -828,6 +828,7 @@ class TokenLoader:
             self._names = list(dataset_names)
         if weight_changes is not None:
             self.adopt_weight_changes(weight_changes, int(step), weight_schedule)
+        self._mix = MixHistory(since=int(step))  # until the caller adopts the saved one
         self._reset_live()
 
 

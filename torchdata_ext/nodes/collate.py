@@ -146,10 +146,9 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             self._delivered = None
             return
         rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
-        rows = rows[(rows[:, 0] >= 0) & (rows[:, 0] < len(self._delivered))]
-        self._delivered += np.bincount(
-            rows[:, 0], weights=rows[:, 4], minlength=len(self._delivered)
-        ).astype(np.int64)
+        ds = rows[:, 0]
+        keep = (ds >= 0) & (ds < len(self._delivered))  # document rows (specials: < 0)
+        np.add.at(self._delivered, ds[keep], rows[keep, 4])
 
     def next(self) -> dict[str, torch.Tensor]:
         items = self._take()
