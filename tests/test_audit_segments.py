@@ -79,6 +79,7 @@ def _check(report, per_step: dict) -> None:
     assert [(s.start, s.stop) for s in mix.segments] == SEGMENTS
     assert [s.tokens for s in mix.segments] == _expected(per_step, SEGMENTS)
     assert [s.target for s in mix.segments] == TARGETS
+    assert [s.source for s in mix.segments] == ["config", "schedule", "trainer", "schedule"]
     for seg in mix.segments:
         assert seg.achieved == {n: seg.tokens[n] / seg.total for n in NAMES}
         assert seg.off_tokens <= mix.bound_tokens
@@ -102,7 +103,14 @@ def test_per_segment_tokens_are_the_delivered_batches(cfg, tmp_path) -> None:
     text = report.format_table()
     assert "mix per segment of the weight changes (by step):" in text
     total = sum(mix.segments[1].tokens.values())
-    assert f"  4-6          25.0% / {100 * mix.segments[1].achieved['web']:.1f}%" in text
+    row = next(line for line in text.splitlines() if line.startswith("  4-6 "))
+    assert row.split()[:5] == [
+        "4-6",
+        "schedule",
+        "25.0%",
+        "/",
+        f"{100 * mix.segments[1].achieved['web']:.1f}%",
+    ]
     assert f"{total:,}" in text
     assert "the mix may lag a change by up to 658 tokens (~6 step(s))" in text
     # the run's target: each segment's by its tokens (not the last weights, 75% / 25%)
@@ -210,7 +218,7 @@ def test_a_state_saved_before_the_counts_says_unknown(cfg, tmp_path) -> None:
     text = report.format_table()
     assert "per-segment history unknown before step 9" in text
     first = next(line for line in text.splitlines() if line.startswith("  1-3 "))
-    assert first.split() == ["1-3", "50.0%", "/", "?", "50.0%", "/", "?", "?", "?"]
+    assert first.split() == ["1-3", "config", "50.0%", "/", "?", "50.0%", "/", "?", "?", "?"]
 
 
 def test_lag_tokens_adds_the_longest_document_when_documents_stay_whole(cfg) -> None:

@@ -87,6 +87,8 @@ CHANGES: dict[str, list[Any]] = {
     "max_documents": [60],
     "max_dropped_documents": [7],
     "weight_schedule": [{3: {"web": 1.0, "code": 2.0}}],
+    "weight_schedule_unit": ["tokens"],
+    "weight_schedule_ramp_every": [2],
 }
 
 # fields whose change at a restore is meant to change what is delivered, each with the test

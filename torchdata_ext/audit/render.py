@@ -185,10 +185,10 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
 def format_segments(mix: MixSegments) -> list[str]:
     """The per-segment table's lines (what the audit's text prints)."""
     names = list(mix.segments[0].target) if mix.segments else []
-    head = ["steps", *(f"{n} target/achieved" for n in names), "tokens", "off (tokens)"]
+    head = ["steps", "set by", *(f"{n} target/achieved" for n in names), "tokens", "off (tokens)"]
     rows = [head]
     for seg in mix.segments:
-        cells = [f"{seg.start}-{seg.stop}"]
+        cells = [f"{seg.start}-{seg.stop}", seg.source]
         for n in names:
             got = "?" if seg.achieved is None else f"{100 * seg.achieved[n]:.1f}%"
             cells.append(f"{100 * seg.target[n]:.1f}% / {got}")

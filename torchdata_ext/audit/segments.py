@@ -3,7 +3,9 @@ and the trainer's ``set_weights`` calls, by step), and how far the delivered mix
 change (issue 31 item 5).
 
 A segment runs from one change's step to the step before the next one (the first from step
-1, the last to the checkpoint's step). Its tokens per dataset come from the history one
+1, the last to the checkpoint's step); the changes are
+:meth:`~torchdata_ext.loader.weights.WeightChanges.points` (a token-keyed schedule's points at
+the steps the run's global batch put them, a ramp's stairs). Its tokens per dataset come from the history one
 checkpoint carries (:mod:`torchdata_ext.loader.mix_history`): every rank's totals at each
 change and at the save, summed over ranks. A history that does not reach back (a checkpoint
 chain that started from a state saved before the counts existed) leaves the segments before
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.audit.mix_note import mix_bound_tokens
+from torchdata_ext.loader.weights import WeightChanges
 from torchdata_ext.pipeline.build import mix_cuts_rows, mix_quantum_tokens
 from torchdata_ext.pipeline.config import PipelineConfig
 
@@ -43,6 +46,8 @@ class SegmentShares:
     Attributes:
         start: its first step (1-based, as ``TokenLoader.state_dict()['step']``).
         stop: its last step (the step before the next change, or the checkpoint's step).
+        source: what set its weights: ``"config"`` (the config's ``weights``), ``"schedule"``
+            (its ``weight_schedule``, a ramp's stair too) or ``"trainer"`` (``set_weights``).
         target: per dataset, its weight over the sum of the weights in force.
         achieved: per dataset, its share of the document tokens delivered in the segment
             (None: not known, see the module docstring).
@@ -51,6 +56,7 @@ class SegmentShares:
 
     start: int
     stop: int
+    source: str
     target: dict[str, float]
     achieved: dict[str, float] | None
     tokens: dict[str, int] | None
@@ -127,10 +133,11 @@ def mix_segments(
     histories = [m.get("mix_history") for m in rank_metas]
     known = all(h and h.get("delivered") is not None for h in histories)
     since = max((int(h["since"]) for h in histories if h), default=step) if known else step
-    points: list[tuple[int, Mapping[str, float]]] = [(1, cfg.dataset_weights)]
-    for s, w in manifest.get("weight_changes", []):
+    points: list[tuple[int, Mapping[str, float], str]] = [(1, cfg.dataset_weights, "config")]
+    # the trainer's and the schedule's changes by step (the trainer's last at a tie: it applies)
+    for s, w, source in WeightChanges.of_state(manifest, None).points():
         if int(s) <= step:
-            points = [p for p in points if p[0] != int(s)] + [(int(s), w)]
+            points = [p for p in points if p[0] != int(s)] + [(int(s), w, source)]
     points.sort(key=lambda p: p[0])
 
     def through(s: int) -> dict[str, int] | None:  # the run's totals through step s - 1
@@ -143,7 +150,7 @@ def mix_segments(
 
     end = _summed([h["delivered"] for h in histories if h], names) if known else None
     segments = []
-    for k, (start, weights) in enumerate(points):
+    for k, (start, weights, source) in enumerate(points):
         last = points[k + 1][0] - 1 if k + 1 < len(points) else step
         a, b = through(start), (through(points[k + 1][0]) if k + 1 < len(points) else end)
         tokens = None if a is None or b is None else {n: b[n] - a[n] for n in names}
@@ -153,6 +160,7 @@ def mix_segments(
             SegmentShares(
                 start=start,
                 stop=last,
+                source=source,
                 target={n: float(weights[n]) / total_w for n in names},
                 achieved=None
                 if tokens is None

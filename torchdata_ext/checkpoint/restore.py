@@ -433,13 +433,17 @@ _config_by_loader: weakref.WeakKeyDictionary[
 def loader_config(loader: TokenLoader) -> tuple[dict[str, DatasetIndex], dict[str, Any]]:
     """The datasets ``loader``'s pipeline reads, by name, and its summary as configured (see
     :func:`_configured`): found once per loader (building its graph lists the data, a request
-    per folder on an object store), not at every checkpoint. Its build function is fixed, so
-    they do not change."""
+    per folder on an object store), not at every checkpoint. Only the weights change during
+    a run (``set_weights``, ``weight_schedule``): the summary gives the weights in force."""
     found = _config_by_loader.get(loader)
     if found is None:
         root, summary = _configured(loader)
         found = _config_by_loader[loader] = (_datasets_of(root), summary)
-    return found
+    cfg = loader.built_config()
+    if cfg is None or not loader.weight_points():
+        return found
+    now = cfg.dataset_weights
+    return found[0], {n: {**s, "weight": now.get(n, s["weight"])} for n, s in found[1].items()}
 
 
 def loader_datasets(loader: TokenLoader) -> dict[str, DatasetIndex]:

@@ -33,6 +33,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
 from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest
 from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.loader.weights import WeightChanges
 from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
@@ -128,14 +129,20 @@ def replay_rank(
     output dict (``input_ids``, ``labels`` with shift, ``provenance``, ...), and the dataset
     names its provenance ids index as ``rows[i]["_names"]``. Stops at the end of the run."""
     R, W, r = int(state["world_size"]), int(state["num_workers"]), int(state["rank"])
+    # the weights in force at each step: the run's set_weights calls and weight_schedule
+    weights = WeightChanges.of_state(state, functools.partial(build_pipeline, cfg))
+    step = int(state.get("step", 0)) - int(state["skip_batches"])
     roots: dict[int, BaseNode] = {}
     packs: dict[int, Pack] = {}
-    for w in range(W):
-        root = build_pipeline(cfg, World(r, R, w, W), collate=False)
+
+    def start(w: int, graph: Any) -> None:  # worker w's graph for step + 1, from ``graph``
+        root = weights.build_for(step + 1)(World(r, R, w, W), collate=False)
         packs[w] = _pack(root)  # found before a restore fills the buffers
-        root.reset(state["workers"][str(r * W + w)]["graph"][Collate.SOURCE_KEY])
+        root.reset(graph)
         roots[w] = root
-    step = int(state.get("step", 0)) - int(state["skip_batches"])
+
+    for w in range(W):
+        start(w, state["workers"][str(r * W + w)]["graph"][Collate.SOURCE_KEY])
     skips = {int(a): int(b) - int(a) for a, b in state.get("skip_steps", [])}
     live, w, dropping = list(range(W)), int(state["next_worker"]) % W, 0
     while live and step < steps.stop - 1:
@@ -159,6 +166,9 @@ def replay_rank(
                 for row in rows:
                     row["_names"] = names
                 yield step, w, rows
+            if weights.due_at(step + 1):  # the loader restarts its workers with the new weights
+                for v in live:
+                    start(v, roots[v].state_dict())
         w = (w + 1) % W
 
 

@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 878 lines: the worker side (the messages and their iterator) and the loader side
+This module is 901 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -41,7 +41,12 @@ from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.ring import TokenRing
-from torchdata_ext.loader.weights import WeightChanges, check_weights, is_pipeline_config
+from torchdata_ext.loader.weights import (
+    ScheduleRecord,
+    WeightChanges,
+    check_weights,
+    is_pipeline_config,
+)
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -349,9 +354,10 @@ class TokenLoader:
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
         cfg = self.built_config()  # a weight_schedule's entries are changes the loader makes
-        self._schedule: list[list[Any]] = list(getattr(cfg, "weight_schedule", None) or [])
-        for at, weights in self._schedule:
-            self._weights.add(at, weights)
+        self._schedule = (
+            ScheduleRecord() if cfg is None else ScheduleRecord.of_config(cfg, self.world_size)
+        )
+        self._weights.scheduled = self._schedule.changes()
         self._restarted = 0  # the step whose weight change the running workers were built with
         self._reset_live()
 
@@ -435,9 +441,7 @@ class TokenLoader:
         if self._skip:  # the totals through this step are not known: nor what came before
             self._mix.since = max(self._mix.since, self._step + 1)
             return
-        fresh: dict[str, Any] = {
-            DELIVERED_KEY: {}
-        }  # a worker not started yet has delivered nothing
+        fresh: dict[str, Any] = {DELIVERED_KEY: {}}  # a worker not started: delivered nothing
         graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
         self._mix.record(self._step + 1, graphs)
 
@@ -445,6 +449,14 @@ class TokenLoader:
         """Go on with ``history`` (a restore sets it after :meth:`load_worker_states`: the
         saved one on the same topology, :meth:`MixHistory.rescaled` at a rescale)."""
         self._mix = history
+
+    def weight_points(self) -> list[list[Any]]:
+        """Every weight change of the run in step order, ``[step, {name: weight}, source]``
+        with ``source`` ``"schedule"`` (the config's ``weight_schedule``, token points at the
+        steps this run's global batch puts them, ramps as their stairs) or ``"trainer"``
+        (:meth:`set_weights`); at one step the trainer's applies. Before the first: the
+        config's ``weights``."""
+        return self._weights.points()
 
     def earliest_weight_step(self) -> int:
         """The earliest step :meth:`set_weights` can change the mix from: the next batch the
@@ -500,23 +512,30 @@ class TokenLoader:
         return step
 
     def adopt_weight_changes(
-        self, changes: Sequence[Sequence[Any]], step: int, schedule: Sequence[Sequence[Any]] = ()
+        self, changes: Sequence[Sequence[Any]], step: int, schedule: Any = ()
     ) -> None:
         """Take the weight changes recorded in a state saved at ``step`` (batches delivered):
         the graphs are built with the weights in force at batch ``step + 1``, and the changes
         after it are made when the run reaches them. ``schedule``: the config's
-        ``weight_schedule`` recorded with them.
+        ``weight_schedule`` recorded with them (:class:`ScheduleRecord`, or the list of
+        ``[step, weights]`` of earlier versions); its token points not yet passed move to
+        the steps of this loader's global batch.
 
         Raises:
             ValueError: this loader's config has another ``weight_schedule``.
         """
-        saved = WeightChanges.checked(schedule, "the loader state")
-        if saved != self._schedule:
+        saved = ScheduleRecord.of_state(schedule, "the loader state")
+        if not saved.same_schedule(self._schedule):
             raise ValueError(
-                f"weight_schedule differs: the checkpoint was taken with {saved}, this config "
-                f"has {self._schedule}; restore with the checkpoint's weight_schedule (a change "
-                "at a later step: set_weights), or start a new run"
+                f"weight_schedule differs: the checkpoint was taken with {saved.describe()}, "
+                f"this config has {self._schedule.describe()}; restore with the checkpoint's "
+                "weight_schedule (a change at a later step: set_weights), or start a new run"
             )
+        per_step = self._schedule.step_tokens[-1][1] if self._schedule.step_tokens else 0
+        if saved.step_tokens and per_step:
+            self._schedule.step_tokens = saved.step_tokens
+            self._schedule.resumed_at(int(step), per_step)
+        self._weights.scheduled = self._schedule.changes()
         self._weights.changes = WeightChanges.checked(changes, "the loader state")
         self.build = self._weights.build_for(int(step) + 1)
         self._restarted = int(step) + 1
@@ -599,6 +618,8 @@ class TokenLoader:
                 if self._skipping(d.item):
                     continue
                 self._step += 1
+                if self._restart_due():  # a checkpoint saved now records the next weights
+                    self.build = self._weights.build_for(self._step + 1)
                 yield d.item
                 if self._restart_due():
                     break
@@ -721,7 +742,7 @@ class TokenLoader:
             "skip_steps": [list(r) for r in self._skip_steps],
             "skipped_documents": list(self._skipped),
             "weight_changes": [list(c) for c in self._weights.changes],
-            "weight_schedule": [list(c) for c in self._schedule],
+            "weight_schedule": self._schedule.as_state(),
             "mix_history": self._mix.state(
                 (s["graph"] for s in workers.values()), self._step - skip
             ),
@@ -791,7 +812,7 @@ class TokenLoader:
         skipped_documents: Sequence[Sequence[Any]] = (),
         dataset_names: Sequence[str] = (),
         weight_changes: Sequence[Sequence[Any]] | None = None,
-        weight_schedule: Sequence[Sequence[Any]] = (),
+        weight_schedule: Any = (),
     ) -> None:
         """Start each logical worker (0 .. W-1) of this rank from the given graph state; the
         first ``skip_batches`` batches are produced again and dropped (see ``state_dict``);

@@ -9,7 +9,7 @@ Its checks (special ids, eval split, transforms, budgets) each need the other fi
 per-feature rules live apart (``curriculum.py``, ``transforms.py``, ``split.py``,
 ``prepared_meta.py``). :mod:`torchdata_ext.pipeline.build` builds the graph from it.
 
-This module is 612 lines: the dataclass's field documentation and the restore contract table
+This module is 620 lines: the dataclass's field documentation and the restore contract table
 (``RESTORE_CONTRACT``, one entry per field) are most of it; new logic goes in its own module.
 """
 
@@ -94,6 +94,8 @@ RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     "max_documents": ("must_match", "the saved shares are of the budget saved"),
     "max_dropped_documents": ("may_change", "only when an endless stream gives up"),
     "weight_schedule": ("must_match", "recorded with the loader state, refused by name"),
+    "weight_schedule_unit": ("must_match", "recorded with the schedule, refused by name"),
+    "weight_schedule_ramp_every": ("must_match", "recorded with the schedule, refused by name"),
     "skip_steps": (
         "may_change",
         "a range is applied when the run reaches its first step (fresh or restored) and "
@@ -237,7 +239,11 @@ class PipelineConfig:
             restores, rescales and ``show_batches`` know it); a range starting at or before
             the checkpoint's step is refused. See ``docs/forensics.md``.
         weight_schedule: ``{step: weights}``: the weights from that training step on
-            (piecewise constant; must match at a restore), see :mod:`~torchdata_ext.pipeline.schedule`.
+            (must match at a restore), see :mod:`~torchdata_ext.pipeline.schedule`.
+        weight_schedule_unit: what the schedule's keys count: ``"steps"`` or ``"tokens"``
+            (global: ``world_size x batch_size x seq_length`` a step).
+        weight_schedule_ramp_every: 0: piecewise constant; N: linear between the points, in
+            stairs of N steps (each a restart of the workers).
     """
 
     data_path: str = ""
@@ -282,6 +288,8 @@ class PipelineConfig:
     max_dropped_documents: int | None = DEFAULT_MAX_DROPPED
     skip_steps: list[list[int]] = field(default_factory=list)
     weight_schedule: Any = field(default_factory=dict)
+    weight_schedule_unit: Literal["steps", "tokens"] = "steps"
+    weight_schedule_ramp_every: int = 0
 
     def __post_init__(self) -> None:
         self._check_shapes()

@@ -1,10 +1,16 @@
-"""``PipelineConfig.weight_schedule``: the datasets' weights as a function of the training step.
+"""``PipelineConfig.weight_schedule``: the datasets' weights as a function of training progress.
 
 ``weight_schedule: {20000: "1,1", 25000: {"web": 1, "code": 3}}`` means: the config's
 ``weights`` up to step 19,999, 1:1 from step 20,000, 1:3 from step 25,000 (steps of the
 training loop, counted from 1 as the loader's ``step``, the same on every topology: a step is
-one batch on every rank). Piecewise constant; a ramp is a few entries. Each entry is a change
-the loader makes itself at that step, exactly as a trainer's
+one batch on every rank; key 0 is the start). With ``weight_schedule_unit="tokens"`` the keys
+are global tokens (``{0: "3,1", 2e9: "1,1", 2.5e9: "1,3"}``): a point applies from the first
+step whose batch starts at or after it, a step being ``world_size x batch_size x seq_length``
+tokens (the run's history of that figure is recorded, so a restore with another global batch
+keeps the points already passed where they were). Piecewise constant, or with
+``weight_schedule_ramp_every=N`` linear between points: the shares (weights over their sum)
+move from one point's to the next's in stairs of ``N`` steps. Each entry (each stair) is a
+change the loader makes itself at that step, exactly as a trainer's
 :meth:`~torchdata_ext.loader.token_loader.TokenLoader.set_weights` call (see
 :mod:`torchdata_ext.loader.weights`: the workers restart from the exact state after the step
 before, so the change lands at its step; the rows already buffered are delivered as they were
@@ -19,7 +25,15 @@ from typing import Any
 
 from torchdata_ext.checks import split_list
 
-__all__ = ["checked_weights", "refuse_weight_changes", "schedule_of", "weight_schedule"]
+__all__ = [
+    "SCHEDULE_UNITS",
+    "checked_weights",
+    "refuse_weight_changes",
+    "schedule_of",
+    "weight_schedule",
+]
+
+SCHEDULE_UNITS = ("steps", "tokens")
 
 
 def checked_weights(value: Any, names: Sequence[str], where: str) -> dict[str, float]:
@@ -81,13 +95,16 @@ def refuse_weight_changes(cfg: Any, what: str) -> None:
         )
 
 
-def weight_schedule(value: Any, names: Sequence[str]) -> list[list[Any]]:
-    """``value`` (``{step: weights}``, or the ``[[step, {name: weight}], ...]`` it becomes)
-    checked against the datasets ``names``: sorted by step, each step an integer >= 1.
+def weight_schedule(value: Any, names: Sequence[str], unit: str = "steps") -> list[list[Any]]:
+    """``value`` (``{at: weights}``, or the ``[[at, {name: weight}], ...]`` it becomes) checked
+    against the datasets ``names``: sorted, each ``at`` an integer >= 0 (a training step for
+    ``unit="steps"``, a global token count for ``unit="tokens"``: ``2e9`` and ``"2.5e9"`` are
+    read as numbers).
 
     Raises:
-        TypeError: ``value`` is neither a mapping nor a list of ``[step, weights]`` pairs.
-        ValueError: a step < 1 or not an integer, or weights that do not fit the datasets.
+        TypeError: ``value`` is neither a mapping nor a list of ``[at, weights]`` pairs.
+        ValueError: a key < 0 or not a whole number, twice the same key, or weights that do
+            not fit the datasets.
     """
     if value is None:
         return []
@@ -96,36 +113,68 @@ def weight_schedule(value: Any, names: Sequence[str]) -> list[list[Any]]:
     elif isinstance(value, Sequence) and not isinstance(value, str):
         pairs = [tuple(p) for p in value]
         if any(len(p) != 2 for p in pairs):
-            raise TypeError(f"weight_schedule={value!r}: give a mapping step -> weights")
+            raise TypeError(f"weight_schedule={value!r}: give a mapping {unit} -> weights")
     else:
         raise TypeError(
-            f'weight_schedule={value!r}: give a mapping step -> weights, e.g. {{20000: "1,1"}}'
+            f'weight_schedule={value!r}: give a mapping {unit} -> weights, e.g. {{20000: "1,1"}}'
         )
+    what = (
+        "a training step (the step the weights apply from)"
+        if unit == "steps"
+        else ("a global token count (the weights apply from the first step starting there)")
+    )
     out: list[list[Any]] = []
-    for step, weights in pairs:
-        s = int(step) if isinstance(step, str) and step.strip().isdigit() else step
-        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+    for key, weights in pairs:
+        at = _whole_number(key)
+        if at is None or at < 0:
             raise ValueError(
-                f"weight_schedule: step {step!r} must be an integer >= 1 (the training step "
-                "the weights apply from)"
+                f"weight_schedule: key {key!r} must be a whole number >= 0: {what} "
+                f"(weight_schedule_unit={unit!r})"
             )
-        out.append([s, checked_weights(weights, names, f"weight_schedule[{s}]")])
+        out.append([at, checked_weights(weights, names, f"weight_schedule[{key!r}]")])
     out.sort(key=lambda p: p[0])
     for a, b in zip(out, out[1:]):
         if a[0] == b[0]:
-            raise ValueError(f"weight_schedule: step {a[0]} is given twice")
+            raise ValueError(f"weight_schedule: {unit} {a[0]} is given twice")
     return out
 
 
+def _whole_number(key: Any) -> int | None:
+    """``key`` as a whole number (an int, a float such as 2e9, or a string of either)."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, str):
+        try:
+            key = float(key.strip().replace("_", ""))
+        except ValueError:
+            return None
+    if isinstance(key, float):
+        return int(key) if key == key and key != float("inf") and key.is_integer() else None
+    return key if isinstance(key, int) else None
+
+
 def schedule_of(cfg: Any) -> list[list[Any]]:
-    """``cfg.weight_schedule`` checked (see :func:`weight_schedule`), and refused with the
-    settings a change of weights cannot be exact with.
+    """``cfg.weight_schedule`` checked (see :func:`weight_schedule`) with its unit and ramp,
+    and refused with the settings a change of weights cannot be exact with.
 
     Raises:
-        ValueError: as :func:`weight_schedule`, or a schedule with ``phases`` (each phase has
-            its own weights) or ``pack_mode="best_fit"`` (its window replays several blocks).
+        ValueError: as :func:`weight_schedule`, an unknown ``weight_schedule_unit``, a
+            ``weight_schedule_ramp_every`` that is not an integer >= 0, or a schedule with
+            ``phases`` (each phase has its own weights) or ``pack_mode="best_fit"`` (its window
+            replays several blocks).
     """
-    out = weight_schedule(cfg.weight_schedule, list(cfg.dataset_weights))
+    unit, ramp = cfg.weight_schedule_unit, cfg.weight_schedule_ramp_every
+    if unit not in SCHEDULE_UNITS:
+        raise ValueError(
+            f"weight_schedule_unit={unit!r} must be one of {list(SCHEDULE_UNITS)} (what the "
+            "weight_schedule's keys count)"
+        )
+    if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp < 0:
+        raise ValueError(
+            f"weight_schedule_ramp_every={ramp!r} must be an integer >= 0 (0: piecewise "
+            "constant; N: linear between the points, a change every N steps)"
+        )
+    out = weight_schedule(cfg.weight_schedule, list(cfg.dataset_weights), unit)
     if out:
         refuse_weight_changes(cfg, "weight_schedule")
     return out
