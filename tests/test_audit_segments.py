@@ -6,6 +6,7 @@ existed cannot tell."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import warnings
@@ -225,3 +226,23 @@ def test_lag_tokens_adds_the_longest_document_when_documents_stay_whole(cfg) -> 
     whole = PipelineConfig(**{**cfg.__dict__, "pack_mode": "pad"})  # no row cuts
     assert lag_tokens(whole, 3, 100) == 3 * (32 + 100 + 9 * 33)
     assert lag_tokens(cfg, 3, 100) == 3 * (32 + 9 * 33)
+
+
+def test_a_token_keyed_schedule_has_its_segments_at_the_steps_its_points_fell_on(
+    cfg, tmp_path
+) -> None:
+    """Points at global tokens 512 and 1,280 (4 x 32 = 128 tokens a step): steps 5 and 11."""
+    by_tokens = dataclasses.replace(
+        cfg, weight_schedule={512: "1,3", 1280: "3,1"}, weight_schedule_unit="tokens"
+    )
+    per_step: dict = {}
+    loader = TokenLoader(functools.partial(build_pipeline, by_tokens), num_workers=2)
+    _run(loader, 0, 14, per_step)
+    save_checkpoint(loader, str(tmp_path / "ckpt"))
+    loader.close()
+    mix = audit_checkpoint(str(tmp_path / "ckpt"), by_tokens).mix_segments
+    bounds = [(1, 4), (5, 6), (7, 10), (11, 14)]
+    assert [(s.start, s.stop) for s in mix.segments] == bounds
+    assert [s.source for s in mix.segments] == ["config", "schedule", "trainer", "schedule"]
+    assert [s.tokens for s in mix.segments] == _expected(per_step, bounds)
+    assert [s.target for s in mix.segments] == TARGETS
