@@ -18,12 +18,22 @@ from torchdata_ext.audit.consumption import DatasetAudit
 from torchdata_ext.pipeline.build import mix_cuts_rows, mix_quantum_tokens
 from torchdata_ext.pipeline.config import PipelineConfig
 
-__all__ = ["FAR_OFF", "mix_note"]
+__all__ = ["FAR_OFF", "mix_bound_tokens", "mix_note"]
 
 
 FAR_OFF = 0.05
 """How far (share of all tokens) a dataset's token share may be from its target before the
 audit says why (:func:`mix_note`)."""
+
+
+def mix_bound_tokens(cfg: PipelineConfig, longest: int | None, workers: int) -> int | None:
+    """How many tokens (all ``workers``: ranks x workers) the mix may run past a dataset's
+    share: per worker ``mix_quantum_tokens`` plus two rows when it switches datasets at row
+    ends, else plus the longest document ``longest`` (None: unknown, then None)."""
+    quantum = mix_quantum_tokens(cfg)
+    if mix_cuts_rows(cfg):
+        return workers * (quantum + 2 * (cfg.seq_length + int(cfg.shift)))
+    return None if longest is None else workers * (quantum + longest)
 
 
 def mix_note(
@@ -74,8 +84,8 @@ def mix_note(
             "+ its longest document (text: length unknown) past a share, as documents are never "
             "split between datasets; the gap closes as delivery goes on (docs/pipeline.md)"
         )
-    bound = workers * (quantum + longest)
-    if gap * total <= bound:
+    bound = mix_bound_tokens(cfg, longest, workers)
+    if bound is not None and gap * total <= bound:
         return (
             f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
             f"+ its longest document ({longest:,} tokens) past a share, as documents are never "
@@ -94,8 +104,8 @@ def _row_cut_note(
 ) -> str:
     """The note when the mix switches datasets at row ends (``off``: the gap in tokens)."""
     rows = 2 * (cfg.seq_length + int(cfg.shift))
-    bound = workers * (quantum + rows)
-    if off <= bound:
+    bound = mix_bound_tokens(cfg, None, workers)
+    if bound is not None and off <= bound:
         return (
             f"{head}: each of the {workers} worker(s) may run mix_quantum_tokens ({quantum:,}) "
             f"+ two rows ({rows:,} tokens) past a share, as it switches datasets at row ends "

@@ -16,8 +16,9 @@ from torchdata_ext.remote import write_bytes_atomic
 
 if TYPE_CHECKING:
     from torchdata_ext.audit.report import AuditReport
+    from torchdata_ext.audit.segments import MixSegments
 
-__all__ = ["HOLDERS", "format_table", "plot"]
+__all__ = ["HOLDERS", "format_segments", "format_table", "plot"]
 
 # where a piece in flight is held (the keys of DatasetAudit.in_flight_by_holder)
 HOLDERS = ("pipeline", "shuffle_buffer", "handed_back")
@@ -87,6 +88,9 @@ def format_table(report: AuditReport) -> str:
     )
     if report.mix_note:
         lines.append(report.mix_note)
+    mix = report.mix_segments
+    if mix is not None and (len(mix.segments) > 1 or mix.known_from > 1):
+        lines.extend(format_segments(mix))
     if report.changed_files:
         lines.append(
             f"CHANGED data files since the checkpoint ({len(report.changed_files)}): "
@@ -132,14 +136,19 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
     """The audit picture (a matplotlib ``figure_class`` instance): per dataset, left, the share of
     the current epoch's documents consumed (delivered, then in flight) with the counts written
     at each bar; right, its share of the tokens delivered so far next to its target share, with
-    the percentages (and the token count) written at each bar."""
+    the percentages (and the token count) written at each bar; with weight changes, a third
+    panel: per segment of the changes, each dataset's target (dashed) and achieved share."""
     names = [d.name for d in report.datasets]
     y = np.arange(len(names))
     seen = np.array([d.current.percent_documents for d in report.datasets])
     flight = np.array([100 * d.in_flight_documents / max(d.documents, 1) for d in report.datasets])
     flight = np.minimum(flight, seen)
-    fig = figure_class(figsize=(10, 1.8 + 0.6 * len(names)), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2)
+    mix = report.mix_segments
+    segments = mix is not None and len(mix.segments) > 1
+    width = 15 if segments else 10
+    fig = figure_class(figsize=(width, 1.8 + 0.6 * len(names)), layout="constrained")
+    axes = fig.subplots(1, 3 if segments else 2)
+    ax1, ax2 = axes[0], axes[1]
     ax1.barh(y, seen - flight, color="#3b75af", label="delivered")
     ax1.barh(y, flight, left=seen - flight, color="#f0a030", label="in flight")
     for k, d in enumerate(report.datasets):
@@ -166,9 +175,61 @@ def figure(report: AuditReport, figure_class: Any) -> Any:
     ax2.invert_yaxis()
     ax2.set_xlabel("% of the tokens delivered so far (all datasets)")
     ax2.legend(fontsize="small", frameon=False, **below)
+    if segments and mix is not None:
+        _segments_axes(axes[2], mix, below)
     where = "/".join(report.checkpoint.rstrip("/").split("/")[-2:])
     fig.suptitle(f"audit of {where}", fontsize="medium")
     return fig
+
+
+def format_segments(mix: MixSegments) -> list[str]:
+    """The per-segment table's lines (what the audit's text prints)."""
+    names = list(mix.segments[0].target) if mix.segments else []
+    head = ["steps", "set by", *(f"{n} target/achieved" for n in names), "tokens", "off (tokens)"]
+    rows = [head]
+    for seg in mix.segments:
+        cells = [f"{seg.start}-{seg.stop}", seg.source]
+        for n in names:
+            got = "?" if seg.achieved is None else f"{100 * seg.achieved[n]:.1f}%"
+            cells.append(f"{100 * seg.target[n]:.1f}% / {got}")
+        cells.append("?" if seg.total is None else f"{seg.total:,}")
+        cells.append("?" if seg.off_tokens is None else f"{seg.off_tokens:,}")
+        rows.append(cells)
+    widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+    lines = ["mix per segment of the weight changes (by step):"]
+    for r in rows:
+        cells = [c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    if mix.known_from > 1:
+        lines.append(
+            f"per-segment history unknown before step {mix.known_from}: the run was restored "
+            "from a state saved before the loader counted it (or behind its step); '?' marks "
+            "what is not known"
+        )
+    bound = "" if mix.bound_tokens is None else f"; a segment's off <= {mix.bound_tokens:,}"
+    lines.append(
+        f"the mix may lag a change by up to {mix.lag_tokens:,} tokens (~{mix.lag_steps} "
+        f"step(s)): rows mixed before it (shuffle buffer, open row, the mix's run) per "
+        f"worker{bound} (the mix's bound plus the lag in and out; docs/pipeline.md)"
+    )
+    return lines
+
+
+def _segments_axes(ax: Any, mix: MixSegments, below: dict[str, Any]) -> None:
+    """Per segment of the weight changes (x), each dataset's target share (dashed) and
+    achieved share (dots; none where not known), in %."""
+    x = np.arange(len(mix.segments))
+    for k, name in enumerate(mix.segments[0].target):
+        color = f"C{k}"
+        target = [100 * s.target[name] for s in mix.segments]
+        got = [np.nan if s.achieved is None else 100 * s.achieved[name] for s in mix.segments]
+        ax.plot(x, target, linestyle="--", drawstyle="steps-mid", color=color,
+                label=f"{name} target")  # fmt: skip
+        ax.plot(x, got, marker="o", linestyle="none", color=color, label=f"{name} achieved")
+    ax.set_xticks(x, [f"{s.start}-{s.stop}" for s in mix.segments])
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("segment of the weight changes (steps): % of its tokens")
+    ax.legend(fontsize="small", frameon=False, **{**below, "ncol": 2})
 
 
 def _pct(x: float | None) -> str:

@@ -95,6 +95,7 @@ from torchdata_ext.audit.consumption import (
     training_side,
 )
 from torchdata_ext.audit.mix_note import mix_note
+from torchdata_ext.audit.segments import MixSegments, mix_segments, run_targets
 from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
 from torchdata_ext.checkpoint.dcp_read import read_dcp_manifest, read_dcp_worker_states
 from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
@@ -145,6 +146,11 @@ class AuditReport:
         mix_note: one line when a dataset's token share is 5 points or more off its target:
             which dataset, and why (the mix's quantum and the longest document, per worker;
             or what else moves shares); None when every share is closer.
+        mix_segments: achieved vs target shares per segment of the weight changes
+            (``weight_schedule``, ``set_weights``) and the lag bound
+            (:mod:`torchdata_ext.audit.segments`). With weight changes each dataset's
+            ``target_share`` is the segments' targets weighted by their tokens
+            (:func:`~torchdata_ext.audit.segments.run_targets`), not the last weights.
     """
 
     checkpoint: str
@@ -157,6 +163,7 @@ class AuditReport:
     changed_files: list[str] | None = None
     verified: str | None = None
     mix_note: str | None = None
+    mix_segments: MixSegments | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
     _storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -316,10 +323,17 @@ def audit_checkpoint(
     lengths = {name: ix.doc_lengths() if tokens else None for name, ix in datasets.items()}
     held = {name: Held(ix, lengths[name]) for name, ix in datasets.items()}
     skipped: list[list[Any]] = []
-    live, lagging = _read_workers(workers, cfg, datasets, held, replay=replay, skipped=skipped)
+    metas: dict[int, dict[str, Any]] = {}
+    live, lagging = _read_workers(
+        workers, cfg, datasets, held, replay=replay, skipped=skipped, metas=metas
+    )
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
     audits = _with_token_shares(_with_step_skips(audits, skipped, datasets, held))
     mixers = int(manifest["world_size"]) * max(1, int(manifest["num_workers"]))
+    segments = mix_segments(manifest, [metas[r] for r in sorted(metas)], cfg, lengths)
+    targets = run_targets(segments)  # with weight changes: the segments' targets by tokens
+    if targets is not None:
+        audits = [replace(a, target_share=targets.get(a.name, a.target_share)) for a in audits]
     return AuditReport(
         checkpoint=url,
         world_size=int(manifest["world_size"]),
@@ -331,6 +345,7 @@ def audit_checkpoint(
         changed_files=changed,
         verified=verified,
         mix_note=mix_note(cfg, audits, lengths, mixers),
+        mix_segments=segments,
         _cursors=cursors,
         _storage_options=storage_options,
     )
@@ -389,18 +404,20 @@ def _read_workers(
     *,
     replay: bool,
     skipped: list[list[Any]],
+    metas: dict[int, dict[str, Any]],
 ) -> tuple[dict[str, list[dict[str, Any]]], int]:
     """Every worker's state in the checkpoint read: the pieces its shuffle buffer and (with
     ``replay``) its pipeline hold go into ``held``. Returns each dataset's reader states, one
     per worker (live with ``replay``, else as recorded), and the batches delivered after the
     workers' last snapshots (summed once per rank); each rank's pieces skipped by
-    ``skip_steps`` go into ``skipped``."""
+    ``skip_steps`` go into ``skipped``, each rank's entry into ``metas``."""
     live: dict[str, list[dict[str, Any]]] = {name: [] for name in datasets}
     lagging = 0
     counted_ranks: set[int] = set()
     for world, meta, graph in states:
         if world.rank not in counted_ranks:
             counted_ranks.add(world.rank)
+            metas[world.rank] = meta
             lagging += int(meta.get("skip_batches", 0))
             skipped.extend(meta.get("skipped_documents", []))
         # the outermost pack and shuffle buffer; every mix (one per curriculum phase)

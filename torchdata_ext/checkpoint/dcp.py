@@ -159,6 +159,7 @@ class DCPLoaderState:
             "weight_changes": state["weight_changes"],
             "weight_schedule": state["weight_schedule"],
             "skipped_documents": state["skipped_documents"],
+            "mix_history": state["mix_history"],
             "file_fingerprints": fingerprint_share(
                 datasets, rank=loader.rank, world_size=loader.world_size
             ),

@@ -226,6 +226,7 @@ def save_checkpoint(
         "weight_changes": state["weight_changes"],
         "weight_schedule": state["weight_schedule"],
         "skipped_documents": state["skipped_documents"],
+        "mix_history": state["mix_history"],
         "files": files,
     }
     write_bytes_atomic(

@@ -21,6 +21,7 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.checkpoint.rescale import old_workers_needed, rescale_worker_states
+from torchdata_ext.loader.mix_history import MixHistory
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
@@ -115,6 +116,7 @@ def restore_loader(
             skipped_documents=meta.get("skipped_documents", []),
             dataset_names=_names(root),
         )
+        loader.adopt_mix_history(MixHistory.restored(meta.get("mix_history"), step))
         return
     old_total = old_ranks * old_workers
     n = next(iter(manifest["datasets"].values()))["n_logical_shards"]
@@ -161,6 +163,11 @@ def restore_loader(
         skip_steps=_skip_steps(where, root, manifest.get("skip_steps", []), step),
         skipped_documents=skipped,
         dataset_names=_names(root),
+    )
+    # the fresh workers count from 0; old rank r's totals go on with new rank r % world_size
+    carried = range(loader.rank, old_ranks, loader.world_size)
+    loader.adopt_mix_history(
+        MixHistory.rescaled([rank_meta(r).get("mix_history") for r in carried], step)
     )
 
 

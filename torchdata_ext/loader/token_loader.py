@@ -39,6 +39,7 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
+from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
@@ -347,6 +348,7 @@ class TokenLoader:
         self._skip_steps: list[list[int]] = []  # step ranges whose data is skipped
         self._loaded = False  # a state was loaded (else a fresh run reads skip_steps itself)
         self._skipped0: list[list[Any]] = []  # documents skipped before the state was loaded
+        self._mix = MixHistory()  # tokens per dataset at each weight change (mix_history.py)
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
@@ -396,6 +398,7 @@ class TokenLoader:
         self._reset_live()
         self.build = self._weights.build_for(self._step + 1)
         self._restarted = self._step + 1
+        self._record_mix()
         return self._deliver(self._start())
 
     def _start(self) -> Iterator[_Delivery]:
@@ -426,7 +429,26 @@ class TokenLoader:
         self.close()
         self.load_state_dict(state)  # builds with the weights in force (weight_changes)
         self._restarted = self._step + 1
+        self._record_mix()
         return self._start()
+
+    def _record_mix(self) -> None:
+        """At a weight change due at the next step, record the tokens per dataset delivered
+        through this one (:mod:`~torchdata_ext.loader.mix_history`); not when the loaded
+        state is behind the step (``skip_batches``: the counts would be of an earlier step)."""
+        if not self._weights.due_at(self._step + 1):
+            return
+        if self._skip:  # the totals through this step are not known: nor what came before
+            self._mix.since = max(self._mix.since, self._step + 1)
+            return
+        fresh: dict[str, Any] = {DELIVERED_KEY: {}}  # a worker not started: delivered nothing
+        graphs = [self._initial.get(w, fresh) for w in range(self.logical_workers)]
+        self._mix.record(self._step + 1, graphs)
+
+    def adopt_mix_history(self, history: MixHistory) -> None:
+        """Go on with ``history`` (a restore sets it after :meth:`load_worker_states`: the
+        saved one on the same topology, :meth:`MixHistory.rescaled` at a rescale)."""
+        self._mix = history
 
     def weight_points(self) -> list[list[Any]]:
         """Every weight change of the run in step order, ``[step, {name: weight}, source]``
@@ -687,7 +709,9 @@ class TokenLoader:
         "graph", "io"}}}``; ``step``: the batches this rank delivered in the whole run, across
         restores (the training loop's step when it counts from 1); ``skip_steps``: the step
         ranges whose data is skipped (``PipelineConfig.skip_steps``), ``skipped_documents``:
-        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far. Costs no copy: the graph
+        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far;
+        ``mix_history``: its tokens delivered per dataset at each weight change and now
+        (:mod:`torchdata_ext.loader.mix_history`). Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
         W = self.logical_workers
         if self.num_workers and self.snapshot_every_n_steps > 1:
@@ -719,6 +743,9 @@ class TokenLoader:
             "skipped_documents": list(self._skipped),
             "weight_changes": [list(c) for c in self._weights.changes],
             "weight_schedule": self._schedule.as_state(),
+            "mix_history": self._mix.state(
+                (s["graph"] for s in workers.values()), self._step - skip
+            ),
             "workers": workers,
         }
 
@@ -773,6 +800,7 @@ class TokenLoader:
             weight_changes=state.get("weight_changes", ()),
             weight_schedule=state.get("weight_schedule", ()),
         )
+        self._mix = MixHistory.restored(state.get("mix_history"), int(state.get("step", 0)))
 
     def load_worker_states(
         self,
@@ -821,6 +849,7 @@ class TokenLoader:
             self._names = list(dataset_names)
         if weight_changes is not None:
             self.adopt_weight_changes(weight_changes, int(step), weight_schedule)
+        self._mix = MixHistory(since=int(step))  # until the caller adopts the saved one
         self._reset_live()
 
 

@@ -58,8 +58,16 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             ``[B, seq_len]``, see :func:`~torchdata_ext.batch.dataset_ids`): each token's
             dataset, from the items' provenance (following ``labels`` with ``shift``; -1 on
             padding and line specials), for a loss per dataset.
+        dataset_names: the names the items' provenance dataset ids index (``Pack``'s
+            ``dataset_names``); given, Collate counts the document tokens it delivered per
+            dataset (document rows of the provenance; BOS/EOS and padding left out, as the
+            audit counts tokens) in its state, which the loader and the audit read for the
+            mix per segment of a weight schedule (:mod:`torchdata_ext.loader.mix_history`).
 
-    State: ``{"source": <upstream state>}``. A batch is built within one call, so between calls
+    State: ``{"source": <upstream state>}``, with ``dataset_names`` also ``"delivered"``:
+    ``{name: tokens}`` delivered by this node since it started fresh (None: items came without
+    provenance, so the count stopped; a state without the key, saved before this count
+    existed, restores with the count at 0). A batch is built within one call, so between calls
     the upstream sits at a batch boundary. Resume guarantee: restoring continues with exactly
     the batches the uninterrupted run would have produced.
 
@@ -70,6 +78,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
     """
 
     SOURCE_KEY = "source"
+    DELIVERED_KEY = "delivered"
 
     def __init__(
         self,
@@ -79,6 +88,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         dtype: torch.dtype = torch.int64,
         drop_last: bool = False,
         keys: Sequence[str] = DEFAULT_KEYS,
+        dataset_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(source, BaseNode):
@@ -103,6 +113,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         self.dtype = dtype
         self.drop_last = bool(drop_last)
         self.keys = tuple(keys)
+        self.dataset_names = None if dataset_names is None else [str(n) for n in dataset_names]
+        self._delivered: np.ndarray | None = np.zeros(len(self.dataset_names or ()), np.int64)
         self._np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         protocol = [getattr(source, m, None) for m in _PACKED_PROTOCOL]
         self._fused = all(callable(m) for m in protocol)
@@ -112,10 +124,31 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._delivered = np.zeros(len(self.dataset_names or ()), np.int64)
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
+            # by name; a state saved before the count existed has none: counted from here
+            saved = initial_state.get(self.DELIVERED_KEY, {})
+            if saved is None:  # the count had stopped (items without provenance)
+                self._delivered = None
+            else:
+                for i, name in enumerate(self.dataset_names or ()):
+                    self._delivered[i] = int(saved.get(name, 0))
         else:
             self.source.reset()
+
+    def _count(self, tables: list[Any]) -> None:
+        """Add the document tokens of a batch's provenance ``tables`` to the count (per row,
+        NumPy: never per token)."""
+        if self.dataset_names is None or self._delivered is None:
+            return
+        if any(t is None for t in tables):  # items without provenance: the count stops
+            self._delivered = None
+            return
+        rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
+        ds = rows[:, 0]
+        keep = (ds >= 0) & (ds < len(self._delivered))  # document rows (specials: < 0)
+        np.add.at(self._delivered, ds[keep], rows[keep, 4])
 
     def next(self) -> dict[str, torch.Tensor]:
         items = self._take()
@@ -128,6 +161,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         materializes)."""
         if self._fused:
             items = [self.source.materialize(it) for it in items]
+        if self.dataset_names is not None:
+            self._count([it.get("provenance") if isinstance(it, dict) else None for it in items])
         out: dict[str, np.ndarray] = {}
         for key in self.keys:
             present = [key in item for item in items]
@@ -155,7 +190,15 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         return tensors
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict()}
+        state = {self.SOURCE_KEY: self.source.state_dict()}
+        if self.dataset_names is not None:  # a new dict each time: states are never mutated
+            counts = self._delivered
+            state[self.DELIVERED_KEY] = (
+                None
+                if counts is None
+                else dict(zip(self.dataset_names, counts.tolist(), strict=True))
+            )
+        return state
 
     def next_packed_batch(self) -> PackedBatch | dict[str, torch.Tensor]:
         """The next batch in its compact form (:class:`~torchdata_ext.batch.PackedBatch`: one
@@ -183,6 +226,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         produced = tuple(self.source.output_keys)
         keys = tuple(k for k in self.keys if k in produced or k in _BUILT_KEYS)
         tables = [it.provenance for it in items]
+        self._count(tables)
         return PackedBatch(
             torch.from_numpy(tokens),
             np.fromiter(
@@ -245,6 +289,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                 dt = np.dtype(bool) if key in _BOOL_KEYS else self._np_dtype
                 specs[key] = ((len(items), width), dt)
         arrays, tensors = _one_storage(specs)
+        self._count([it.provenance for it in items])
         built = {"provenance", DATASET_KEY, *bounds}
         self.source.materialize_batch_into(
             items, {k: a for k, a in arrays.items() if k not in built}

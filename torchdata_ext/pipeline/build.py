@@ -183,13 +183,12 @@ def _build(
         )
     node = _mix(cfg, sources, world, evaluating)
     # provenance / dataset_ids index the config's datasets, also where eval leaves some out
-    node = _pack(
-        cfg, node, [*cfg.dataset_weights, *(n for n in indexes if n not in cfg.dataset_weights)]
-    )
+    names = [*cfg.dataset_weights, *(n for n in indexes if n not in cfg.dataset_weights)]
+    node = _pack(cfg, node, names)
     if cfg.shuffle_buffer > 1 and not evaluating:
         node = _shuffle_buffer(cfg, node, list(indexes.values()), readers)
     if collate:
-        node = _collate(cfg, node)
+        node = _collate(cfg, node, names)
         if evaluating:  # skip_steps count training steps
             node.skip_steps = []
     return node
@@ -425,15 +424,18 @@ def _shuffle_buffer(
     )
 
 
-def _collate(cfg: PipelineConfig, node: BaseNode) -> BaseNode:
+def _collate(cfg: PipelineConfig, node: BaseNode, dataset_names: list[str]) -> BaseNode:
     """Batches of ``cfg.batch_size`` sequences as torch tensors of ``cfg.dtype``, with the
-    keys ``cfg.output_keys``."""
+    keys ``cfg.output_keys``, counting the tokens delivered per dataset (``dataset_names``:
+    what the provenance ids index)."""
     import torch
 
     from torchdata_ext.nodes.collate import Collate
 
     dtype = torch.int64 if cfg.dtype == "int64" else torch.int32
-    root = Collate(node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys)
+    root = Collate(
+        node, cfg.batch_size, dtype=dtype, keys=cfg.output_keys, dataset_names=dataset_names
+    )
     root.skip_steps = cfg.skip_steps  # read at a restore
     return root
 
