@@ -142,6 +142,7 @@ class Interleave(BaseNode[DocumentBlock]):
     OFFSET_KEY = "offset"
     FILL_KEY = "row_fill"
     FINISHING_KEY = "finishing"
+    CUTS_BACK_KEY = "cuts_handed_back"
     ENDED_KEY = "ended"
     TOKENS_KEY = "tokens_delivered"
     COUNTER_KEY = "counter"
@@ -217,6 +218,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._mirror: StreamCursor | None = None  # Pack's cursor, mirrored (see follow_rows)
         self._capacity = 0  # document tokens per row
         self._fill: int | None = None  # tokens of the current row after our output; None: off
+        self._whole_hand_back = False  # decide handed-back pieces whole (a state from before)
 
     def follow_rows(self, mirror: StreamCursor, capacity: int) -> None:
         """Let ``"tokens"`` mode switch sources inside a document where a row ends (Pack in
@@ -239,6 +241,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._ended = [False] * n
         self._open = None
         self._fill = None if self._mirror is None else 0
+        self._whole_hand_back = False
         self._ahead = [[] for _ in range(n)]
         self.weights = list(self._target_weights)
         self._switch_weights = False
@@ -270,6 +273,9 @@ class Interleave(BaseNode[DocumentBlock]):
         self._counter = int(initial_state[self.COUNTER_KEY])
         fill = initial_state.get(self.FILL_KEY)  # absent before row cuts: they stay off
         self._fill = None if fill is None or self._mirror is None else int(fill)
+        # saved when handed-back pieces were delivered whole: the block the nodes above
+        # replay (the first) must come out as it did, so it is decided so; then cuts go on
+        self._whole_hand_back = not initial_state.get(self.CUTS_BACK_KEY, False)
         finishing = initial_state.get(self.FINISHING_KEY, "")  # "" : not recorded
         replay: list[tuple[int, str, Any, int]] = []  # sources whose block is read again
         for i, name in enumerate(self.names):
@@ -373,6 +379,7 @@ class Interleave(BaseNode[DocumentBlock]):
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             self.FILL_KEY: self._fill,
             self.FINISHING_KEY: None if self._open is None else self.names[self._open],
+            self.CUTS_BACK_KEY: True,  # handed-back pieces are cut at row ends too
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
             SETTINGS_KEY: self._settings,
@@ -508,7 +515,7 @@ class Interleave(BaseNode[DocumentBlock]):
         ratios = (off[lo + 1 : n] + (self._tokens[s] - base)) / self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
         end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
-        if self._fill is not None and block.stop is None:  # may end inside a document
+        if self._fill is not None and not (block.stop is not None and self._whole_hand_back):
             anywhere = any(self._holds_open(i) for i in others)
             cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
             if cut is not None:
@@ -540,9 +547,7 @@ class Interleave(BaseNode[DocumentBlock]):
         close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
         skip = self._offset[s]
         rest = cut_block(block, lo, skip, (n - 1 if anywhere else close) + 1, 0)
-        units = self._mirror.units(rest, peek=True)
-        if units.pin_at:  # a rescale's hand-back: rows restart there, keep documents whole
-            return None
+        units = self._mirror.units(rest, peek=True)  # pins (a hand-back) restart the rows
         t0, w = self._tokens[s], self.weights[s]
         at = first_row_end(
             rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side
@@ -606,9 +611,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
             others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
             self._open = s if self._fill and (left_open or others) else None
-            if left_open and block.stop is not None:
-                self._open = s
+            if left_open and block.stop is not None and self._whole_hand_back:
+                self._open = s  # a state from before hand-back cuts: its first block as then
         if hi >= len(block) and not left_open:
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
+        self._whole_hand_back = False  # only the block a restore replays is decided as then
         return out
