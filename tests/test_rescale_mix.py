@@ -13,6 +13,7 @@ change) restores exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 from typing import Any
@@ -84,6 +85,23 @@ def test_shares_after_a_rescale_are_within_the_bound_of_the_weights(long_docs, t
         share, tokens = _shares(stream[:ROWS])
         bound = (quantum + 2 * cfg.seq_length) / tokens
         off = np.abs(share - np.array([1 / 3, 2 / 3]))
+        assert off.max() <= bound, f"new worker {g}: shares {share.round(3)}, bound {bound:.3f}"
+    check_rows(streams, document_lengths(cfg), cfg)
+    check_exactly_once(_coverage(streams), document_lengths(cfg))
+
+
+def test_weights_changed_at_a_rescale_hold_from_its_first_rows(long_docs) -> None:
+    """Weights 1 : 2 until the checkpoint, 2 : 1 from the rescale on (as a ``set_weights``
+    step at the restore): each new worker's next 30 rows are within the bound of the new
+    weights; the tokens so far count as if mixed at them, as at a restore, instead of code
+    first making up for the old mix (before: code 100% of them)."""
+    cfg = long_docs
+    again = dataclasses.replace(cfg, weights="2,1")
+    streams = simulate(cfg, [(1, 2), (1, 3)], lambda phase, g: 30 + 7 * g, restore_cfg=again)
+    for g, stream in enumerate(streams[2:]):
+        share, tokens = _shares(stream[:ROWS])
+        bound = (cfg.seq_length + 2 * cfg.seq_length) / tokens
+        off = np.abs(share - np.array([2 / 3, 1 / 3]))
         assert off.max() <= bound, f"new worker {g}: shares {share.round(3)}, bound {bound:.3f}"
     check_rows(streams, document_lengths(cfg), cfg)
     check_exactly_once(_coverage(streams), document_lengths(cfg))
