@@ -40,7 +40,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 617 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 624 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -52,6 +52,7 @@ State (replay, no token copies)::
      "tokens_delivered": {name: int},
      "row_fill": <tokens of Pack's current row after the output; None: no row cuts>,
      "finishing": <the source that must go on next, or None>,
+     "cuts_handed_back": True,  # absent: saved when handed-back rests were delivered whole
      "counter": int}
 
 On restore each source is reset to its saved state, its current block is read again and the
@@ -65,8 +66,11 @@ can be summed and re-split across ranks.
 
 Rescaling: :meth:`inflight` reports the pieces held, and first reads each source on to the end of
 a document it left open (those pieces are reported too), so the readers' cursors at the cut lie
-between documents and the handed-back pieces hold the whole rest of every open document, which
-the new owner delivers contiguously: documents stay whole in each new worker's stream too.
+between documents and the handed-back pieces hold the whole rest of every open document. The new
+owner's reader delivers them first; its mix cuts them at row ends like any document (a
+handed-back rest starts a row, and rows are counted from there), so the shares follow the
+weights right after a rescale. A state saved when such rests were delivered whole (no
+``cuts_handed_back`` key) decides the block the nodes above replay so, then cuts.
 """
 
 from __future__ import annotations
