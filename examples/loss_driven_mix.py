@@ -19,9 +19,9 @@ What it does, and checks:
 3. **Resume at 3 workers** from a folder checkpoint saved mid-run: the weight changes made so far
    are in the loader state, so the restored loader goes on with the same mix, and the
    reweighting goes on.
-   After the resume the delivered shares lag the targets for a while: the rest of each long
-   ``code`` document open at the checkpoint is delivered whole by its new worker (a rescale
-   hands open documents on whole), which the table shows.
+   After the resume the delivered shares go on following the targets: the rest of each long
+   ``code`` document open at the checkpoint is handed back to its reader and the new worker's
+   mix cuts it at row ends like any document, which the table shows.
 4. **Show and check**: the weights over time and the achieved token share of each dataset in
    each segment between changes (from ``dataset_ids``, counted per delivered token), and that no
    document token was delivered twice across the resume (from the batches' provenance).

@@ -337,9 +337,11 @@ def test_state_layout(data) -> None:
     run(node, 5)
     state = node.state_dict()
     assert set(state) == {
-        "sources", "tokens_delivered", "weights", "counter", "settings", "row_fill", "finishing"
+        "sources", "tokens_delivered", "weights", "counter", "settings", "row_fill", "finishing",
+        "cuts_handed_back",
     }  # fmt: skip
     assert state["row_fill"] is None and state["finishing"] is None  # no Pack follows it here
+    assert state["cuts_handed_back"] is True  # a rescale's hand-back is cut at row ends too
     assert state["settings"] == {"interleave_mode": "tokens", "mix_quantum_tokens": 0}
     assert state["weights"] == weights
     assert list(state["sources"]) == ["tiny", "code"]

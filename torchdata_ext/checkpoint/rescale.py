@@ -439,13 +439,18 @@ def _split_token_counters(
 ) -> None:
     """Set each interleave's token counters in ``box``: every old worker's share split among
     the new workers that read it; a dataset added since the checkpoint starts at its target
-    share of the tokens so far, so the mix does not lurch to it."""
+    share of the tokens so far, so the mix does not lurch to it. Weights changed since the
+    checkpoint (a ``set_weights`` or schedule step at the restore) are recorded as the old
+    ones in force, so the interleave counts the tokens so far at the new weights after its
+    first block, as a restore does, instead of first making up for the old mix."""
     for path, counters in token_counters(box).items():
         summed = dict.fromkeys(counters, 0)
+        old_weights: dict[str, float] = {}
         for g in needed:
             counted = token_counters({"graph": old_graphs[g]}).get(path)
             if counted is None:
                 continue
+            old_weights = old_weights or _weights_at({"graph": old_graphs[g]}, path)
             for name, v in counted.items():
                 if name in summed:  # split exactly: the parts add up to v
                     summed[name] += split.share(g, int(v))
@@ -458,6 +463,10 @@ def _split_token_counters(
             for k in new:
                 summed[k] = int(total / old_w * weights.get(k, 0.0)) if total_w else 0
         set_at(box, path, summed)
+        weights = _weights_at(box, path)
+        saved = {k: old_weights.get(k, w) for k, w in weights.items()}
+        if old_weights and saved != weights:
+            set_at(box, (*path[:-1], "weights"), saved)
 
 
 def _split_budgets(

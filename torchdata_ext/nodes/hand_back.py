@@ -5,7 +5,8 @@ or a pack, cut at some token offset) are handed back to the logical shards holdi
 pieces ``(file, doc, start, stop)``. :func:`with_returned` records them in a
 :class:`~torchdata_ext.nodes.reader.ShardReader` state (a shard's ``returned`` list);
 the worker that then owns the shard delivers them before anything else, one file per block,
-built by :func:`returned_block`.
+built by :func:`returned_block` (the mix downstream still cuts a long rest at row ends, so the
+shares follow the weights: see :mod:`torchdata_ext.nodes.interleave`).
 """
 
 from __future__ import annotations

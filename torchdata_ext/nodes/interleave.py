@@ -40,7 +40,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 617 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 624 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -52,6 +52,7 @@ State (replay, no token copies)::
      "tokens_delivered": {name: int},
      "row_fill": <tokens of Pack's current row after the output; None: no row cuts>,
      "finishing": <the source that must go on next, or None>,
+     "cuts_handed_back": True,  # absent: saved when handed-back rests were delivered whole
      "counter": int}
 
 On restore each source is reset to its saved state, its current block is read again and the
@@ -65,8 +66,11 @@ can be summed and re-split across ranks.
 
 Rescaling: :meth:`inflight` reports the pieces held, and first reads each source on to the end of
 a document it left open (those pieces are reported too), so the readers' cursors at the cut lie
-between documents and the handed-back pieces hold the whole rest of every open document, which
-the new owner delivers contiguously: documents stay whole in each new worker's stream too.
+between documents and the handed-back pieces hold the whole rest of every open document. The new
+owner's reader delivers them first; its mix cuts them at row ends like any document (a
+handed-back rest starts a row, and rows are counted from there), so the shares follow the
+weights right after a rescale. A state saved when such rests were delivered whole (no
+``cuts_handed_back`` key) decides the block the nodes above replay so, then cuts.
 """
 
 from __future__ import annotations
@@ -142,6 +146,7 @@ class Interleave(BaseNode[DocumentBlock]):
     OFFSET_KEY = "offset"
     FILL_KEY = "row_fill"
     FINISHING_KEY = "finishing"
+    CUTS_BACK_KEY = "cuts_handed_back"
     ENDED_KEY = "ended"
     TOKENS_KEY = "tokens_delivered"
     COUNTER_KEY = "counter"
@@ -217,6 +222,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._mirror: StreamCursor | None = None  # Pack's cursor, mirrored (see follow_rows)
         self._capacity = 0  # document tokens per row
         self._fill: int | None = None  # tokens of the current row after our output; None: off
+        self._whole_hand_back = False  # decide handed-back pieces whole (a state from before)
 
     def follow_rows(self, mirror: StreamCursor, capacity: int) -> None:
         """Let ``"tokens"`` mode switch sources inside a document where a row ends (Pack in
@@ -239,6 +245,7 @@ class Interleave(BaseNode[DocumentBlock]):
         self._ended = [False] * n
         self._open = None
         self._fill = None if self._mirror is None else 0
+        self._whole_hand_back = False
         self._ahead = [[] for _ in range(n)]
         self.weights = list(self._target_weights)
         self._switch_weights = False
@@ -270,6 +277,9 @@ class Interleave(BaseNode[DocumentBlock]):
         self._counter = int(initial_state[self.COUNTER_KEY])
         fill = initial_state.get(self.FILL_KEY)  # absent before row cuts: they stay off
         self._fill = None if fill is None or self._mirror is None else int(fill)
+        # saved when handed-back pieces were delivered whole: the block the nodes above
+        # replay (the first) must come out as it did, so it is decided so; then cuts go on
+        self._whole_hand_back = not initial_state.get(self.CUTS_BACK_KEY, False)
         finishing = initial_state.get(self.FINISHING_KEY, "")  # "" : not recorded
         replay: list[tuple[int, str, Any, int]] = []  # sources whose block is read again
         for i, name in enumerate(self.names):
@@ -373,6 +383,7 @@ class Interleave(BaseNode[DocumentBlock]):
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             self.FILL_KEY: self._fill,
             self.FINISHING_KEY: None if self._open is None else self.names[self._open],
+            self.CUTS_BACK_KEY: True,  # handed-back pieces are cut at row ends too
             "weights": dict(zip(self.names, self.weights)),  # the weights in force
             self.COUNTER_KEY: self._counter,
             SETTINGS_KEY: self._settings,
@@ -508,7 +519,7 @@ class Interleave(BaseNode[DocumentBlock]):
         ratios = (off[lo + 1 : n] + (self._tokens[s] - base)) / self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
         end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
-        if self._fill is not None and block.stop is None:  # may end inside a document
+        if self._fill is not None and not (block.stop is not None and self._whole_hand_back):
             anywhere = any(self._holds_open(i) for i in others)
             cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
             if cut is not None:
@@ -540,9 +551,7 @@ class Interleave(BaseNode[DocumentBlock]):
         close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
         skip = self._offset[s]
         rest = cut_block(block, lo, skip, (n - 1 if anywhere else close) + 1, 0)
-        units = self._mirror.units(rest, peek=True)
-        if units.pin_at:  # a rescale's hand-back: rows restart there, keep documents whole
-            return None
+        units = self._mirror.units(rest, peek=True)  # pins (a hand-back) restart the rows
         t0, w = self._tokens[s], self.weights[s]
         at = first_row_end(
             rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side
@@ -606,9 +615,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
             others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
             self._open = s if self._fill and (left_open or others) else None
-            if left_open and block.stop is not None:
-                self._open = s
+            if left_open and block.stop is not None and self._whole_hand_back:
+                self._open = s  # a state from before hand-back cuts: its first block as then
         if hi >= len(block) and not left_open:
             self._blocks[s] = None  # get_state takes the source's state after it
             self._consumed[s] = 0
+        self._whole_hand_back = False  # only the block a restore replays is decided as then
         return out

@@ -11,11 +11,15 @@ block at a token offset, find the row ends a run may stop at, and move the row p
 
 A row end between a document's BOS and its first token, or between its last token and its
 EOS, is no place to cut (a piece cannot be split from its special); a cut leaves at least one
-token of the document on each side.
+token of the document on each side. A unit Pack must start a row with (``Units.pin_at``: the
+rest of a document a rescale handed back, or one whose BOS was delivered before it) ends the
+row before it, padded, and the rows after it are counted from it, so the rest of a handed-back
+document is cut at row ends like any other.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -68,9 +72,14 @@ def first_row_end(
     piece ``j0`` on where the mix's rule stops, as ``(piece, tokens of it before the cut)``
     (the tokens are the piece's length when the cut is after the piece and its EOS). Inside
     piece ``j0`` the rule stops where ``ratio(tokens taken from rest)`` passes ``r2``
-    (``numpy.searchsorted`` ``side``); after it, at the first row end. None: no row end."""
+    (``numpy.searchsorted`` ``side``); after it, at the first row end. None: no row end. A
+    unit in ``units.pin_at`` starts a row: from it on rows are counted from its offset."""
     lengths, taken = rest.lengths, rest.offsets
+    pins = units.pin_at or []
     for j in range(j0, len(rest)):
+        k = bisect.bisect_right(pins, int(units.off[j]))
+        if k:  # the rows from the last pin at or before this unit start at the pin
+            fill = -pins[k - 1] % capacity
         first = int(units.off[j] + units.bos[j])  # the stream offset of the piece's tokens
         at = first + 1 + (-(fill + first + 1)) % capacity  # the first row end after a token
         cand = np.arange(at, first + int(lengths[j]), capacity, dtype=np.int64)  # inside it
