@@ -463,3 +463,32 @@ def test_a_restore_and_a_rescale_read_each_index_file_once_per_rank(s3, monkeypa
             assert _side_reads(c) == once, (world_size, r, c)
             if world_size == 2:
                 assert got == rest[r]
+
+
+def test_a_rank_other_than_0_restores_with_gets_alone(s3, monkeypatch) -> None:
+    """Over index files, a new process of rank 1 of 2 restores with: the store probe (a GET
+    of an absent key, never a LIST), its index and metadata files and the checkpoint's
+    manifest, rank and worker files, one GET each and no HEAD; then the data it reads (a
+    HEAD and a GET per file). Nothing else, no LIST."""
+    from torchdata_ext.remote.probe import PROBE_KEY
+    from torchdata_ext.remote.process_state import PROBED_STORES
+
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    build = functools.partial(build_pipeline, _cfg(root, so), collate=False)
+    ckpt = s3.url("ckpt")
+    for r in range(2):
+        loader = TokenLoader(build, rank=r, world_size=2)
+        next(iter(loader))
+        save_checkpoint(loader, ckpt, storage_options=so)
+    monkeypatch.setattr(fingerprint, "_digests", {})  # a new process
+    monkeypatch.setattr(index_file, "_verified", set())
+    monkeypatch.setattr(PROBED_STORES, "items", {})
+    with count_s3_objects() as c:
+        load_checkpoint(TokenLoader(build, rank=1, world_size=2), ckpt, storage_options=so)
+    bucket = s3.bucket
+    files = [f"ckpt/{f}" for f in ("manifest.json", "rank_00001.json", "worker_000001.pkl")]
+    files += [f"data/{n}/meta/{f}" for n in NAMES for f in (INDEX_FILE, "torchdata_ext_meta.json")]
+    expected = Counter({f"GET {bucket}/{f}": 1 for f in [PROBE_KEY, *files]})
+    assert Counter({k: n for k, n in c.items() if not k.endswith(".arrow")}) == expected
