@@ -37,6 +37,7 @@ a GET of the bucket): the seconds one prefix needs to serve a start at that size
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import json
@@ -44,9 +45,12 @@ import math
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -134,7 +138,6 @@ def _rank_main(
     from torchdata_ext import TokenLoader, build_pipeline
     from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
     from torchdata_ext.pipeline.build import build_datasets
-    from torchdata_ext.remote.counting import count_s3_requests
 
     if mode == "dist":
         dist.init_process_group(
@@ -142,7 +145,7 @@ def _rank_main(
         )
     counts: dict[str, Counter[str]] = {}
     try:
-        with count_s3_requests() as c:
+        with _counting() as c:
             datasets = build_datasets(cfg) if mode == "dist" else None
             build = functools.partial(build_pipeline, cfg, datasets=datasets, collate=False)
             loader = TokenLoader(build, rank=rank, world_size=ranks)
@@ -153,7 +156,7 @@ def _rank_main(
         counts[phase] = c
         if phase == "start":
             for save in ("save", "save2"):  # the second writes the checkpoint the others load
-                with count_s3_requests() as c:
+                with _counting() as c:
                     save_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
                 counts[save] = c
                 next(it)
@@ -162,6 +165,44 @@ def _rank_main(
             dist.destroy_process_group()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({k: dict(v) for k, v in counts.items()}, f)
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[Counter[str]]:
+    """This process's S3 requests in the block by kind, and by ``"<kind> <what>"`` too where
+    the code measured counts by object (``count_s3_objects``; an older tree counts kinds)."""
+    from torchdata_ext.remote import counting
+
+    by_object = getattr(counting, "count_s3_objects", None)
+    if by_object is None:
+        with counting.count_s3_requests() as c:
+            yield c
+        return
+    out: Counter[str] = Counter()
+    with by_object() as c:
+        yield out
+    for key, n in c.items():
+        kind, path = key.split(" ", 1)
+        out[kind] += n
+        out[f"{kind} {_what(path)}"] += n
+
+
+def _what(path: str) -> str:
+    """What an object of the benchmark's bucket is (the store probe, an index file, ...)."""
+    name = path.rsplit("/", 1)[-1]
+    if "probe" in path:
+        return "probe"
+    if name == "torchdata_ext_index.json":
+        return "index"
+    if name == "torchdata_ext_meta.json":
+        return "meta"
+    if "/meta/" in path:
+        return "counts"
+    if "/ckpt/" in path:
+        return "ckpt"
+    if name.endswith(".arrow"):
+        return "data"
+    return "bucket" if "/" not in path else "other"
 
 
 def run_ranks(ranks: int, mode: str, phase: str, cfg: Any, ckpt: str) -> list[dict[str, Any]]:
@@ -186,12 +227,21 @@ def run_ranks(ranks: int, mode: str, phase: str, cfg: Any, ckpt: str) -> list[di
 
 
 def total(c: dict[str, int]) -> int:
-    return sum(c.values())
+    """All requests in counts ``c`` (its kinds; the ``"<kind> <what>"`` keys split them)."""
+    return sum(v for k, v in c.items() if " " not in k)
 
 
-def show(c: dict[str, int]) -> str:
+def show(c: dict[str, int], detail: bool = False) -> str:
+    """``c`` by kind (``detail``: each kind split by what it asked for, where counted)."""
     order = ("LIST", "GET", "RANGE_GET", "HEAD", "PUT", "POST", "DELETE")
-    return " ".join(f"{k}={c[k]}" for k in order if c.get(k)) or "0"
+    out = []
+    for k in order:
+        if not c.get(k):
+            continue
+        parts = sorted((w.split(" ", 1)[1], n) for w, n in c.items() if w.startswith(k + " "))
+        what = f" ({', '.join(f'{w} {n}' for w, n in parts)})" if detail and parts else ""
+        out.append(f"{k}={c[k]}{what}")
+    return " ".join(out) or "0"
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -246,7 +296,18 @@ def main() -> None:
     ap.add_argument("--at-files", type=int, default=100_000)
     ap.add_argument("--at-workers", type=int, default=8, help="dataloader workers per rank")
     ap.add_argument("--quick", action="store_true", help="R in 1,2,4 and F in 30,120 (~1 min)")
+    ap.add_argument("--json", help="write the counts to this file instead of the report")
+    ap.add_argument(
+        "--compare",
+        help="NAME=SOURCE_DIR,NAME=SOURCE_DIR: run this script on each source tree (as "
+        "PYTHONPATH, e.g. main exported with git archive, and this checkout), same arguments, "
+        "one after the other, and print their per-rank counts side by side",
+    )
+    ap.add_argument("--budget", type=float, default=3600.0, help="--compare: stop after "
+                    "this many seconds and report the rows measured on every tree")  # fmt: skip
     args = ap.parse_args()
+    if args.compare:
+        return compare(args)
     if args.quick:
         args.ranks, args.files = "1,2,4", "30,120"
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -296,11 +357,93 @@ def main() -> None:
                         r["rescale"] for r in run_ranks(2 * R, mode, "rescale", cfg2, ckpt)
                     ]
                     results[mode][F][R] = rows
+                    if args.json:  # as it goes: a run stopped by --budget keeps its rows
+                        with open(args.json, "w") as f:
+                            json.dump(results, f)
                     for phase in PHASES:  # as it goes: a long run shows its rows early
                         print(_row(mode, F, R, phase, rows[phase]), flush=True)
     finally:
         proc.kill()
+    if args.json:
+        return
     report(results, ranks, file_counts, modes, args)
+
+
+def compare(args: Any) -> None:
+    """Run this script on each ``--compare`` tree with the same arguments (at once, each with
+    its own S3 server) and print the per-rank counts of every phase side by side, then each
+    tree's extrapolation."""
+    started = time.time()
+    trees = dict(t.split("=", 1) for t in args.compare.split(","))
+    if "--compare" in sys.argv:
+        raise SystemExit("pass --compare=NAME=DIR,NAME=DIR (one argument)")
+    passed = [a for a in sys.argv[1:] if not a.startswith("--compare=")]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as logs:
+        procs = {}
+        for name, tree in trees.items():  # at once: a run cut by --budget has both sides
+            out = os.path.join(tmp, f"{name}.json")
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            log = logs.enter_context(open(os.path.join(tmp, f"{name}.log"), "w"))
+            procs[name] = (
+                subprocess.Popen([sys.executable, __file__, *passed, "--json", out], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT),
+                out, log,
+            )  # fmt: skip
+        try:
+            for proc, _, _ in procs.values():
+                proc.wait(timeout=max(1.0, args.budget - (time.time() - started)))
+        except subprocess.TimeoutExpired:
+            print(f"# --budget {args.budget:.0f} s reached: the rows measured so far", flush=True)
+        finally:
+            for proc, _, log in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                log.close()
+        for name, (proc, out, _) in procs.items():
+            print(f"# {name} ({trees[name]}): exit {proc.returncode}")
+            if proc.returncode not in (0, None, -9):
+                with open(os.path.join(tmp, f"{name}.log")) as f:
+                    print(f.read()[-3000:])
+            raw = {}
+            if os.path.exists(out):
+                with open(out) as f:
+                    raw = json.load(f)
+            results[name] = {  # JSON keys are strings: F and R back to ints
+                m: {int(F): {int(R): ph for R, ph in byR.items()} for F, byR in byF.items()}
+                for m, byF in raw.items()
+            }
+    modes = [m for m in args.modes.split(",") if m]
+    names = list(trees)
+    done = [  # (mode, F, R) measured on every tree
+        (m, F, R)
+        for m in modes
+        for F in map(int, args.files.split(","))
+        for R in map(int, args.ranks.split(","))
+        if all(R in results[n].get(m, {}).get(F, {}) for n in names)
+    ]
+    file_counts = sorted({F for _, F, _ in done})
+    ranks = sorted({R for _, _, R in done})
+    print(f"\nrequests per rank, {' / '.join(names)} (rank 0; the busiest other rank; "
+          f"{args.datasets} datasets of F files; restore: same R; rescale: R -> 2R ranks)")  # fmt: skip
+    for mode, F, R in done:
+        if True:
+            if True:
+                for phase in PHASES:
+                    print(f"\n{mode} F={F:,} R={R} {phase}:")
+                    for name in names:
+                        per = results[name][mode][F][R][phase]
+                        other = max(per[1:], key=total) if len(per) > 1 else {}
+                        print(f"  {name:7s} rank 0: {show(per[0], True)}")
+                        print(f"  {name:7s} other:  {show(other, True) if other else '-'}")
+    # the extrapolation from the largest R measured at every F (all modes)
+    full = [R for R in ranks if all((m, F, R) in done for m in modes for F in file_counts)]
+    if not full:
+        print("no R measured at every F: nothing to extrapolate")
+        return
+    for name in names:
+        print(f"\n== {name} ==")
+        report(results[name], full, file_counts, modes, args)
 
 
 def report(
@@ -360,22 +503,21 @@ def report(
             if mode != "list" and at[mode] > 0:
                 p(f"  {mode} needs 1/{at['list'] / at[mode]:,.0f} of the reference (list)")
     W = args.at_workers
-    p(f"\nper save, and with {W} dataloader workers per rank (each worker process counted as a "
-      "rank other than 0 at start: its probe, its index reads, its first data; an upper "
-      "bound), extrapolated the same way:")  # fmt: skip
+    p(f"\nthe job's requests per phase at {args.at_ranks:,} ranks x {args.at_files:,} files per "
+      "dataset (rank 0, and every other rank as the busiest measured; RANGE_GET linear in F, "
+      "LIST by listing pages, the rest as at the largest F), and with "
+      f"{W} dataloader workers per rank (each worker process counted as a rank other than 0 "
+      "at start: its probe, its index reads, its first data; an upper bound):")  # fmt: skip
     for mode in modes:
         res = results[mode]
-        saves = {
-            ph: _extrapolate(res, file_counts, big_r, ph, ALL, args) for ph in ("save", "save2")
-        }
-        ranged = {
-            ph: _extrapolate(res, file_counts, big_r, ph, ("RANGE_GET",), args)
-            for ph in ("save", "save2")
-        }
+        per_phase = []
+        for ph in PHASES:
+            n = _extrapolate(res, file_counts, big_r, ph, ALL, args)
+            ranged = _extrapolate(res, file_counts, big_r, ph, ("RANGE_GET",), args)
+            lists = _extrapolate(res, file_counts, big_r, ph, ("LIST",), args)
+            per_phase.append(f"{ph} {n:,.0f} (LIST {lists:,.0f}, RANGE_GET {ranged:,.0f})")
         workers = args.at_ranks * W * _extrapolate_other(res, file_counts, big_r, "start", args)
-        p(f"  {mode:5s}: first save {saves['save']:>13,.0f} requests ({ranged['save']:,.0f} "
-          f"RANGE_GET), every later save {saves['save2']:>9,.0f} ({ranged['save2']:,.0f} "
-          f"RANGE_GET); workers at start {workers:>12,.0f}")  # fmt: skip
+        p(f"  {mode:5s}: " + "; ".join(per_phase) + f"; workers at start {workers:,.0f}")
     print(out.getvalue())
 
 

@@ -21,7 +21,7 @@ from torchdata_ext.cli import main
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_datasets
 from torchdata_ext.remote import remove_file
-from torchdata_ext.remote.counting import count_s3_requests, request_kind
+from torchdata_ext.remote.counting import count_s3_objects, count_s3_requests, request_kind
 from torchdata_ext.sources import fingerprint, index_file
 from torchdata_ext.sources.fingerprint import ChangedFilesError
 from torchdata_ext.sources.index_file import (
@@ -421,3 +421,74 @@ def test_under_torch_distributed_the_index_file_digests_reach_every_rank(s3, tmp
     for g in got:
         assert "RANGE_GET" not in g["save"] and "LIST" not in g["save"], g["save"]
         assert "LIST" not in g["restore"] and "RANGE_GET" not in g["restore"], g["restore"]
+
+
+# -- a restore and a rescale read each index file once per rank ---------------------------------
+def _side_reads(c: Counter) -> dict[str, int]:
+    """GETs of the index and prepared-metadata files in counts by object, by file name."""
+    return {
+        k.split(" ", 1)[1].split("/", 2)[2]: n
+        for k, n in c.items()
+        if k.startswith("GET ") and k.endswith((INDEX_FILE, "torchdata_ext_meta.json"))
+    }
+
+
+def test_a_restore_and_a_rescale_read_each_index_file_once_per_rank(s3, monkeypatch) -> None:
+    """Ranks without a process group over index files: a restore (same 2 ranks) and a rescale
+    (2 -> 3 ranks) read each dataset's index file and prepared metadata once per rank (the
+    graphs built at load_checkpoint and at iter() share the indexes), and deliver the rest of
+    the stream exactly."""
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    build = functools.partial(build_pipeline, _cfg(root, so), collate=False)
+    ckpt, once = (
+        s3.url("ckpt"),
+        {f"{name}/meta/{f}": 1 for name in NAMES for f in (INDEX_FILE, "torchdata_ext_meta.json")},
+    )
+    loaders = [TokenLoader(build, rank=r, world_size=2) for r in range(2)]
+    its = [iter(loader) for loader in loaders]
+    for loader, it in zip(loaders, its):
+        next(it)
+        save_checkpoint(loader, ckpt, storage_options=so)
+    rest = [[item_key(next(it)) for _ in range(2)] for it in its]
+    for world_size in (2, 3):  # each rank a new process: nothing known, index files unchecked
+        for r in range(world_size):
+            monkeypatch.setattr(fingerprint, "_digests", {})
+            monkeypatch.setattr(index_file, "_verified", set())
+            with count_s3_objects() as c:
+                again = TokenLoader(build, rank=r, world_size=world_size)
+                load_checkpoint(again, ckpt, storage_options=so)
+                got = [item_key(x) for x, _ in zip(again, range(2))]
+            assert _side_reads(c) == once, (world_size, r, c)
+            if world_size == 2:
+                assert got == rest[r]
+
+
+def test_a_rank_other_than_0_restores_with_gets_alone(s3, monkeypatch) -> None:
+    """Over index files, a new process of rank 1 of 2 restores with: the store probe (a GET
+    of an absent key, never a LIST), its index and metadata files and the checkpoint's
+    manifest, rank and worker files, one GET each and no HEAD; then the data it reads (a
+    HEAD and a GET per file). Nothing else, no LIST."""
+    from torchdata_ext.remote.probe import PROBE_KEY
+    from torchdata_ext.remote.process_state import PROBED_STORES
+
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    build = functools.partial(build_pipeline, _cfg(root, so), collate=False)
+    ckpt = s3.url("ckpt")
+    for r in range(2):
+        loader = TokenLoader(build, rank=r, world_size=2)
+        next(iter(loader))
+        save_checkpoint(loader, ckpt, storage_options=so)
+    monkeypatch.setattr(fingerprint, "_digests", {})  # a new process
+    monkeypatch.setattr(index_file, "_verified", set())
+    monkeypatch.setattr(PROBED_STORES, "items", {})
+    with count_s3_objects() as c:
+        load_checkpoint(TokenLoader(build, rank=1, world_size=2), ckpt, storage_options=so)
+    bucket = s3.bucket
+    files = [f"ckpt/{f}" for f in ("manifest.json", "rank_00001.json", "worker_000001.pkl")]
+    files += [f"data/{n}/meta/{f}" for n in NAMES for f in (INDEX_FILE, "torchdata_ext_meta.json")]
+    expected = Counter({f"GET {bucket}/{f}": 1 for f in [PROBE_KEY, *files]})
+    assert Counter({k: n for k, n in c.items() if not k.endswith(".arrow")}) == expected

@@ -52,7 +52,7 @@ from torchdata_ext.checkpoint.dcp_entries import dcp_loader_call, is_dcp_checkpo
 from torchdata_ext.checkpoint.restore import CHECKPOINT_FORMAT, loader_config, restore_loader
 from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader
 from torchdata_ext.remote import remove_file, write_bytes_atomic
-from torchdata_ext.remote.urls import filesystem, storage_options_of
+from torchdata_ext.remote.urls import filesystem, one_request, storage_options_of
 from torchdata_ext.sources.fingerprint import (
     SAMPLE_BYTES,
     check_data_files,
@@ -80,10 +80,11 @@ _CHECKSUMS = "sha256"  # the manifest's "checksums": the hash of every file of t
 
 # -- file I/O -----------------------------------------------------------------------------------
 def _read(url: str, storage_options: dict[str, Any] | None) -> bytes:
-    """The bytes of checkpoint file ``url``; a missing file says the checkpoint is incomplete."""
+    """The bytes of checkpoint file ``url`` (one GET on an object store, no HEAD); a missing
+    file says the checkpoint is incomplete."""
     fs, path = filesystem(url, storage_options)
     try:
-        return bytes(fs.cat_file(path))
+        return bytes(fs.cat_file(path, **one_request(fs)))
     except FileNotFoundError:
         raise FileNotFoundError(
             f"checkpoint file {url} is missing: the checkpoint is incomplete or from another "

@@ -13,6 +13,7 @@ restores the rank's own states (same topology) or plans new ones
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from torchdata_ext.loader.mix_history import MixHistory
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import step_ranges
 from torchdata_ext.sources.fingerprint import describe, listed_changes
 from torchdata_ext.sources.index import DatasetIndex
@@ -80,6 +82,7 @@ def restore_loader(
         changes, int(manifest.get("step", 0)), manifest.get("weight_schedule", [])
     )
     root, mine = _configured(loader)
+    _reuse_indexes(loader, _datasets_of(root))
     rank_meta, worker = _read_once(rank_meta), _read_once(worker)
     # curriculum phases added or removed first: the datasets' weights differ then too, and
     # the phases are what to name (this graph is read again below from the cache)
@@ -169,6 +172,27 @@ def restore_loader(
     loader.adopt_mix_history(
         MixHistory.rescaled([rank_meta(r).get("mix_history") for r in carried], step)
     )
+
+
+def _reuse_indexes(loader: TokenLoader, datasets: dict[str, DatasetIndex]) -> None:
+    """Let every later graph of ``loader`` (old workers' graphs at a rescale, the graphs built
+    at ``iter()``, a save's) use ``datasets``, the indexes the restore's own graph read, when
+    its build function is ``functools.partial(build_pipeline, cfg)`` without ``datasets``: so
+    each rank reads its index and metadata files (or lists) once per restore. A build
+    function of another kind is left as it is."""
+
+    def given(build: Any) -> Any:
+        if (
+            isinstance(build, functools.partial)
+            and build.func is build_pipeline
+            and build.keywords.get("datasets") is None
+            and len(build.args) <= 1  # the config alone: the loader passes the World
+        ):
+            return functools.partial(build, datasets=datasets)
+        return build
+
+    if datasets:
+        loader.replace_build(given)
 
 
 def _check_weight_changes(where: str, rank: int, meta: dict[str, Any], changes: list[Any]) -> None:
@@ -439,6 +463,7 @@ def loader_config(loader: TokenLoader) -> tuple[dict[str, DatasetIndex], dict[st
     if found is None:
         root, summary = _configured(loader)
         found = _config_by_loader[loader] = (_datasets_of(root), summary)
+        _reuse_indexes(loader, found[0])  # a restart (set_weights) reads them no more
     cfg = loader.built_config()
     if cfg is None or not loader.weight_points():
         return found

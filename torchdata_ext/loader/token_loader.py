@@ -564,6 +564,15 @@ class TokenLoader:
             (list(n.dataset_names) for n in graph_nodes(root) if hasattr(n, "dataset_names")), []
         )
 
+    def replace_build(self, change: Callable[[Any], Any]) -> None:
+        """Give this loader ``change(build)`` for its build function, the one it was given
+        and the one in force (``set_weights``): ``change`` must return a build function that
+        makes the same graphs, e.g. the same config given the indexes already read
+        (``load_checkpoint`` passes on the indexes its checks read, so that the graphs built
+        at ``iter()`` do not read the index files again)."""
+        self._weights.original = change(self._weights.original)
+        self.build = change(self.build)
+
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
         graph root, as a restore reads them) are dropped when the run reaches them. A config

@@ -11,6 +11,9 @@ as one of::
     HEAD        HEAD (an object's or a bucket's)
     PUT, POST, DELETE, and any other method by its name
 
+:func:`count_s3_objects` counts the same requests by kind and object key
+(``"GET data/web/meta/torchdata_ext_index.json"``): how often each file is read.
+
 It counts in this process only (each rank counts its own requests), so spawned ranks report
 their own counts: per-rank figures need no proxy. What the counts are used for, against S3's
 documented per-prefix request rates, is in ``docs/object-storage-at-scale.md``.
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["KINDS", "count_s3_requests", "request_kind"]
+__all__ = ["KINDS", "count_s3_objects", "count_s3_requests", "request_kind"]
 
 KINDS = ("LIST", "GET", "RANGE_GET", "HEAD", "PUT", "POST", "DELETE")
 """The kinds counted, in the order reports print them."""
@@ -53,7 +56,8 @@ def request_kind(method: str, url: str, headers: Any) -> str:
 
 
 _lock = threading.Lock()
-_active: list[Counter[str]] = []  # the counters of the open count_s3_requests blocks
+# the open blocks' counters, each with whether it counts by object key too
+_active: list[tuple[Counter[str], bool]] = []
 _real_send: Any = None  # aiobotocore's own AIOHTTPSession.send while the wrapper is in place
 
 
@@ -61,10 +65,16 @@ async def _counted_send(self: Any, request: Any) -> Any:
     """``AIOHTTPSession.send`` while a block is open: tally the request, then send it."""
     kind = request_kind(request.method, request.url, request.headers)
     with _lock:
-        for counter in _active:
-            counter[kind] += 1
+        for counter, by_key in _active:
+            counter[f"{kind} {_key(request.url)}" if by_key else kind] += 1
         real = _real_send
     return await real(self, request)
+
+
+def _key(url: str) -> str:
+    """The bucket and key a request URL names (path-style, as s3fs sends to an endpoint URL),
+    without its query."""
+    return urlsplit(url).path.lstrip("/")
 
 
 def _install() -> None:
@@ -100,15 +110,37 @@ def count_s3_requests() -> Iterator[Counter[str]]:
     Raises:
         ImportError: ``s3fs`` (and so aiobotocore) is not installed.
     """
+    with _counting(by_key=False) as counter:
+        yield counter
+
+
+@contextlib.contextmanager
+def count_s3_objects() -> Iterator[Counter[str]]:
+    """Count the S3 requests this process sends inside the block by kind and object, as
+    :func:`count_s3_requests` does by kind.
+
+    Yields:
+        A ``Counter`` of ``"<kind> <bucket>/<key>"`` -> requests (a LIST names its bucket,
+        its prefix is in the query left out).
+    """
+    with _counting(by_key=True) as counter:
+        yield counter
+
+
+@contextlib.contextmanager
+def _counting(by_key: bool) -> Iterator[Counter[str]]:
+    """One counting block (see :func:`count_s3_requests`)."""
     counter: Counter[str] = Counter()
+    entry = (counter, by_key)
     with _lock:
         if not _active:
             _install()
-        _active.append(counter)
+        _active.append(entry)
     try:
         yield counter
     finally:
         with _lock:
-            _active.remove(counter)
+            # by identity: two blocks' counters may be equal (both empty)
+            del _active[next(i for i, e in enumerate(_active) if e is entry)]
             if not _active:
                 _uninstall()

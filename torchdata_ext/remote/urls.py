@@ -30,6 +30,7 @@ __all__ = [
     "filesystem",
     "is_local",
     "join",
+    "one_request",
     "protocol_of",
     "storage_options_of",
     "unstrip",
@@ -150,6 +151,13 @@ def protocol_of(fs: Any) -> str:
     """The primary protocol name of an fsspec filesystem (``"file"``, ``"s3"``, ...)."""
     proto = fs.protocol
     return proto[0] if isinstance(proto, (tuple, list)) else str(proto)
+
+
+def one_request(fs: Any) -> dict[str, Any]:
+    """``fs.cat_file``'s options that read a whole small object in one request: s3fs asks an
+    object's size first (a HEAD) to read large ones in parallel parts, unless told
+    ``max_concurrency=1``; other filesystems need nothing."""
+    return {"max_concurrency": 1} if protocol_of(fs) == "s3" else {}
 
 
 def is_local(fs: Any) -> bool:

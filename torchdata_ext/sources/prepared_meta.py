@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.remote import with_retries, write_bytes_atomic
-from torchdata_ext.remote.urls import filesystem, join, protocol_of
+from torchdata_ext.remote.urls import filesystem, join, one_request
 from torchdata_ext.tokenizers.load import TokenIds, check_special_tokens, token_ids, tokenizer_hash
 
 __all__ = [
@@ -219,9 +219,9 @@ def read_side_file(url: str, storage_options: dict[str, Any] | None = None) -> b
     object store (s3fs asks an object's size first, a HEAD, unless told to read it in one
     request)."""
     fs, path = filesystem(url, storage_options)
-    one_request = {"max_concurrency": 1} if protocol_of(fs) == "s3" else {}
+    whole = one_request(fs)
     try:
-        return bytes(with_retries(lambda: fs.cat_file(path, **one_request), url, what="read"))
+        return bytes(with_retries(lambda: fs.cat_file(path, **whole), url, what="read"))
     except FileNotFoundError:
         return None
 
