@@ -44,6 +44,7 @@ from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
     WeightChanges,
+    check_ranks_agree,
     check_weights,
     is_pipeline_config,
 )
@@ -474,7 +475,11 @@ class TokenLoader:
         Rows the pipeline holds already (its shuffle buffer) were mixed before: the delivered
         share moves to the new weights over about ``shuffle_buffer / batch_size`` steps of
         each worker (see :mod:`torchdata_ext.loader.weights`). Under ``torchrun`` every rank
-        must make the same calls (a restore refuses ranks whose recorded changes differ).
+        must make the same call at the same point of its loop (e.g. weights from an all-reduced
+        loss): with ``torch.distributed`` initialised the call gathers every rank's
+        ``(from_step, weights)`` and refuses them on every rank if they differ
+        (:func:`~torchdata_ext.loader.weights.check_ranks_agree`); a restore refuses a
+        checkpoint whose ranks recorded different changes.
 
         Args:
             weights: dataset name -> weight (> 0, relative, in tokens as the config's).
@@ -486,8 +491,13 @@ class TokenLoader:
         Raises:
             TypeError: the loader was not built from ``functools.partial(build_pipeline, cfg)``.
             ValueError: ``from_step`` before the earliest step (named), a bad weight, a config
-                with phases or ``pack_mode="best_fit"``, or ``snapshot_every_n_steps > 1``.
+                with phases or ``pack_mode="best_fit"``, ``snapshot_every_n_steps > 1``, or
+                ranks that asked for different changes (named).
         """
+        # first, so that ranks making one bad call all refuse it rather than wait in the gather
+        check_ranks_agree(
+            self._step + 1 if from_step is None else from_step, weights, self.world_size
+        )
         cfg = self.built_config()
         if cfg is None:
             raise TypeError(

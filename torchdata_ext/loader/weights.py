@@ -35,6 +35,7 @@ from typing import Any
 __all__ = [
     "ScheduleRecord",
     "WeightChanges",
+    "check_ranks_agree",
     "check_weights",
     "is_pipeline_config",
     "with_weights",
@@ -61,6 +62,42 @@ def check_weights(cfg: Any, weights: Mapping[str, float]) -> dict[str, float]:
     out = checked_weights(weights, list(cfg.dataset_weights), "set_weights")
     refuse_weight_changes(cfg, "set_weights")
     return out
+
+
+def check_ranks_agree(step: Any, weights: Any, world_size: int) -> None:
+    """Refuse a ``set_weights(weights, from_step=step)`` call that the other ranks did not make
+    identically, when ``torch.distributed`` is initialised with ``world_size`` (> 1) ranks.
+
+    A collective (one ``all_gather_object`` of ``(step, weights)``): every rank must call
+    ``set_weights`` at the same point of its loop, as a trainer does with weights computed from
+    an all-reduced loss (a rank that makes no call leaves the others waiting in the gather
+    until the process group's timeout). Without a process group of ``world_size`` ranks it
+    does nothing (a restore still refuses a checkpoint whose ranks recorded other changes).
+
+    Raises:
+        ValueError: the ranks asked for different steps or weights (every rank raises, naming
+            each rank that differs from rank 0 and what each asked for).
+    """
+    import torch.distributed as dist
+
+    if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() != world_size:
+        return
+    mine = [step, dict(weights) if isinstance(weights, Mapping) else repr(weights)]
+    calls: list[Any] = [None] * world_size
+    dist.all_gather_object(calls, mine)
+    differ = [r for r, c in enumerate(calls) if c != calls[0]]
+    if differ:
+        asked = "; ".join(
+            f"rank {r}: from_step={c[0]} weights={c[1]}" for r, c in enumerate(calls)
+            if r == 0 or r in differ
+        )  # fmt: skip
+        raise ValueError(
+            f"set_weights: the ranks asked for different changes ({asked}); every rank must "
+            "make the same call at the same step (e.g. weights computed from an all-reduced "
+            "loss, or on rank 0 and broadcast); no rank changed its mix"
+        )
 
 
 def is_pipeline_config(arg: Any) -> bool:
