@@ -214,3 +214,45 @@ def counted_fingerprint_reads(monkeypatch: Any = None) -> list[str]:
     else:
         fingerprint._sampled_sha256 = counting  # type: ignore[assignment]
     return read
+
+
+def two_dataset_config(root: str, **extra: Any) -> PipelineConfig:
+    """The weight-change tests' pipeline: ``web`` and ``code`` (160 documents of ~30 tokens
+    each, written under ``root``), 1:1, 32-token rows, batches of 4, one epoch."""
+    write_random_arrow_datasets(root, (("web", 160, 30), ("code", 160, 30)), seed=11)
+    return PipelineConfig(
+        data_path=root, datasets="web,code", weights="1,1", seq_length=32, eos_token=0,
+        logical_shards=12, batch_size=4, seed=3, shuffle_buffer=1, block_docs=4, epochs=1,
+        output_keys="input_ids,labels,dataset_ids,provenance", **extra,
+    )  # fmt: skip
+
+
+def take_batches(
+    loader: Any, stop: int | None, states: dict | None = None, start: int = 0
+) -> list[Any]:
+    """A ``TokenLoader``'s batches ``start + 1 .. stop`` (None: to the end), then closed;
+    ``states[k]``: its state after step k (and at ``start``)."""
+    out = []
+    if states is not None:
+        states[start] = loader.state_dict()
+    for step, batch in enumerate(loader, start + 1):
+        out.append(batch)
+        if states is not None:
+            states[step] = loader.state_dict()
+        if step == stop:
+            break
+    loader.close()
+    return out
+
+
+def same_input_ids(a: list[Any], b: list[Any]) -> bool:
+    """Whether two lists of batches hold the same ``input_ids``, batch by batch."""
+    return len(a) == len(b) and all(
+        np.array_equal(x["input_ids"].numpy(), y["input_ids"].numpy()) for x, y in zip(a, b)
+    )
+
+
+def dataset_share(batches: list[Any], dataset: int = 1) -> float:
+    """Dataset number ``dataset``'s share of the data tokens of ``batches`` (``dataset_ids``)."""
+    ids = np.concatenate([x["dataset_ids"].numpy().ravel() for x in batches])
+    return float((ids == dataset).sum() / (ids >= 0).sum())

@@ -14,7 +14,13 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
+from harness import (
+    check_exactly_once,
+    document_lengths,
+    same_input_ids,
+    take_batches,
+    two_dataset_config,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,34 +38,7 @@ PER_STEP = 4 * 32  # batch_size x seq_length, one rank
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
-    root = tmp_path_factory.mktemp("schedule_tokens")
-    write_random_arrow_datasets(str(root), (("web", 160, 30), ("code", 160, 30)), seed=11)
-    return PipelineConfig(
-        data_path=str(root), datasets="web,code", weights="1,1", seq_length=32, eos_token=0,
-        logical_shards=12, batch_size=4, seed=3, shuffle_buffer=1, block_docs=4, epochs=1,
-        output_keys="input_ids,labels,dataset_ids,provenance",
-    )  # fmt: skip
-
-
-def _take(loader: TokenLoader, stop: int | None, states: dict | None = None, start: int = 0):
-    """Batches ``start + 1 .. stop`` (None: to the end); ``states[k]``: the state after step k."""
-    out = []
-    for step, batch in enumerate(loader, start + 1):
-        out.append(batch)
-        if states is not None:
-            states[step] = loader.state_dict()
-        if step == stop:
-            break
-    loader.close()
-    return out
-
-
-def _ids(batches: list) -> list[np.ndarray]:
-    return [b["input_ids"].numpy() for b in batches]
-
-
-def _equal(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(_ids(a), _ids(b)))
+    return two_dataset_config(str(tmp_path_factory.mktemp("schedule_tokens")))
 
 
 @settings(max_examples=200, deadline=None)
@@ -114,13 +93,13 @@ def test_a_ramp_interpolates_the_shares_in_stairs() -> None:
 def test_a_token_schedule_gives_the_batches_of_the_same_steps(cfg) -> None:
     """Token points 640 and 1400 at 128 tokens a step are steps 6 and 12, whatever the workers."""
     by_steps = dataclasses.replace(cfg, weight_schedule={6: "1,3", 12: "3,1"})
-    want = _take(TokenLoader(functools.partial(build_pipeline, by_steps), num_workers=2), 20)
+    want = take_batches(TokenLoader(functools.partial(build_pipeline, by_steps), num_workers=2), 20)
     by_tokens = dataclasses.replace(
         cfg, weight_schedule={0: "1,1", 640: "1,3", 1.4e3: "3,1"}, weight_schedule_unit="tokens"
     )
     loader = TokenLoader(functools.partial(build_pipeline, by_tokens), num_workers=2)
     assert [p[0] for p in loader.weight_points()] == [1, 6, 12]
-    assert _equal(_take(loader, 20), want)
+    assert same_input_ids(take_batches(loader, 20), want)
     one = TokenLoader(functools.partial(build_pipeline, by_tokens))  # in this process
     assert [p[0] for p in one.weight_points()] == [1, 6, 12]
     one.close()
@@ -134,7 +113,7 @@ def test_a_rescale_to_two_ranks_moves_the_next_token_point(cfg, tmp_path) -> Non
     )
     build = functools.partial(build_pipeline, by_tokens)
     states: dict = {}
-    first = _take(TokenLoader(build, num_workers=2), 8, states)
+    first = take_batches(TokenLoader(build, num_workers=2), 8, states)
     again = TokenLoader(build, num_workers=2)
     again.load_state_dict(states[8])
     save_checkpoint(again, str(tmp_path / "ckpt"))
@@ -144,7 +123,7 @@ def test_a_rescale_to_two_ranks_moves_the_next_token_point(cfg, tmp_path) -> Non
         load_checkpoint(loader, str(tmp_path / "ckpt"))
         assert [p[0] for p in loader.weight_points()] == [6, 11]
         assert loader.state_dict()["weight_schedule"]["step_tokens"] == [[1, 128], [9, 256]]
-        rest.append(_take(loader, None, start=8))
+        rest.append(take_batches(loader, None, start=8))
     # after the point the mix is 3:1 (web) on both ranks: steps 13.. of both ranks together
     ids = np.concatenate([b["dataset_ids"].numpy().ravel() for r in rest for b in r[4:14]])
     assert 0.1 < (ids == 1).sum() / (ids >= 0).sum() < 0.4
@@ -166,15 +145,16 @@ def test_a_ramp_is_its_stairs_through_restores(cfg) -> None:
     loader = TokenLoader(build, num_workers=2)
     stairs = {s: w for s, w, _ in loader.weight_points()}
     assert sorted(stairs) == [2, 5, 8, 10]
-    full = _take(loader, 16, states)
+    full = take_batches(loader, 16, states)
     written = dataclasses.replace(cfg, weight_schedule=stairs)  # the same stairs, by hand
-    assert _equal(
-        _take(TokenLoader(functools.partial(build_pipeline, written), num_workers=2), 16), full
+    assert same_input_ids(
+        take_batches(TokenLoader(functools.partial(build_pipeline, written), num_workers=2), 16),
+        full,
     )
     for k in (3, 5, 7):  # inside the ramp, at a stair, before one
         again = TokenLoader(build, num_workers=2)
         again.load_state_dict(states[k])
-        assert _equal(_take(again, 16, start=k), full[k:]), f"restored at step {k}"
+        assert same_input_ids(take_batches(again, 16, start=k), full[k:]), f"restored at step {k}"
 
 
 def test_a_restore_under_another_unit_or_ramp_is_refused(cfg, tmp_path) -> None:

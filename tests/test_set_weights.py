@@ -13,7 +13,12 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
+from harness import (
+    check_exactly_once,
+    document_lengths,
+    same_input_ids,
+    two_dataset_config,
+)
 
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
@@ -29,13 +34,7 @@ CALLS = {4: ({"web": 1.0, "code": 3.0}, 6), 11: ({"web": 3.0, "code": 1.0}, 12)}
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
-    root = tmp_path_factory.mktemp("set_weights")
-    write_random_arrow_datasets(str(root), (("web", 160, 30), ("code", 160, 30)), seed=11)
-    return PipelineConfig(
-        data_path=str(root), datasets="web,code", weights="1,1", seq_length=32, eos_token=0,
-        logical_shards=12, batch_size=4, seed=3, shuffle_buffer=1, block_docs=4, epochs=1,
-        output_keys="input_ids,labels,dataset_ids,provenance",
-    )  # fmt: skip
+    return two_dataset_config(str(tmp_path_factory.mktemp("set_weights")))
 
 
 def _run(loader: TokenLoader, start: int, stop: int | None, states: dict | None = None) -> list:
@@ -59,12 +58,6 @@ def _run(loader: TokenLoader, start: int, stop: int | None, states: dict | None 
     return out
 
 
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(
-        np.array_equal(x["input_ids"].numpy(), y["input_ids"].numpy()) for x, y in zip(a, b)
-    )
-
-
 def test_restore_at_any_step_replays_the_changes(cfg) -> None:
     build = functools.partial(build_pipeline, cfg)
     states: dict = {}
@@ -73,7 +66,7 @@ def test_restore_at_any_step_replays_the_changes(cfg) -> None:
         loader = TokenLoader(build, num_workers=2)
         loader.load_state_dict(states[k])
         rest = _run(loader, k, 20)
-        assert _same(rest, full[k:]), f"restored at step {k}"
+        assert same_input_ids(rest, full[k:]), f"restored at step {k}"
     # the changes are in the state: a restore after both needs no call
     assert states[12]["weight_changes"] == [[6, {"web": 1.0, "code": 3.0}],
                                             [12, {"web": 3.0, "code": 1.0}]]  # fmt: skip
@@ -151,7 +144,7 @@ def test_a_weight_schedule_is_the_same_changes_made_by_the_loader(cfg, tmp_path)
         if step == 16:
             break
     loader.close()
-    assert _same(got, calls)
+    assert same_input_ids(got, calls)
     again = TokenLoader(build, num_workers=2)
     again.load_state_dict(states[4])
     rest = []
@@ -160,7 +153,7 @@ def test_a_weight_schedule_is_the_same_changes_made_by_the_loader(cfg, tmp_path)
         if step == 16:
             break
     again.close()
-    assert _same(rest, calls[4:])
+    assert same_input_ids(rest, calls[4:])
     save_checkpoint(TokenLoader(build), str(tmp_path / "ckpt"))
     other = dataclasses.replace(cfg, weight_schedule={6: {"web": 1.0, "code": 2.0}})
     with pytest.raises(ValueError, match=r"weight_schedule differs: the checkpoint was taken"):

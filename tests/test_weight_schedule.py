@@ -10,7 +10,13 @@ import functools
 
 import numpy as np
 import pytest
-from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
+from harness import (
+    check_exactly_once,
+    dataset_share,
+    document_lengths,
+    take_batches,
+    two_dataset_config,
+)
 
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.loader.token_loader import TokenLoader
@@ -25,33 +31,9 @@ SCHEDULE = {6: "1,3", 12: {"web": 3, "code": 1}}
 
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory) -> PipelineConfig:
-    root = tmp_path_factory.mktemp("weight_schedule")
-    write_random_arrow_datasets(str(root), (("web", 160, 30), ("code", 160, 30)), seed=11)
-    return PipelineConfig(
-        data_path=str(root), datasets="web,code", weights="1,1", seq_length=32, eos_token=0,
-        logical_shards=12, batch_size=4, seed=3, shuffle_buffer=1, block_docs=4, epochs=1,
-        output_keys="input_ids,labels,dataset_ids,provenance", weight_schedule=SCHEDULE,
-    )  # fmt: skip
-
-
-def _run(loader: TokenLoader, start: int, stop: int | None, states: dict | None = None) -> list:
-    """Batches ``start + 1 .. stop`` (None: to the end); ``states[k]``: the state after step k."""
-    out = []
-    if states is not None:
-        states[start] = loader.state_dict()
-    for step, batch in enumerate(loader, start + 1):
-        out.append(batch)
-        if states is not None:
-            states[step] = loader.state_dict()
-        if step == stop:
-            break
-    loader.close()
-    return out
-
-
-def _code_share(batches: list) -> float:
-    ids = np.concatenate([x["dataset_ids"].numpy().ravel() for x in batches])
-    return float((ids == 1).sum() / (ids >= 0).sum())
+    return two_dataset_config(
+        str(tmp_path_factory.mktemp("weight_schedule")), weight_schedule=SCHEDULE
+    )
 
 
 def test_the_schedule_is_parsed_to_sorted_steps(cfg) -> None:
@@ -61,32 +43,32 @@ def test_the_schedule_is_parsed_to_sorted_steps(cfg) -> None:
 def test_restore_at_several_steps_gives_the_rest_of_the_stream(cfg) -> None:
     build = functools.partial(build_pipeline, cfg)
     states: dict = {}
-    full = _run(TokenLoader(build, num_workers=2), 0, 18, states)
+    full = take_batches(TokenLoader(build, num_workers=2), 18, states)
     for k in (3, 5, 6, 11, 12, 13):
         loader = TokenLoader(build, num_workers=2)
         loader.load_state_dict(states[k])
-        rest = _run(loader, k, 18)
+        rest = take_batches(loader, 18, start=k)
         assert len(rest) == 18 - k
         for i, (a, b) in enumerate(zip(rest, full[k:]), k + 1):
             assert np.array_equal(a["input_ids"].numpy(), b["input_ids"].numpy()), (k, i)
     # the mix follows the schedule (1:1, then 1:3 from step 6, then 3:1 from step 12)
-    assert 0.35 < _code_share(full[0:5]) < 0.65
-    assert 0.6 < _code_share(full[6:11]) < 0.9
-    assert 0.1 < _code_share(full[13:18]) < 0.4
+    assert 0.35 < dataset_share(full[0:5]) < 0.65
+    assert 0.6 < dataset_share(full[6:11]) < 0.9
+    assert 0.1 < dataset_share(full[13:18]) < 0.4
 
 
 def test_a_rescale_before_a_scheduled_step_delivers_every_document_once(cfg, tmp_path) -> None:
     """Saved at step 4 on 2 workers (before the change at 6), restored on 3 workers."""
     build = functools.partial(build_pipeline, cfg)
     states: dict = {}
-    first = _run(TokenLoader(build, num_workers=2), 0, 4, states)
+    first = take_batches(TokenLoader(build, num_workers=2), 4, states)
     again = TokenLoader(build, num_workers=2)
     again.load_state_dict(states[4])
     save_checkpoint(again, str(tmp_path / "ckpt"))
     rescaled = TokenLoader(build, num_workers=3)
     load_checkpoint(rescaled, str(tmp_path / "ckpt"))
-    rest = _run(rescaled, 4, None)
-    assert 0.6 < _code_share(rest[7 - 5 : 11 - 4]) < 0.9  # steps 7..11: 1:3 on 3 workers
+    rest = take_batches(rescaled, None, start=4)
+    assert 0.6 < dataset_share(rest[7 - 5 : 11 - 4]) < 0.9  # steps 7..11: 1:3 on 3 workers
     coverage: dict = {}
     names = list(cfg.dataset_weights)
     for batch in first + rest:
