@@ -244,7 +244,7 @@ def build_pack(cfg: dict[str, Any], indexes, world: World) -> Pack:
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
 def test_every_document_is_one_run_in_the_mix_and_in_the_packed_stream(cfg) -> None:
     with tempfile.TemporaryDirectory() as root:
