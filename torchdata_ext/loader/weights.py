@@ -272,9 +272,8 @@ class ScheduleRecord:
             self.step_tokens = [[1, int(per_step)]]
         if self.step_tokens[-1][1] == per_step:
             return
+        # an entry from step + 1 on (a restore here before) gives way to this one
         self.step_tokens = [e for e in self.step_tokens if e[0] <= step]
-        if self.step_tokens[-1][0] == step + 1:
-            self.step_tokens.pop()
         self.step_tokens.append([int(step) + 1, int(per_step)])
 
     def tokens_before(self, step: int) -> int:
