@@ -84,7 +84,8 @@ class DocumentBlock:
     @property
     def lengths(self) -> np.ndarray:
         """Length of each piece (tokens, or characters for text)."""
-        return np.diff(self.offsets)
+        off = self.offsets
+        return off[1:] - off[:-1]
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and ha
 :class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`).
 
-This module is 574 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 600 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
@@ -32,6 +32,10 @@ from torchdata_ext.document import DocumentBlock
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
 _SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
+# what a block's layout is kept under in the block's __dict__ (see _Pieces.of, StreamCursor._units);
+# a block is not changed once made (cut_block and select make new ones)
+_PIECES_MEMO = "_stream_pieces"
+_UNITS_MEMO = "_stream_units"
 
 StreamPiece = tuple[
     str, int, int, int, int
@@ -308,7 +312,7 @@ class StreamCursor:
         rows = self._provenance_rows(block, ds_id, pieces, addbos, addeos)
         row_off = np.empty(len(rows) + 1, np.int64)
         row_off[0] = 0
-        np.cumsum(rows[:, 4], out=row_off[1:])
+        rows[:, 4].cumsum(out=row_off[1:])
         return Stream(
             pre_state,
             carry_in,
@@ -343,13 +347,28 @@ class StreamCursor:
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
     ) -> tuple[np.ndarray | None, np.ndarray | None, set[int], np.ndarray]:
         """The BOS and EOS marks of ``block``'s pieces (None: none), the pieces whose BOS was
-        delivered before a rescale, and the units' stream offsets."""
+        delivered before a rescale, and the units' stream offsets.
+
+        Without open-document or no-BOS records to consult (no shared BOS/EOS token, no
+        rescale's delivered BOS pending) the result depends on the block and the specials
+        alone, so it is kept with the block (``_UNITS_MEMO``): the mix's mirror of Pack's
+        cursor lays each block it emits out, and Pack's cursor then takes the same result
+        instead of computing it again."""
+        key = (self.bos_token, self.eos_token, self.dtype)
+        pure = not self._combined and not self._no_bos
+        if pure:
+            memo = block.__dict__.get(_UNITS_MEMO)
+            if memo is not None and memo[0] == key:
+                return memo[1]
         addbos, addeos = self._specials_to_add(block, tokens, pieces)
         skipped: set[int] = set()
         if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
             skipped = self._skip_delivered_bos(block, addbos)
         addbos, addeos = _marks_any(addbos), _marks_any(addeos)
-        return addbos, addeos, skipped, _unit_offsets(pieces.lengths, addbos, addeos)
+        out = addbos, addeos, skipped, _unit_offsets(pieces.lengths, addbos, addeos)
+        if pure:
+            block.__dict__[_UNITS_MEMO] = (key, out)
+        return out
 
     def _specials_to_add(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
@@ -493,11 +512,15 @@ class _Pieces(NamedTuple):
 
     @classmethod
     def of(cls, block: DocumentBlock) -> _Pieces:
-        """The pieces of ``block``."""
+        """The pieces of ``block`` (kept with the block: the mix's mirror and Pack's cursor
+        both lay out each block the mix emits)."""
+        memo = block.__dict__.get(_PIECES_MEMO)
+        if memo is not None:
+            return memo
         off = np.asarray(block.offsets, np.int64)
         lengths = off[1:] - off[:-1]
         nonempty = lengths > 0
-        return cls(
+        out = cls(
             off,
             lengths,
             np.asarray(block.start) == 0,
@@ -505,6 +528,8 @@ class _Pieces(NamedTuple):
             nonempty,
             bool(nonempty.all()),
         )
+        block.__dict__[_PIECES_MEMO] = out
+        return out
 
 
 def _check_block(block: Any) -> None:
@@ -551,7 +576,7 @@ def _unit_offsets(
         unit_len = unit_len + addeos
     unit_off = np.empty(len(lengths) + 1, np.int64)
     unit_off[0] = 0
-    np.cumsum(unit_len, out=unit_off[1:])
+    unit_len.cumsum(out=unit_off[1:])
     return unit_off
 
 
