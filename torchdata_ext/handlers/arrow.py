@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from torchdata_ext.handlers.arrow_index import BatchIndex, batch_index, index_agrees
 from torchdata_ext.handlers.base import DataFileError, FileHandler
@@ -184,6 +183,10 @@ class RowColumn:
         if not self.chunks:
             return np.zeros(0, dtype=np.int64)
         if self.text:
+            # imported here: pyarrow.compute takes ~80 ms to import, which every dataloader
+            # worker paid before its first batch while only text lengths use it
+            import pyarrow.compute as pc
+
             parts = [
                 pc.fill_null(pc.utf8_length(c), 0).to_numpy(zero_copy_only=False)
                 for c in self.chunks

@@ -484,13 +484,13 @@ class StreamCursor:
             rows[1::2, 2] = mid[:, 2]
             rows[1::2, 3] = literal_code(ds_id, mid[:, 1])
             return rows
-        no = np.zeros(n, bool)
-        which = np.flatnonzero(
-            np.stack(
-                [no if addbos is None else addbos, p.nonempty, no if addeos is None else addeos],
-                1,
-            ).ravel()
-        )
+        present = np.zeros((n, 3), bool)  # per piece: its BOS row, its own row, its EOS row
+        if addbos is not None:
+            present[:, 0] = addbos
+        present[:, 1] = p.nonempty
+        if addeos is not None:
+            present[:, 2] = addeos
+        which = np.flatnonzero(present.ravel())
         rows3 = np.empty((n, 3, PROV_COLUMNS), np.int64)
         rows3[:, 0] = self._bos_row
         rows3[:, 1] = mid
