@@ -91,3 +91,33 @@ def test_layers() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_building_a_token_pipeline_does_not_import_pyarrow_compute(tmp_path: Path) -> None:
+    """Every dataloader worker builds its pipeline before its first batch; pyarrow.compute takes
+    ~80 ms to import (more than the rest of the build), and token data never needs it. Run in a
+    fresh interpreter, as a worker started by ``spawn`` is, so nothing imported it before."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from torchdata_ext.testing import write_arrow_batches
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        docs = [np.arange(1, 40 + i, dtype=np.uint32) for i in range(30)]
+        write_arrow_batches(str(tmp_path / name / "part.arrow"), docs)
+    script = f"""
+import sys
+from torchdata_ext import PipelineConfig, World, build_pipeline
+cfg = PipelineConfig(data_path={str(tmp_path)!r}, datasets=["a", "b"], weights=[1, 1],
+                     seq_length=16, batch_size=2, shuffle_buffer=4, eos_token=0, logical_shards=4)
+batch = next(iter(build_pipeline(cfg, World())))
+assert batch["input_ids"].shape == (2, 16), batch["input_ids"].shape
+print(sorted(m for m in sys.modules if m.startswith("pyarrow.compute")))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,222 @@
+"""Side by side with the loader this product replaces: IBM's fms-fsdp dataloader.
+
+The same corpus (3 datasets 3:1:1 of Bamba-layout uint32 Arrow, lognormal documents), the same
+config (seq 4096 + 1, batch 8, a 10,000-row shuffle buffer, 64 logical shards, int32 tokens),
+through each loader as a training loop takes it, alternately, ``--repeat`` rounds:
+
+* **fms-fsdp**: ``fms_fsdp.utils.dataloader_utils.get_data_loader`` with 0 and 2 workers (its
+  state is saved by the workers every ``checkpoint_interval`` steps; here never, as in the
+  issue's measurement);
+* **torchdata-ext**: ``TokenLoader(functools.partial(build_pipeline, cfg), num_workers=w)``
+  with ``state_dict()`` after every batch, for each ``--workers`` count.
+
+For each: seconds from building the loader to its first batch; input tokens per second over
+``--batches`` batches after the first; CPU seconds per million tokens of the whole process tree
+(the training process and its workers). And the first batch after a restore: torchdata-ext's
+``load_state_dict`` of a state taken after ``--restore-at`` batches (pickled, as a checkpoint
+holds it); fms-fsdp's resume from the checkpoint its workers wrote at that step.
+
+fms-fsdp is not on PyPI: clone it and pass the folder (the benchmark imports its loader from
+there; nothing of it is copied into this project). Its ``file_type="arrow"`` passes the handler
+class where an instance is expected and fails (at its commit 5a296af); ``"auto"`` reads Arrow
+files with the same ``ArrowHandler``, so that is what runs. Its module imports
+``transformers`` for the Parquet handler's tokenizer, which Arrow data does not use: a
+placeholder stands in for it.
+
+    git clone https://github.com/foundation-model-stack/fms-fsdp /tmp/fms-fsdp
+    python benchmarks/old_loader.py --fms-fsdp /tmp/fms-fsdp [--tokens 150_000_000]
+        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
+from _cpu import tree_cpu  # noqa: E402
+
+from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline  # noqa: E402
+
+SEQ, BATCH, BUFFER, SHARDS = 4096, 8, 10_000, 64
+
+
+class Run:
+    """One measurement: first batch (s), tokens/s after it, CPU s per M tokens."""
+
+    def __init__(self, first: float, rate: float, cpu: float) -> None:
+        self.first, self.rate, self.cpu = first, rate, cpu
+
+
+def timed(make: Callable[[], Iterator[Any]], tokens_of: Callable[[Any], int], batches: int,
+          after: Callable[[], None] = lambda: None) -> Run:  # fmt: skip
+    """Build an iterator, time its first batch, then ``batches`` more with ``after()`` each."""
+    t0 = time.perf_counter()
+    it = make()
+    next(it)
+    after()
+    first = time.perf_counter() - t0
+    t1, c1 = time.perf_counter(), tree_cpu()
+    tokens = 0
+    for _ in range(batches):
+        tokens += tokens_of(next(it))
+        after()
+    wall, cpu = time.perf_counter() - t1, tree_cpu() - c1
+    return Run(first, tokens / wall, cpu / tokens * 1e6)
+
+
+def load_fms(path: str) -> Callable[..., Any]:
+    if not os.path.isdir(os.path.join(path, "fms_fsdp")):
+        sys.exit(
+            f"--fms-fsdp {path!r} is not a checkout of fms-fsdp (no fms_fsdp/ in it): clone "
+            "https://github.com/foundation-model-stack/fms-fsdp and pass its folder"
+        )
+    # only its Parquet handler's tokenizer uses transformers (made, never called, by "auto")
+    tokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: None)
+    sys.modules["transformers"] = types.SimpleNamespace(AutoTokenizer=tokenizer)  # type: ignore[assignment]
+    sys.path.insert(0, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fms_fsdp.utils.dataloader_utils import get_data_loader
+    return get_data_loader
+
+
+def fms_config(root: str, workers: int, ckpt: str, interval: int, resume: bool) -> Any:
+    return types.SimpleNamespace(
+        data_path=root, file_type="auto", col_name="tokens", tokenizer_path="",
+        datasets=",".join(BAMBA_SHARES), weights="3,1,1", seq_length=SEQ, bos_token=None,
+        eos_token=0, bol_token=None, eol_token=None, strip_tokens="", logical_shards=SHARDS,
+        num_workers=workers, batch_size=BATCH, seed=2023, ckpt_load_path=ckpt,
+        ckpt_save_path=ckpt, resuming_dataset=resume, checkpoint_interval=interval,
+    )  # fmt: skip
+
+
+def old_runs(get_loader: Callable[..., Any], root: str, workers: int, batches: int,
+             restore_at: int) -> tuple[Run, float]:  # fmt: skip
+    """fms-fsdp: a fresh run (its workers save at ``restore_at`` batches per worker, counted
+    in their own samples) and the first batch of a run resumed from that save."""
+    ckpt = tempfile.mkdtemp(prefix="fms_ckpt_")
+    quiet = _quiet_stdout()
+    try:
+        cfg = fms_config(root, workers, ckpt, 10**9, resume=False)  # the timed run saves nothing
+        with quiet:
+            run = timed(lambda: iter(get_loader(cfg, 0, 1)), lambda b: b[0].numel(), batches)
+        # its workers save after restore_at batches of their own (CheckpointDataset counts them)
+        cfg = fms_config(root, workers, ckpt, restore_at, resume=False)
+        with quiet:
+            it = iter(get_loader(cfg, 0, 1))
+            for _ in range(restore_at * max(1, workers) + 1):
+                next(it)
+            del it
+        cfg = fms_config(root, workers, ckpt, 10**9, resume=True)
+        t0 = time.perf_counter()
+        with quiet:
+            next(iter(get_loader(cfg, 0, 1)))
+        return run, time.perf_counter() - t0
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def new_runs(cfg: PipelineConfig, workers: int, batches: int, restore_at: int) -> tuple[Run, float]:
+    """torchdata-ext: a fresh run with a state after every batch, and the first batch after
+    ``load_state_dict`` of the (pickled) state taken after ``restore_at`` batches."""
+    holder: dict[str, Any] = {}
+
+    def make() -> Iterator[Any]:
+        holder["loader"] = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=workers)
+        return iter(holder["loader"])
+
+    run = timed(make, lambda b: b["input_ids"].numel(), batches,
+                lambda: holder["loader"].state_dict())  # fmt: skip
+    holder["loader"].close()
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=workers)
+    it = iter(loader)
+    for _ in range(restore_at):
+        next(it)
+    saved = pickle.dumps(loader.state_dict())
+    loader.close()
+    t0 = time.perf_counter()
+    again = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=workers)
+    again.load_state_dict(pickle.loads(saved))
+    next(iter(again))
+    first = time.perf_counter() - t0
+    again.close()
+    return run, first
+
+
+class _quiet_stdout:
+    """fms-fsdp prints from every worker at each save and load."""
+
+    def __enter__(self) -> None:
+        self._saved = sys.stdout
+        sys.stdout = open(os.devnull, "w")
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.stdout.close()
+        sys.stdout = self._saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--fms-fsdp", required=True, help="a clone of foundation-model-stack/fms-fsdp")
+    p.add_argument("--tokens", type=int, default=150_000_000, help="corpus size (tokens)")
+    p.add_argument("--data-dir", default="bench_data/pipeline")
+    p.add_argument("--batches", type=int, default=1000, help="batches timed after the first")
+    p.add_argument("--restore-at", type=int, default=100, help="batches before the state taken")
+    p.add_argument("--repeat", type=int, default=3, help="alternating rounds; best and median")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--old-workers", type=int, nargs="+", default=[0, 2])
+    args = p.parse_args()
+
+    get_loader = load_fms(args.fms_fsdp)
+    root = bamba_corpus(args.data_dir, args.tokens)
+    cfg = PipelineConfig(
+        data_path=root, datasets=list(BAMBA_SHARES), weights=[3, 1, 1], seq_length=SEQ,
+        batch_size=BATCH, shuffle_buffer=BUFFER, logical_shards=SHARDS, eos_token=0,
+        dtype="int32",
+    )  # fmt: skip
+    results: dict[str, list[tuple[Run, float]]] = {}
+    for _ in range(max(1, args.repeat)):
+        for w in args.old_workers:
+            results.setdefault(f"fms-fsdp, {w} workers", []).append(
+                old_runs(get_loader, root, w, args.batches, args.restore_at)
+            )
+        for w in args.workers:
+            results.setdefault(f"torchdata-ext, {w} workers", []).append(
+                new_runs(cfg, w, args.batches, args.restore_at)
+            )
+    refs = {w: max(r.rate for r, _ in results[f"fms-fsdp, {w} workers"]) for w in args.old_workers}
+    print(
+        f"corpus {args.tokens / 1e6:.0f}M tokens, seq {SEQ}+1 x batch {BATCH}, buffer {BUFFER}, "
+        f"{SHARDS} logical shards; {args.batches} batches after the first (the buffers' fill "
+        f"included), best of {args.repeat} (median); torchdata-ext takes state_dict() after "
+        "every batch"
+    )
+    for label, runs in results.items():
+        rates = [r.rate for r, _ in runs]
+        firsts = [r.first for r, _ in runs]
+        restores = [f for _, f in runs]
+        ratios = ", ".join(f"{max(rates) / ref:.2f}x fms-fsdp {w}w" for w, ref in refs.items())
+        print(
+            f"{label:26s} {max(rates) / 1e6:6.2f}M tokens/s (median "
+            f"{statistics.median(rates) / 1e6:.2f}M; {ratios}); CPU "
+            f"{min(r.cpu for r, _ in runs):.3f} s/M tokens; first batch {min(firsts):.3f} s "
+            f"(median {statistics.median(firsts):.3f}); after a restore {min(restores):.3f} s "
+            f"(median {statistics.median(restores):.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
