@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 949 lines: the worker side (the messages and their iterator) and the loader side
+This module is 953 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -101,6 +101,7 @@ class _PipelineIterator(Iterator[_Message]):
         self._ring_slots = ring_slots  # 0: tokens travel in the messages
         self._ring: TokenRing | None = None
         self._ring_sent = False
+        self._ring_due = False  # the ring is made for the second message on (see _grouped)
         # a worker ships batches in their compact form; in this process they are made whole
         wire = getattr(self.root, "next_packed_batch", None) if delta else None
         self._wire: Callable[[], Any] = wire if callable(wire) else self.root.__next__
@@ -150,10 +151,13 @@ class _PipelineIterator(Iterator[_Message]):
         """The batches as one group, their tokens in the next free ring slot if there is one;
         and the ring, if this is the first message that uses it."""
         shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
-        if self._ring is None and self._ring_slots:
+        if self._ring is None and self._ring_slots and self._ring_due:
             self._ring = TokenRing.make((self._group, *shape[1:]), dtype, self._ring_slots)
             if self._ring is None:  # shared memory is short: tokens go in the messages
                 self._ring_slots = 0
+        # the first message (one batch) carries its tokens: making the ring and sending its
+        # handle would hold up the first batch by ~10 ms
+        self._ring_due = True
         ring = self._ring
         slot = ring.claim() if ring is not None and ring.fits(shape, dtype) else None
         if ring is None or slot is None:
