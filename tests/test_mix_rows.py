@@ -326,3 +326,45 @@ def test_mix_cuts_rows_says_which_graphs_cut_documents(long_cfg, extra) -> None:
     (mix,) = [n for n in graph_nodes(node) if isinstance(n, Interleave)]
     follows = mix.get_state()["row_fill"] is not None
     assert follows == mix_cuts_rows(cfg) == (extra in ({}, {"max_tokens": {"code": 900}}))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8),
+    starts=st.lists(st.integers(0, 3), min_size=8, max_size=8),
+    lasts=st.lists(st.booleans(), min_size=8, max_size=8),
+    specials=st.sampled_from([(None, 0), (1, 2), (1, None), (None, None), (3, 3)]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_the_rest_of_a_block_is_laid_out_as_the_block_sliced(
+    lengths, starts, lasts, specials, seed, data
+) -> None:
+    """The mix lays the rest of its block out at every run from the layout of the whole block
+    (``StreamCursor.units_of_rest``): it equals laying out the cut rest itself, over pieces
+    that begin or end with the BOS/EOS ids already, empty pieces, continuations and cuts."""
+    from torchdata_ext.nodes.row_cuts import cut_block
+    from torchdata_ext.nodes.stream import Specials, StreamCursor
+
+    n = len(lengths)
+    rng = np.random.default_rng(seed)
+    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    block = DocumentBlock(
+        "d", rng.integers(0, 4, int(off[-1])).astype(np.int32), None, off,
+        np.zeros(n, np.int32), np.arange(n, dtype=np.int64),
+        np.array([starts[i] if lengths[i] else 0 for i in range(n)], np.int64),
+        np.array(lasts[:n], bool),
+    )  # fmt: skip
+    bos, eos = specials
+    cursor = StreamCursor(None, np.dtype(np.int32), Specials(bos, eos, None, None, 0))  # type: ignore[arg-type]
+    lo = data.draw(st.integers(0, n - 1))
+    skip = data.draw(st.integers(0, max(0, lengths[lo] - 1)))
+    hi = data.draw(st.integers(lo + 1, n))
+    got = cursor.units_of_rest(block, lo, skip, hi)
+    want = cursor.units(cut_block(block, lo, skip, hi, 0), peek=True)
+    if bos is not None and bos == eos:  # one shared separator: open documents are followed
+        assert got is None
+        return
+    assert got is not None and want.pin_at is None
+    assert got.off.tolist() == want.off.tolist()
+    assert got.bos.tolist() == want.bos.tolist()

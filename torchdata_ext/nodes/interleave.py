@@ -40,7 +40,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 624 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 627 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -550,8 +550,11 @@ class Interleave(BaseNode[DocumentBlock]):
         last, n = block.last, len(block)
         close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
         skip = self._offset[s]
-        rest = cut_block(block, lo, skip, (n - 1 if anywhere else close) + 1, 0)
-        units = self._mirror.units(rest, peek=True)  # pins (a hand-back) restart the rows
+        stop = (n - 1 if anywhere else close) + 1
+        rest = cut_block(block, lo, skip, stop, 0)
+        units = self._mirror.units_of_rest(block, lo, skip, stop)
+        if units is None:
+            units = self._mirror.units(rest, peek=True)  # pins (a hand-back) restart the rows
         t0, w = self._tokens[s], self.weights[s]
         at = first_row_end(
             rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side

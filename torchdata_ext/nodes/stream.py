@@ -12,7 +12,7 @@ A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and ha
 :class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`).
 
-This module is 600 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 616 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
@@ -342,6 +342,22 @@ class StreamCursor:
             self._open, self._no_bos, self._no_bos_list = saved
         bos = np.zeros(len(pieces.lengths), np.int64) if addbos is None else addbos.astype(np.int64)
         return Units(unit_off, bos, _pinned_units(block, pieces, unit_off, skipped))
+
+    def units_of_rest(self, block: DocumentBlock, lo: int, skip: int, hi: int) -> Units | None:
+        """:meth:`units` ``(cut_block(block, lo, skip, hi, 0), peek=True)`` (pieces ``lo ..
+        hi`` of ``block``, the first from its token ``skip`` on) sliced from the layout of the
+        whole block, which is kept with it: the mix lays the rest of its current block out at
+        every run. None when that layout depends on more than the block (open-document or
+        no-BOS records, a block a rescale handed back): then ask :meth:`units`."""
+        if self._combined or self._no_bos or block.stop is not None:
+            return None
+        addbos, _, _, unit_off = self._units(block, np.asarray(block.tokens), _Pieces.of(block))
+        off = unit_off[lo : hi + 1] - unit_off[lo]
+        bos = np.zeros(hi - lo, np.int64) if addbos is None else addbos[lo:hi].astype(np.int64)
+        if skip and hi > lo:  # piece lo goes on from token skip: no BOS, skip tokens fewer
+            off[1:] -= skip + bos[0]
+            bos[0] = 0
+        return Units(off, bos, None)
 
     def _units(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
