@@ -76,27 +76,29 @@ def first_row_end(
     piece ``j0`` the rule stops where ``ratio(tokens taken from rest)`` passes ``r2``
     (``numpy.searchsorted`` ``side``); after it, at the first row end. None: no row end. A
     unit in ``units.pin_at`` starts a row: from it on rows are counted from its offset."""
-    lengths, taken = rest.lengths, rest.offsets
+    # Python ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost
+    lengths, taken = rest.lengths.tolist(), rest.offsets.tolist()
+    off, bos = units.off.tolist(), units.bos.tolist()
     pins = units.pin_at or []
-    for j in range(j0, len(rest)):
-        k = bisect.bisect_right(pins, int(units.off[j]))
+    for j in range(j0, len(lengths)):
+        k = bisect.bisect_right(pins, off[j])
         if k:  # the rows from the last pin at or before this unit start at the pin
             fill = -pins[k - 1] % capacity
-        first = int(units.off[j] + units.bos[j])  # the stream offset of the piece's tokens
+        first = off[j] + bos[j]  # the stream offset of the piece's tokens
         at = first + 1 + (-(fill + first + 1)) % capacity  # the first row end after a token
-        cand = np.arange(at, first + int(lengths[j]), capacity, dtype=np.int64)  # inside it
-        after = int(units.off[j + 1])  # after the piece (and its EOS)
+        cand = list(range(at, first + lengths[j], capacity))  # inside it
+        after = off[j + 1]  # after the piece (and its EOS)
         if (fill + after) % capacity == 0:
-            cand = np.append(cand, after)
-        if not len(cand):
+            cand.append(after)
+        if not cand:
             continue
         k = 0
         if j == j0:  # inside the rule's last piece: where the rule stops
-            count = np.minimum(cand - first, lengths[j]) + int(taken[j])
+            count = np.minimum(np.array(cand, np.int64) - first, lengths[j]) + taken[j]
             k = int(np.searchsorted(ratio(count), r2, side=side))
             if k == len(cand):
                 continue
-        if int(cand[k]) == after:
-            return j, int(lengths[j])
-        return j, int(cand[k]) - first
+        if cand[k] == after:
+            return j, lengths[j]
+        return j, cand[k] - first
     return None
