@@ -148,7 +148,8 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
         ds = rows[:, 0]
         keep = (ds >= 0) & (ds < len(self._delivered))  # document rows (specials: < 0)
-        np.add.at(self._delivered, ds[keep], rows[keep, 4])
+        n = len(self._delivered)  # a batch's sums are far below 2**53: exact in float64
+        self._delivered += np.bincount(ds[keep], rows[keep, 4], n).astype(np.int64)
 
     def next(self) -> dict[str, torch.Tensor]:
         items = self._take()
