@@ -78,6 +78,7 @@ def timed(make: Callable[[], Iterator[Any]], tokens_of: Callable[[Any], int], ba
 
 
 def load_fms(path: str) -> Callable[..., Any]:
+    """fms-fsdp's ``get_data_loader``, imported from the clone at ``path``."""
     if not os.path.isdir(os.path.join(path, "fms_fsdp")):
         sys.exit(
             f"--fms-fsdp {path!r} is not a checkout of fms-fsdp (no fms_fsdp/ in it): clone "
@@ -94,6 +95,8 @@ def load_fms(path: str) -> Callable[..., Any]:
 
 
 def fms_config(root: str, workers: int, ckpt: str, interval: int, resume: bool) -> Any:
+    """fms-fsdp's training config for this benchmark's corpus and shape (its fields as
+    ``fms_fsdp.config.training.train_config`` names them); saves every ``interval`` batches."""
     return types.SimpleNamespace(
         data_path=root, file_type="auto", col_name="tokens", tokenizer_path="",
         datasets=",".join(BAMBA_SHARES), weights="3,1,1", seq_length=SEQ, bos_token=None,
@@ -105,8 +108,8 @@ def fms_config(root: str, workers: int, ckpt: str, interval: int, resume: bool) 
 
 def old_runs(get_loader: Callable[..., Any], root: str, workers: int, batches: int,
              restore_at: int) -> tuple[Run, float]:  # fmt: skip
-    """fms-fsdp: a fresh run (its workers save at ``restore_at`` batches per worker, counted
-    in their own samples) and the first batch of a run resumed from that save."""
+    """fms-fsdp: a fresh run that saves nothing (timed), a second run whose workers save after
+    ``restore_at`` batches of their own, and the first batch of a run resumed from that save."""
     ckpt = tempfile.mkdtemp(prefix="fms_ckpt_")
     quiet = _quiet_stdout()
     try:
