@@ -100,14 +100,9 @@ def test_building_a_token_pipeline_does_not_import_pyarrow_compute(tmp_path: Pat
     import subprocess
     import sys
 
-    import numpy as np
+    from harness import write_random_arrow_datasets
 
-    from torchdata_ext.testing import write_arrow_batches
-
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        docs = [np.arange(1, 40 + i, dtype=np.uint32) for i in range(30)]
-        write_arrow_batches(str(tmp_path / name / "part.arrow"), docs)
+    write_random_arrow_datasets(str(tmp_path), (("a", 30, 40), ("b", 30, 40)), seed=5)
     script = f"""
 import sys
 from torchdata_ext import PipelineConfig, World, build_pipeline
