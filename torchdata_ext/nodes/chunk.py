@@ -28,7 +28,8 @@ import numpy as np
 
 from torchdata_ext.nodes.drops import DropWatch
 from torchdata_ext.nodes.packed import Layout, PackedSequence
-from torchdata_ext.nodes.stream import ReplayMark, StreamCursor, StreamPart, StreamPiece
+from torchdata_ext.nodes.stream import StreamCursor
+from torchdata_ext.nodes.stream_types import ReplayMark, StreamPart, StreamPiece
 
 
 class Chunk:

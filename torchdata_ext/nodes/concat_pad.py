@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.nodes.packed import Layout, PackedSequence
-from torchdata_ext.nodes.stream import ReplayMark, StreamCursor, StreamPart, StreamPiece
+from torchdata_ext.nodes.stream import StreamCursor
+from torchdata_ext.nodes.stream_types import ReplayMark, StreamPart, StreamPiece
 
 
 class ConcatPad:

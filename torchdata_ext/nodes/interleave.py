@@ -40,7 +40,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 627 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 650 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -86,6 +86,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes.row_cuts import cut_block, fill_after, first_row_end
+from torchdata_ext.nodes.stream import RUN_OF
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
@@ -551,14 +552,27 @@ class Interleave(BaseNode[DocumentBlock]):
         close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
         skip = self._offset[s]
         stop = (n - 1 if anywhere else close) + 1
-        rest = cut_block(block, lo, skip, stop, 0)
-        units = self._mirror.units_of_rest(block, lo, skip, stop)
-        if units is None:
-            units = self._mirror.units(rest, peek=True)  # pins (a hand-back) restart the rows
         t0, w = self._tokens[s], self.weights[s]
+        ratio = lambda c: (c + t0) / w  # noqa: E731
+        whole = self._mirror.whole_units(block)
+        if whole is not None:  # in the whole block's stream, from the run's start on
+            span = self._mirror.span(block, lo, skip, lo, 0)
+            assert span is not None
+            off = block.offsets
+            at = first_row_end(
+                off, whole, span[0], int(off[lo]) + skip, end, stop, self._fill, self._capacity,
+                ratio, r2, side,
+            )  # fmt: skip
+            if at is None:
+                return None
+            j, t = at
+            return (j + 1, 0) if t == off[j + 1] - off[j] else (j, t)
+        rest = cut_block(block, lo, skip, stop, 0)  # pins (a hand-back) restart the rows
+        units = self._mirror.units(rest, peek=True)
         at = first_row_end(
-            rest, units, self._fill, self._capacity, end - lo, lambda c: (c + t0) / w, r2, side
-        )
+            rest.offsets, units, 0, 0, end - lo, len(rest), self._fill,
+            self._capacity, ratio, r2, side,
+        )  # fmt: skip
         if at is None:
             return None
         j, t = at
@@ -605,9 +619,15 @@ class Interleave(BaseNode[DocumentBlock]):
         piece ``hi``; the mirrored row position moves on over them. A document left open at
         a row end and ``resuming`` mid-row (only after a finite source ended mid-row) is
         marked handed back (``stop``), so Pack starts it on a new row, as after a rescale."""
-        out = cut_block(block, lo, self._offset[s], hi, cut)
+        skip = self._offset[s]
+        out = cut_block(block, lo, skip, hi, cut)
+        span = None
         if resuming and self._fill:
             out = dataclasses.replace(out, stop=out.start + out.lengths)
+        else:  # Pack's cursor slices the stream of the whole block (laid out once)
+            out.__dict__[RUN_OF] = (block, lo, skip, hi, cut)
+            if self._mirror is not None:
+                span = self._mirror.span(block, lo, skip, hi, cut)
         self._tokens[s] += out.num_tokens
         self._consumed[s], self._offset[s] = hi, cut
         left_open = cut > 0 or not block.last[hi - 1]
@@ -615,7 +635,10 @@ class Interleave(BaseNode[DocumentBlock]):
             self._open = s if left_open else None
         else:  # a row left open goes on now, as does a document cut mid-row
             assert self._mirror is not None
-            self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
+            if span is not None:  # the run is tokens span[0] .. span[1] of the block's stream
+                self._fill = (self._fill + span[1] - span[0]) % self._capacity
+            else:
+                self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
             others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
             self._open = s if self._fill and (left_open or others) else None
             if left_open and block.stop is not None and self._whole_hand_back:

@@ -39,7 +39,8 @@ from torchdata_ext.nodes.chunk import Chunk
 from torchdata_ext.nodes.concat_pad import ConcatPad
 from torchdata_ext.nodes.drops import DEFAULT_MAX_DROPPED, DropWatch, readers_pass
 from torchdata_ext.nodes.packed import Layout, PackedSequence
-from torchdata_ext.nodes.stream import ReplayMark, Specials, StreamCursor, StreamPiece
+from torchdata_ext.nodes.stream import StreamCursor
+from torchdata_ext.nodes.stream_types import ReplayMark, Specials, StreamPiece
 from torchdata_ext.provenance import PROV_COLUMNS, resolve
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchdata_ext.batch import layout_runs, loss_mask
-from torchdata_ext.nodes.stream import Specials, Stream, StreamPart
+from torchdata_ext.nodes.stream_types import Specials, Stream, StreamPart
 from torchdata_ext.provenance import LITERAL, PAD, literal_code
 
 __all__ = ["PackedSequence"]
@@ -167,7 +167,16 @@ class Layout:
 
     def runs(self, s: Stream) -> list[int]:
         """Stream token offsets where the document runs of stream ``s`` start (increasing,
-        from 0), with :meth:`layout`'s rule (the stream read as one piece)."""
+        from 0), with :meth:`layout`'s rule (the stream read as one piece). A stream cut from
+        a whole block's (``s.parent``) takes the whole stream's runs inside it: the rule
+        compares each row with the one before, and those rows are the same there."""
+        if s.run_at is None and s.parent is not None:
+            whole, a = s.parent
+            run_at = self.runs(whole)
+            b = a + len(s.tokens)
+            i = bisect.bisect_right(run_at, a)
+            inside = [r - a for r in run_at[i : bisect.bisect_left(run_at, b, i)]]
+            s.run_at = [0, *inside] if b > a else []
         if s.run_at is None:
             rows = s.rows
             ds = rows[:, 0]

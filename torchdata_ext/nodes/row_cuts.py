@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from torchdata_ext.document import DocumentBlock
-from torchdata_ext.nodes.stream import Units
+from torchdata_ext.nodes.stream_types import Units
 
 __all__ = ["cut_block", "fill_after", "first_row_end"]
 
@@ -61,44 +61,52 @@ def fill_after(units: Units, fill: int, capacity: int) -> int:
 
 
 def first_row_end(
-    rest: DocumentBlock,
+    offsets: np.ndarray,
     units: Units,
+    start: int,
+    base: int,
+    j0: int,
+    stop: int,
     fill: int,
     capacity: int,
-    j0: int,
     ratio: Any,
     r2: float,
     side: Any,
 ) -> tuple[int, int] | None:
-    """The first row end in ``rest`` (laid out as ``units`` from row position ``fill``) from
-    piece ``j0`` on where the mix's rule stops, as ``(piece, tokens of it before the cut)``
-    (the tokens are the piece's length when the cut is after the piece and its EOS). Inside
-    piece ``j0`` the rule stops where ``ratio(tokens taken from rest)`` passes ``r2``
-    (``numpy.searchsorted`` ``side``); after it, at the first row end. None: no row end. A
-    unit in ``units.pin_at`` starts a row: from it on rows are counted from its offset."""
+    """The first row end of a run where the mix's rule stops, as ``(piece, tokens of it before
+    the cut)`` (the piece's length when the cut is after the piece and its EOS). The run is
+    a block's stream (its pieces at token ``offsets``, laid out as ``units``) from
+    stream offset ``start`` on, which is at row position ``fill``, and from the block's token
+    ``base`` on; row ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the
+    rule stops where ``ratio(tokens of the run)`` passes ``r2`` (``numpy.searchsorted``
+    ``side``); after it, at the first row end. None: no row end. A unit in ``units.pin_at``
+    starts a row: from it on rows are counted from its offset."""
     # Python ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost
-    lengths, taken = rest.lengths.tolist(), rest.offsets.tolist()
-    off, bos = units.off.tolist(), units.bos.tolist()
+    taken = offsets[j0 : stop + 1].tolist()
+    lens = [b - a for a, b in zip(taken, taken[1:])]
+    off, bos = units.off[j0 : stop + 1].tolist(), units.bos[j0:stop].tolist()
     pins = units.pin_at or []
-    for j in range(j0, len(lengths)):
-        k = bisect.bisect_right(pins, off[j])
-        if k:  # the rows from the last pin at or before this unit start at the pin
-            fill = -pins[k - 1] % capacity
-        first = off[j] + bos[j]  # the stream offset of the piece's tokens
-        at = first + 1 + (-(fill + first + 1)) % capacity  # the first row end after a token
-        cand = list(range(at, first + lengths[j], capacity))  # inside it
-        after = off[j + 1]  # after the piece (and its EOS)
-        if (fill + after) % capacity == 0:
+    origin = start  # the row position of stream offset x is (fill + x - origin) % capacity
+    for k, length in enumerate(lens):
+        p = bisect.bisect_right(pins, off[k])
+        if p:  # the rows from the last pin at or before this unit start at the pin
+            fill, origin = 0, pins[p - 1]
+        lead = off[k] + bos[k]  # the stream offset of the piece's token 0
+        first = max(lead, start)  # of its first token in the run
+        at = first + 1 + (origin - fill - first - 1) % capacity  # the first row end after a token
+        cand = list(range(at, lead + length, capacity))  # inside it
+        after = off[k + 1]  # after the piece (and its EOS)
+        if (fill + after - origin) % capacity == 0:
             cand.append(after)
         if not cand:
             continue
-        k = 0
-        if j == j0:  # inside the rule's last piece: where the rule stops
-            count = np.minimum(np.array(cand, np.int64) - first, lengths[j]) + taken[j]
-            k = int(np.searchsorted(ratio(count), r2, side=side))
-            if k == len(cand):
+        i = 0
+        if k == 0:  # inside the rule's last piece: where the rule stops
+            count = np.minimum(np.array(cand, np.int64) - lead, length) + (taken[0] - base)
+            i = int(np.searchsorted(ratio(count), r2, side=side))
+            if i == len(cand):
                 continue
-        if cand[k] == after:
-            return j, lengths[j]
-        return j, cand[k] - first
+        if cand[i] == after:
+            return j0 + k, length
+        return j0 + k, cand[i] - lead
     return None

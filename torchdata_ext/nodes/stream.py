@@ -10,25 +10,39 @@ provenance rows, and the token offsets of its units (a piece plus its specials):
 
 A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and hands them to
 :class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
-restore replays from (:class:`ReplayMark`).
+restore replays from (:class:`ReplayMark`). The types are in :mod:`.stream_types`.
 
-This module is 616 lines, over the ~500 of the style guide: turning a block into a stream
+A run the mix cut from one of its sources' blocks (``cut_block``, marked ``RUN_OF``) is a
+contiguous slice of that block's stream: a piece going on from a token has no BOS, a piece
+cut before its end no EOS, and nothing else changes. So the cursor lays each source block out
+once and slices its runs from it (:meth:`StreamCursor._slice`), and the mix finds row ends and
+moves its row position in that stream's offsets (:meth:`StreamCursor.span`), instead of
+laying out each run, and the rest of the block at each run, again. Only when a block's layout
+depends on more than the block (a shared BOS/EOS token, a rescale's delivered BOS pending, a
+block handed back) is each run laid out on its own.
+
+This module is 595 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
-mix to cut at row ends); :class:`Stream` and the types above it are the next cut.
+mix to cut at row ends), and the slices of it are the same layout.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
+from torchdata_ext.nodes.stream_types import (
+    ReplayMark,
+    Specials,
+    Stream,
+    StreamPiece,
+    Units,
+)
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
 _SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
@@ -36,129 +50,11 @@ _SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied pi
 # a block is not changed once made (cut_block and select make new ones)
 _PIECES_MEMO = "_stream_pieces"
 _UNITS_MEMO = "_stream_units"
-
-StreamPiece = tuple[
-    str, int, int, int, int
-]  # (dataset, file, doc, start, stop) of a document piece
-
-
-@dataclass
-class Stream:
-    """One upstream block with its document specials placed.
-
-    ``tokens`` is the block's tokens with BOS/EOS inserted, ``rows`` its provenance rows in
-    stream order (``row_off`` their token offsets, ``len(rows) + 1``), and ``unit_off`` the token
-    offsets of each piece's unit (``len(block) + 1``).
-    """
-
-    pre_state: Any  # the upstream state from which the next pull gives this block
-    carry_in: list[list[Any]]  # open documents that began with the shared BOS/EOS token
-    tokens: np.ndarray
-    rows: np.ndarray
-    row_off: np.ndarray
-    unit_off: np.ndarray
-    # where document runs start (stream token offsets), as Layout.layout would cut the stream
-    # read in one piece; built on first use by Layout.runs
-    run_at: list[int] | None = None
-    _row_off: list[int] | None = None  # row_off as a list, for bisect
-    unit_last: np.ndarray | None = None  # whether each unit ends its document (bool)
-    _doc_ends: np.ndarray | None = None  # stream token offsets where documents end, cached
-    # the block each unit is a piece of (file, doc, start, length arrays) and which units got
-    # a BOS / an EOS placed (None: none did): what a hand-back needs to report exactly
-    block: DocumentBlock | None = None
-    unit_bos: np.ndarray | None = None
-    unit_eos: np.ndarray | None = None
-    no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
-    bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
-    # stream offsets of units a rescale handed back from inside their document: each starts
-    # a row, as a continuation does in an uninterrupted run (see ConcatPad)
-    pin_at: list[int] | None = None
-
-    def doc_ends(self) -> np.ndarray:
-        """The stream token offsets where documents end (after their EOS), ascending."""
-        ends = self._doc_ends
-        if ends is None:
-            last = np.ones(self.n_units, bool) if self.unit_last is None else self.unit_last
-            ends = self._doc_ends = self.unit_off[1:][last]
-        return ends
-
-    @property
-    def n_units(self) -> int:
-        """The number of units (pieces of the block)."""
-        return len(self.unit_off) - 1
-
-    def starts_with_literal(self, a: int) -> bool:
-        """Whether stream token ``a`` is a placed special token."""
-        return bool(self.rows[int(np.searchsorted(self.row_off, a, "right")) - 1, 0] < 0)
-
-    def rows_between(self, a: int, b: int) -> np.ndarray:
-        """Provenance rows of stream tokens ``a .. b`` (``a < b``)."""
-        row_off = self._row_off
-        if row_off is None:
-            row_off = self._row_off = self.row_off.tolist()
-        r0 = bisect.bisect_right(row_off, a) - 1
-        r1 = bisect.bisect_left(row_off, b)
-        out = self.rows[r0:r1].copy()
-        cut = a - row_off[r0]
-        if cut:  # only document rows are longer than 1, so only they are ever cut
-            out[0, 3] += cut
-            out[0, 4] -= cut
-        over = row_off[r1] - b
-        if over:
-            out[-1, 4] -= over
-        return out
-
-
-StreamPart = tuple[Stream, int, int]  # stream tokens a .. b
-
-
-class Units(NamedTuple):
-    """How Pack lays out one block (:meth:`StreamCursor.units`): ``off``, the stream offsets
-    of its units (``len(block) + 1``); ``bos``, 1 where a BOS is placed before the piece;
-    ``pin_at``, the offsets of units that start a row whatever came before (None: none)."""
-
-    off: np.ndarray
-    bos: np.ndarray
-    pin_at: list[int] | None
-
-
-class Specials(NamedTuple):
-    """The special token ids Pack places (see :class:`~torchdata_ext.nodes.pack.Pack`)."""
-
-    bos: int | None
-    eos: int | None
-    bol: int | None
-    eol: int | None
-    pad: int
-
-    @property
-    def combined(self) -> bool:
-        """One separator for both ends (epochraft): only an EOS is ever added."""
-        return self.bos is not None and self.bos == self.eos
-
-    @property
-    def bos_role(self) -> int | None:
-        """The id of an added BOS (None: none is ever added)."""
-        return None if self.combined else self.bos
-
-
-class ReplayMark(NamedTuple):
-    """A clean point upstream to replay from (Pack's state keys of the same names).
-
-    Attributes:
-        source: the upstream state from which the next pull gives the block.
-        consumed: what of that block is already used (stream tokens or units, by strategy).
-        open_docs: ``[dataset, file, doc]`` of documents open at that block that began with
-            the shared BOS/EOS token (the block's :attr:`Stream.carry_in`).
-        bos_done: ``[dataset, file, doc]`` of documents whose BOS was already delivered
-            although their first piece is still to come (a rescale handed the piece back
-            after a row that ended with the BOS): they get no BOS again.
-    """
-
-    source: Any
-    consumed: int
-    open_docs: list[list[Any]]
-    bos_done: list[list[Any]] = []
+# on a block cut from another (a run of the mix): ``(the other block, lo, skip, hi, cut)`` of
+# ``cut_block``, so Pack's cursor slices the other block's stream instead of laying the run out
+RUN_OF = "_stream_run_of"
+_WHOLE_MEMO = "_stream_whole"  # a block's whole Stream, kept for the runs cut from it
+_WHOLE_UNITS_MEMO = "_stream_whole_units"  # a block's own Units (StreamCursor.whole_units)
 
 
 class StreamCursor:
@@ -301,6 +197,9 @@ class StreamCursor:
     def _expand(self, block: DocumentBlock, pre_state: Any) -> Stream:
         """Place the block's document specials: its tokens, provenance rows and units."""
         _check_block(block)
+        run = block.__dict__.get(RUN_OF)
+        if run is not None and self._pure(run[0]):
+            return self._slice(block, pre_state, *run)
         carry_in = sorted([list(k) for k in self._open]) if self._combined else []
         no_bos_in = self._no_bos_list
         ds_id = self._dataset_id(block.dataset)
@@ -329,6 +228,89 @@ class StreamCursor:
             pin_at=_pinned_units(block, pieces, unit_off, skipped),
         )
 
+    def _pure(self, block: DocumentBlock) -> bool:
+        """Whether ``block``'s layout depends on the block and the specials alone (no
+        open-document or no-BOS record to consult, not a block a rescale handed back)."""
+        return not self._combined and not self._no_bos and block.stop is None
+
+    def span(
+        self, block: DocumentBlock, lo: int, skip: int, hi: int, cut: int
+    ) -> tuple[int, int] | None:
+        """Where ``cut_block(block, lo, skip, hi, cut)`` lies in the stream of the whole
+        ``block``, as stream offsets ``(a, b)``: its stream is exactly tokens ``a .. b`` of
+        the whole block's stream (a piece going on from token ``skip`` has no BOS, a piece cut
+        after ``cut`` tokens no EOS). None when the layout is not the block's own
+        (:meth:`_pure`)."""
+        if not self._pure(block):
+            return None
+        addbos, _, _, unit_off = self._units(block, np.asarray(block.tokens), _Pieces.of(block))
+        a = int(unit_off[lo])
+        if skip:
+            a += skip + (0 if addbos is None else int(addbos[lo]))
+        b = int(unit_off[hi])
+        if cut:
+            b += cut + (0 if addbos is None else int(addbos[hi]))
+        return a, b
+
+    def _slice(
+        self,
+        block: DocumentBlock,
+        pre_state: Any,
+        whole_block: DocumentBlock,
+        lo: int,
+        skip: int,
+        hi: int,
+        cut: int,
+    ) -> Stream:
+        """The stream of ``block`` = ``cut_block(whole_block, lo, skip, hi, cut)``, sliced from
+        the stream of ``whole_block`` (laid out once, kept with it): equal to laying ``block``
+        out (:meth:`_expand`), field by field."""
+        self._dataset_id(block.dataset)
+        key = (self.bos_token, self.eos_token, self.dtype, self._ds_ids[block.dataset])
+        memo = whole_block.__dict__.get(_WHOLE_MEMO)
+        if memo is None or memo[0] != key:
+            memo = (key, self._expand(whole_block, None))
+            whole_block.__dict__[_WHOLE_MEMO] = memo
+        whole: Stream = memo[1]
+        span = self.span(whole_block, lo, skip, hi, cut)
+        assert span is not None
+        a, b = span
+        end = hi + 1 if cut else hi  # the pieces of block: lo .. end
+        unit_off = whole.unit_off[lo : end + 1] - a
+        unit_off[0], unit_off[-1] = 0, b - a
+        rows = whole.rows_between(a, b) if b > a else whole.rows[:0].copy()
+        row_off = np.empty(len(rows) + 1, np.int64)
+        row_off[0] = 0
+        rows[:, 4].cumsum(out=row_off[1:])
+        last = whole.unit_last
+        if last is not None:
+            last = last[lo:end].copy()
+            if cut:
+                last[-1] = False
+        addbos, addeos = whole.unit_bos, whole.unit_eos
+        if addbos is not None:
+            addbos = addbos[lo:end].copy()
+            if skip:
+                addbos[0] = False
+        if addeos is not None:
+            addeos = addeos[lo:end].copy()
+            if cut:
+                addeos[-1] = False
+        return Stream(
+            pre_state,
+            [],
+            whole.tokens[a:b],
+            rows,
+            row_off,
+            unit_off,
+            unit_last=last,
+            block=block,
+            unit_bos=_marks_any(addbos),
+            unit_eos=_marks_any(addeos),
+            no_bos_in=self._no_bos_list,
+            parent=(whole, a),
+        )
+
     def units(self, block: DocumentBlock, *, peek: bool = False) -> Units:
         """How Pack lays ``block`` out when it is the next block pulled: its units' stream
         offsets, the BOS placed with each, and the units that must start a row. Without
@@ -343,21 +325,18 @@ class StreamCursor:
         bos = np.zeros(len(pieces.lengths), np.int64) if addbos is None else addbos.astype(np.int64)
         return Units(unit_off, bos, _pinned_units(block, pieces, unit_off, skipped))
 
-    def units_of_rest(self, block: DocumentBlock, lo: int, skip: int, hi: int) -> Units | None:
-        """:meth:`units` ``(cut_block(block, lo, skip, hi, 0), peek=True)`` (pieces ``lo ..
-        hi`` of ``block``, the first from its token ``skip`` on) sliced from the layout of the
-        whole block, which is kept with it: the mix lays the rest of its current block out at
-        every run. None when that layout depends on more than the block (open-document or
-        no-BOS records, a block a rescale handed back): then ask :meth:`units`."""
-        if self._combined or self._no_bos or block.stop is not None:
+    def whole_units(self, block: DocumentBlock) -> Units | None:
+        """:meth:`units` ``(block, peek=True)`` when the layout is the block's own
+        (:meth:`_pure`), kept with the block (the mix looks for row ends in its current block
+        at every run); None otherwise: then ask :meth:`units`."""
+        if not self._pure(block):
             return None
-        addbos, _, _, unit_off = self._units(block, np.asarray(block.tokens), _Pieces.of(block))
-        off = unit_off[lo : hi + 1] - unit_off[lo]
-        bos = np.zeros(hi - lo, np.int64) if addbos is None else addbos[lo:hi].astype(np.int64)
-        if skip and hi > lo:  # piece lo goes on from token skip: no BOS, skip tokens fewer
-            off[1:] -= skip + bos[0]
-            bos[0] = 0
-        return Units(off, bos, None)
+        key = (self.bos_token, self.eos_token, self.dtype)
+        memo = block.__dict__.get(_WHOLE_UNITS_MEMO)
+        if memo is None or memo[0] != key:
+            memo = (key, self.units(block, peek=True))
+            block.__dict__[_WHOLE_UNITS_MEMO] = memo
+        return memo[1]
 
     def _units(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces

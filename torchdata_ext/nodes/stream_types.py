@@ -1,0 +1,145 @@
+"""The types Pack's input side passes between its parts (see :mod:`.stream`).
+
+A :class:`Stream` is one upstream block with its document specials placed; a strategy takes
+its tokens ``a .. b`` as a :data:`StreamPart`; :class:`Units` is how a block is laid out (what
+the mix's mirror of Pack's cursor needs to know where rows end); :class:`Specials` the token ids
+Pack places; :class:`ReplayMark` the clean point a restore replays from.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from torchdata_ext.document import DocumentBlock
+
+__all__ = ["ReplayMark", "Specials", "Stream", "StreamPart", "StreamPiece", "Units"]
+
+StreamPiece = tuple[
+    str, int, int, int, int
+]  # (dataset, file, doc, start, stop) of a document piece
+
+
+@dataclass
+class Stream:
+    """One upstream block with its document specials placed.
+
+    ``tokens`` is the block's tokens with BOS/EOS inserted, ``rows`` its provenance rows in
+    stream order (``row_off`` their token offsets, ``len(rows) + 1``), and ``unit_off`` the token
+    offsets of each piece's unit (``len(block) + 1``).
+    """
+
+    pre_state: Any  # the upstream state from which the next pull gives this block
+    carry_in: list[list[Any]]  # open documents that began with the shared BOS/EOS token
+    tokens: np.ndarray
+    rows: np.ndarray
+    row_off: np.ndarray
+    unit_off: np.ndarray
+    # where document runs start (stream token offsets), as Layout.layout would cut the stream
+    # read in one piece; built on first use by Layout.runs
+    run_at: list[int] | None = None
+    _row_off: list[int] | None = None  # row_off as a list, for bisect
+    unit_last: np.ndarray | None = None  # whether each unit ends its document (bool)
+    _doc_ends: np.ndarray | None = None  # stream token offsets where documents end, cached
+    # the block each unit is a piece of (file, doc, start, length arrays) and which units got
+    # a BOS / an EOS placed (None: none did): what a hand-back needs to report exactly
+    block: DocumentBlock | None = None
+    unit_bos: np.ndarray | None = None
+    unit_eos: np.ndarray | None = None
+    no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
+    bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
+    # stream offsets of units a rescale handed back from inside their document: each starts
+    # a row, as a continuation does in an uninterrupted run (see ConcatPad)
+    pin_at: list[int] | None = None
+    # (the stream of the whole block this one was cut from, the offset of this one in it):
+    # Layout.runs slices the whole stream's document runs
+    parent: tuple[Stream, int] | None = None
+
+    def doc_ends(self) -> np.ndarray:
+        """The stream token offsets where documents end (after their EOS), ascending."""
+        ends = self._doc_ends
+        if ends is None:
+            last = np.ones(self.n_units, bool) if self.unit_last is None else self.unit_last
+            ends = self._doc_ends = self.unit_off[1:][last]
+        return ends
+
+    @property
+    def n_units(self) -> int:
+        """The number of units (pieces of the block)."""
+        return len(self.unit_off) - 1
+
+    def starts_with_literal(self, a: int) -> bool:
+        """Whether stream token ``a`` is a placed special token."""
+        return bool(self.rows[int(np.searchsorted(self.row_off, a, "right")) - 1, 0] < 0)
+
+    def rows_between(self, a: int, b: int) -> np.ndarray:
+        """Provenance rows of stream tokens ``a .. b`` (``a < b``)."""
+        row_off = self._row_off
+        if row_off is None:
+            row_off = self._row_off = self.row_off.tolist()
+        r0 = bisect.bisect_right(row_off, a) - 1
+        r1 = bisect.bisect_left(row_off, b)
+        out = self.rows[r0:r1].copy()
+        cut = a - row_off[r0]
+        if cut:  # only document rows are longer than 1, so only they are ever cut
+            out[0, 3] += cut
+            out[0, 4] -= cut
+        over = row_off[r1] - b
+        if over:
+            out[-1, 4] -= over
+        return out
+
+
+StreamPart = tuple[Stream, int, int]  # stream tokens a .. b
+
+
+class Units(NamedTuple):
+    """How Pack lays out one block (:meth:`StreamCursor.units`): ``off``, the stream offsets
+    of its units (``len(block) + 1``); ``bos``, 1 where a BOS is placed before the piece;
+    ``pin_at``, the offsets of units that start a row whatever came before (None: none)."""
+
+    off: np.ndarray
+    bos: np.ndarray
+    pin_at: list[int] | None
+
+
+class Specials(NamedTuple):
+    """The special token ids Pack places (see :class:`~torchdata_ext.nodes.pack.Pack`)."""
+
+    bos: int | None
+    eos: int | None
+    bol: int | None
+    eol: int | None
+    pad: int
+
+    @property
+    def combined(self) -> bool:
+        """One separator for both ends (epochraft): only an EOS is ever added."""
+        return self.bos is not None and self.bos == self.eos
+
+    @property
+    def bos_role(self) -> int | None:
+        """The id of an added BOS (None: none is ever added)."""
+        return None if self.combined else self.bos
+
+
+class ReplayMark(NamedTuple):
+    """A clean point upstream to replay from (Pack's state keys of the same names).
+
+    Attributes:
+        source: the upstream state from which the next pull gives the block.
+        consumed: what of that block is already used (stream tokens or units, by strategy).
+        open_docs: ``[dataset, file, doc]`` of documents open at that block that began with
+            the shared BOS/EOS token (the block's :attr:`Stream.carry_in`).
+        bos_done: ``[dataset, file, doc]`` of documents whose BOS was already delivered
+            although their first piece is still to come (a rescale handed the piece back
+            after a row that ended with the BOS): they get no BOS again.
+    """
+
+    source: Any
+    consumed: int
+    open_docs: list[list[Any]]
+    bos_done: list[list[Any]] = []
