@@ -143,3 +143,37 @@ def test_make_cache(remote, tmp_path, monkeypatch) -> None:
     assert made is not None and made.cache_dir == str(tmp_path / "here")
     default = make_cache(None, remote)
     assert default is not None and default.cache_dir == str(tmp_path / "default")
+
+
+def test_a_local_file_the_walk_comes_back_to_is_not_opened_again(tmp_path) -> None:
+    """A walk over logical shards switches files at almost every block: a local file read a
+    moment ago stays open (with its parsed index) among the last 8 files, and reads the same;
+    close_all closes them all."""
+    files = FileAccess(_dataset(str(tmp_path), 12), None, prefetch=0)
+    for f in (0, 1, 0, 2, 1, 0):
+        files.open(f, iter([]))
+        assert files.get(f % 3).tolist() == _doc(f, f % 3).tolist()
+    assert files.io_stats()["files_opened"] == 3
+    files.open(9, iter([]))  # file 0 is kept: 8 files were left since
+    files.open(0, iter([]))
+    assert files.io_stats()["files_opened"] == 4
+    for f in range(3, 12):  # 9 more distinct files: file 0 is among the oldest, closed
+        files.open(f, iter([]))
+    files.open(0, iter([]))
+    assert files.io_stats()["files_opened"] == 4 + 8 + 1
+    assert files.get(2).tolist() == _doc(0, 2).tolist()
+    files.close_all()
+    files.open(0, iter([]))
+    assert files.io_stats()["files_opened"] == 14
+    files.close_all()
+
+
+def test_a_remote_file_is_closed_when_the_walk_leaves_it(remote, tmp_path) -> None:
+    """Remote files are not kept open after the walk leaves them: their cached copies stay
+    free to evict, and the next open goes through the cache again."""
+    files = FileAccess(remote, ShardCache(tmp_path / "c"), prefetch=0)
+    files.open(0, iter([]))
+    files.open(1, iter([]))
+    files.open(0, iter([]))
+    assert files.io_stats()["files_opened"] == 3
+    files.close_all()

@@ -5,7 +5,10 @@ dataset's :class:`~torchdata_ext.handlers.base.FileHandler`; opening a file in p
 from a :class:`~torchdata_ext.remote.ShardCache` (remote, downloaded whole) or by range requests
 (remote Arrow IPC and Parquet with ``ShardCache(range_reads=True)``); the cache holds that keep
 the next files prefetched while the current one is read; a few more files kept open for
-:meth:`FileAccess.fetch_document`; closing and releasing all of them; and the I/O counters.
+:meth:`FileAccess.fetch_document`, and local files the walk read last (a walk over logical
+shards comes back to another shard's file at almost every block: reopening it and parsing its
+index again each time was ~12% of the pipeline's time); closing and releasing all of them; and
+the I/O counters.
 
 It knows nothing of shards, cursors or epochs: the reader
 (:class:`~torchdata_ext.nodes.reader.ShardReader`) decides which file and which documents come
@@ -17,7 +20,9 @@ One file at a time is *current* (the one the walk reads)::
     open(file, upcoming) -> document count      close the current file, open `file`, hold the
                                                 first `prefetch` remote files of `upcoming`
     get_many(doc_ids) / get(doc)                documents of the current file
-    close(discard=...)                          close it (discard: drop its cached copy too)
+    close(discard=...)                          close it (discard: drop its cached copy too);
+                                                a local file read in place stays open among
+                                                the last few files, and open() takes it back
     fetch_document(file, doc)                   any file (the current one or a small LRU)
     stop_prefetching() / close_all()            drop holds / close everything
 """
@@ -43,7 +48,9 @@ logger = logging.getLogger(__name__)
 CacheSetting: TypeAlias = ShardCache | str | os.PathLike[str] | bool | None
 """What a reader's ``cache`` argument may be (see :func:`make_cache`)."""
 
-_FETCH_CACHE_FILES = 8  # files kept open by fetch_document (rebuilding buffers on restore)
+# files kept open after use: by fetch_document (rebuilding buffers on restore), and local files
+# the walk read last (it comes back to the file of another shard at almost every block)
+_FETCH_CACHE_FILES = 8
 # side files a format reads next to a data file, fetched into the cache with it
 _COMPANIONS = {"flat": (".offsets.npy",), "npy": (".offsets.npy",)}
 _RANGE_FORMATS = ("arrow", "parquet")
@@ -102,6 +109,10 @@ class FileAccess:
         """
         self.close()
         url = self.dataset.files[file]
+        kept = self._fetch_cache.pop(file, None) if self._in_place(file) else None
+        if kept is not None:  # a local file read a moment ago: its handle (and index) as it was
+            self._current = (file, kept)
+            return self.handler().length(kept)
         try:
             handle = self._open_prefetching(file, self._prefetch_urls(file, upcoming))
         except DataFileError:
@@ -131,10 +142,28 @@ class FileAccess:
         """Close the current file, if any; ``discard=True`` also drops its cached copy (so it
         is fetched again next time)."""
         if self._current is not None:
-            self._close_handle(*self._current)
-            if discard:
-                self._discard(self.dataset.files[self._current[0]])
+            file, handle = self._current
+            if not discard and self._in_place(file):  # kept open: the walk comes back to it
+                self._keep(file, handle)
+            else:
+                self._close_handle(file, handle)
+                if discard:
+                    self._discard(self.dataset.files[file])
         self._current = None
+
+    def _in_place(self, file: int) -> bool:
+        """Whether file number ``file`` is a local file read in place (no cache, no download):
+        keeping its handle open holds nothing but the handle."""
+        url = self.dataset.files[file]
+        return not is_remote(url) and (self.cache is None or not self.cache.is_cached(url))
+
+    def _keep(self, file: int, handle: Any) -> None:
+        """Keep ``handle`` open among the last files read (least recently used closed first)."""
+        self._fetch_cache.pop(file, None)
+        self._fetch_cache[file] = handle  # most recently used last
+        while len(self._fetch_cache) > _FETCH_CACHE_FILES:
+            old = next(iter(self._fetch_cache))
+            self._close_handle(old, self._fetch_cache.pop(old))
 
     # -- any file ------------------------------------------------------------------------------
     def fetch_document(self, file: int, doc: int) -> DocData:
@@ -145,13 +174,10 @@ class FileAccess:
         """
         if self._current is not None and self._current[0] == file:
             return self.handler().get(self._current[1], doc)
-        handle = self._fetch_cache.pop(file, None)
+        handle = self._fetch_cache.get(file)
         if handle is None:
             handle = self._open_handle(file)
-        self._fetch_cache[file] = handle  # most recently used last
-        while len(self._fetch_cache) > _FETCH_CACHE_FILES:
-            old = next(iter(self._fetch_cache))
-            self._close_handle(old, self._fetch_cache.pop(old))
+        self._keep(file, handle)
         return self.handler().get(handle, doc)
 
     def handler(self) -> FileHandler:
