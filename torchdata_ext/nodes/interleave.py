@@ -554,24 +554,23 @@ class Interleave(BaseNode[DocumentBlock]):
         stop = (n - 1 if anywhere else close) + 1
         t0, w = self._tokens[s], self.weights[s]
         ratio = lambda c: (c + t0) / w  # noqa: E731
-        whole = self._mirror.whole_units(block)
-        if whole is not None:  # in the whole block's stream, from the run's start on
-            span = self._mirror.span(block, lo, skip, lo, 0)
-            assert span is not None
-            off = block.offsets
+        own = self._mirror.own_layout(block)
+        if own is not None:  # in the whole block's stream, from the run's start on
+            start = own.off[lo] + (skip + own.bos[lo] if skip else 0)
+            tok = own.tok
             at = first_row_end(
-                off, whole, span[0], int(off[lo]) + skip, end, stop, self._fill, self._capacity,
-                ratio, r2, side,
+                tok, own.off, own.bos, None, start, tok[lo] + skip, end, stop, self._fill,
+                self._capacity, ratio, r2, side,
             )  # fmt: skip
             if at is None:
                 return None
             j, t = at
-            return (j + 1, 0) if t == off[j + 1] - off[j] else (j, t)
+            return (j + 1, 0) if t == tok[j + 1] - tok[j] else (j, t)
         rest = cut_block(block, lo, skip, stop, 0)  # pins (a hand-back) restart the rows
         units = self._mirror.units(rest, peek=True)
         at = first_row_end(
-            rest.offsets, units, 0, 0, end - lo, len(rest), self._fill,
-            self._capacity, ratio, r2, side,
+            rest.offsets.tolist(), units.off.tolist(), units.bos.tolist(), units.pin_at, 0, 0,
+            end - lo, len(rest), self._fill, self._capacity, ratio, r2, side,
         )  # fmt: skip
         if at is None:
             return None

@@ -61,8 +61,10 @@ def fill_after(units: Units, fill: int, capacity: int) -> int:
 
 
 def first_row_end(
-    offsets: np.ndarray,
-    units: Units,
+    offsets: list[int],
+    unit_off: list[int],
+    bos: list[int],
+    pins: list[int] | None,
     start: int,
     base: int,
     j0: int,
@@ -74,39 +76,40 @@ def first_row_end(
     side: Any,
 ) -> tuple[int, int] | None:
     """The first row end of a run where the mix's rule stops, as ``(piece, tokens of it before
-    the cut)`` (the piece's length when the cut is after the piece and its EOS). The run is
-    a block's stream (its pieces at token ``offsets``, laid out as ``units``) from
-    stream offset ``start`` on, which is at row position ``fill``, and from the block's token
-    ``base`` on; row ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the
-    rule stops where ``ratio(tokens of the run)`` passes ``r2`` (``numpy.searchsorted``
-    ``side``); after it, at the first row end. None: no row end. A unit in ``units.pin_at``
-    starts a row: from it on rows are counted from its offset."""
-    # Python ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost
-    taken = offsets[j0 : stop + 1].tolist()
-    lens = [b - a for a, b in zip(taken, taken[1:])]
-    off, bos = units.off[j0 : stop + 1].tolist(), units.bos[j0:stop].tolist()
-    pins = units.pin_at or []
+    the cut)`` (the piece's length when the cut is after the piece and its EOS).
+
+    The run is a block's stream from stream offset ``start`` on (at row position ``fill``),
+    and from the block's token ``base`` on; the block's pieces are at token ``offsets``, and
+    laid out as units at stream offsets ``unit_off`` with ``bos`` (1: a BOS placed before the
+    piece) and ``pins`` (units that start a row: from one on, rows are counted from its
+    offset; None: none), as :class:`~torchdata_ext.nodes.stream_types.Units` has them. Row
+    ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the rule stops where
+    ``ratio(tokens of the run)`` passes ``r2`` (``numpy.searchsorted`` ``side``); after it,
+    at the first row end. None: no row end. Python lists and ints: a piece holds 0-2 row
+    ends here, too few for NumPy's per-call cost."""
+    pins = pins or []
     origin = start  # the row position of stream offset x is (fill + x - origin) % capacity
-    for k, length in enumerate(lens):
-        p = bisect.bisect_right(pins, off[k])
+    for j in range(j0, stop):
+        p = bisect.bisect_right(pins, unit_off[j])
         if p:  # the rows from the last pin at or before this unit start at the pin
             fill, origin = 0, pins[p - 1]
-        lead = off[k] + bos[k]  # the stream offset of the piece's token 0
+        length = offsets[j + 1] - offsets[j]
+        lead = unit_off[j] + bos[j]  # the stream offset of the piece's token 0
         first = max(lead, start)  # of its first token in the run
         at = first + 1 + (origin - fill - first - 1) % capacity  # the first row end after a token
         cand = list(range(at, lead + length, capacity))  # inside it
-        after = off[k + 1]  # after the piece (and its EOS)
+        after = unit_off[j + 1]  # after the piece (and its EOS)
         if (fill + after - origin) % capacity == 0:
             cand.append(after)
         if not cand:
             continue
         i = 0
-        if k == 0:  # inside the rule's last piece: where the rule stops
-            count = np.minimum(np.array(cand, np.int64) - lead, length) + (taken[0] - base)
+        if j == j0:  # inside the rule's last piece: where the rule stops
+            count = np.minimum(np.array(cand, np.int64) - lead, length) + (offsets[j] - base)
             i = int(np.searchsorted(ratio(count), r2, side=side))
             if i == len(cand):
                 continue
         if cand[i] == after:
-            return j0 + k, length
-        return j0 + k, cand[i] - lead
+            return j, length
+        return j, cand[i] - lead
     return None

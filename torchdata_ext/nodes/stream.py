@@ -54,7 +54,7 @@ _UNITS_MEMO = "_stream_units"
 # ``cut_block``, so Pack's cursor slices the other block's stream instead of laying the run out
 RUN_OF = "_stream_run_of"
 _WHOLE_MEMO = "_stream_whole"  # a block's whole Stream, kept for the runs cut from it
-_WHOLE_UNITS_MEMO = "_stream_whole_units"  # a block's own Units (StreamCursor.whole_units)
+_OWN_MEMO = "_stream_own"  # a block's own layout (StreamCursor.own_layout)
 
 
 class StreamCursor:
@@ -77,6 +77,7 @@ class StreamCursor:
         self.dtype = dtype
         self.bos_token, self.eos_token = specials.bos, specials.eos
         self._combined = specials.combined
+        self._key = (specials.bos, specials.eos, np.dtype(dtype).str)  # what a layout depends on
         self._bos_row = np.array([LITERAL, specials.bos or 0, 0, 0, 1], np.int64)
         self._eos_row = np.array([LITERAL, specials.eos or 0, 0, 0, 1], np.int64)
         self.dataset_names: list[str] = []
@@ -241,16 +242,30 @@ class StreamCursor:
         the whole block's stream (a piece going on from token ``skip`` has no BOS, a piece cut
         after ``cut`` tokens no EOS). None when the layout is not the block's own
         (:meth:`_pure`)."""
+        own = self.own_layout(block)
+        if own is None:
+            return None
+        a = own.off[lo]
+        if skip:
+            a += skip + own.bos[lo]
+        b = own.off[hi]
+        if cut:
+            b += cut + own.bos[hi]
+        return a, b
+
+    def own_layout(self, block: DocumentBlock) -> OwnLayout | None:
+        """The layout of the whole ``block`` (:meth:`units` ``(block, peek=True)``, and as
+        Python lists), kept with the block: the mix and Pack's cursor look up offsets in it at
+        every run. None when the layout is not the block's own (:meth:`_pure`): then ask
+        :meth:`units`."""
         if not self._pure(block):
             return None
-        addbos, _, _, unit_off = self._units(block, np.asarray(block.tokens), _Pieces.of(block))
-        a = int(unit_off[lo])
-        if skip:
-            a += skip + (0 if addbos is None else int(addbos[lo]))
-        b = int(unit_off[hi])
-        if cut:
-            b += cut + (0 if addbos is None else int(addbos[hi]))
-        return a, b
+        memo = block.__dict__.get(_OWN_MEMO)
+        if memo is None or memo[0] != self._key:
+            units = self.units(block, peek=True)
+            own = OwnLayout(units, units.off.tolist(), units.bos.tolist(), block.offsets.tolist())
+            memo = block.__dict__[_OWN_MEMO] = (self._key, own)
+        return memo[1]
 
     def _slice(
         self,
@@ -266,7 +281,7 @@ class StreamCursor:
         the stream of ``whole_block`` (laid out once, kept with it): equal to laying ``block``
         out (:meth:`_expand`), field by field."""
         self._dataset_id(block.dataset)
-        key = (self.bos_token, self.eos_token, self.dtype, self._ds_ids[block.dataset])
+        key = (self._key, self._ds_ids[block.dataset])
         memo = whole_block.__dict__.get(_WHOLE_MEMO)
         if memo is None or memo[0] != key:
             memo = (key, self._expand(whole_block, None))
@@ -278,10 +293,6 @@ class StreamCursor:
         end = hi + 1 if cut else hi  # the pieces of block: lo .. end
         unit_off = whole.unit_off[lo : end + 1] - a
         unit_off[0], unit_off[-1] = 0, b - a
-        rows = whole.rows_between(a, b) if b > a else whole.rows[:0].copy()
-        row_off = np.empty(len(rows) + 1, np.int64)
-        row_off[0] = 0
-        rows[:, 4].cumsum(out=row_off[1:])
         last = whole.unit_last
         if last is not None:
             last = last[lo:end].copy()
@@ -300,8 +311,8 @@ class StreamCursor:
             pre_state,
             [],
             whole.tokens[a:b],
-            rows,
-            row_off,
+            None,  # the rows are the whole stream's, taken when asked for
+            None,
             unit_off,
             unit_last=last,
             block=block,
@@ -325,19 +336,6 @@ class StreamCursor:
         bos = np.zeros(len(pieces.lengths), np.int64) if addbos is None else addbos.astype(np.int64)
         return Units(unit_off, bos, _pinned_units(block, pieces, unit_off, skipped))
 
-    def whole_units(self, block: DocumentBlock) -> Units | None:
-        """:meth:`units` ``(block, peek=True)`` when the layout is the block's own
-        (:meth:`_pure`), kept with the block (the mix looks for row ends in its current block
-        at every run); None otherwise: then ask :meth:`units`."""
-        if not self._pure(block):
-            return None
-        key = (self.bos_token, self.eos_token, self.dtype)
-        memo = block.__dict__.get(_WHOLE_UNITS_MEMO)
-        if memo is None or memo[0] != key:
-            memo = (key, self.units(block, peek=True))
-            block.__dict__[_WHOLE_UNITS_MEMO] = memo
-        return memo[1]
-
     def _units(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces
     ) -> tuple[np.ndarray | None, np.ndarray | None, set[int], np.ndarray]:
@@ -349,7 +347,7 @@ class StreamCursor:
         alone, so it is kept with the block (``_UNITS_MEMO``): the mix's mirror of Pack's
         cursor lays each block it emits out, and Pack's cursor then takes the same result
         instead of computing it again."""
-        key = (self.bos_token, self.eos_token, self.dtype)
+        key = self._key
         pure = not self._combined and not self._no_bos
         if pure:
             memo = block.__dict__.get(_UNITS_MEMO)
@@ -493,6 +491,16 @@ class StreamCursor:
         rows3[:, 0::2, 2] = mid[:, None, 2]  # the specials name their document
         rows3[:, 0::2, 3] = literal_code(ds_id, mid[:, None, 1])
         return rows3.reshape(-1, PROV_COLUMNS)[which]
+
+
+class OwnLayout(NamedTuple):
+    """A block's layout on its own (:meth:`StreamCursor.own_layout`): its :class:`Units`, and
+    their offsets and BOS marks, and the block's token offsets, as Python lists."""
+
+    units: Units
+    off: list[int]
+    bos: list[int]
+    tok: list[int]
 
 
 class _Pieces(NamedTuple):

@@ -29,14 +29,15 @@ class Stream:
 
     ``tokens`` is the block's tokens with BOS/EOS inserted, ``rows`` its provenance rows in
     stream order (``row_off`` their token offsets, ``len(rows) + 1``), and ``unit_off`` the token
-    offsets of each piece's unit (``len(block) + 1``).
+    offsets of each piece's unit (``len(block) + 1``). A stream cut from a whole block's
+    (``parent``) takes its rows from it, when they are first asked for.
     """
 
     pre_state: Any  # the upstream state from which the next pull gives this block
     carry_in: list[list[Any]]  # open documents that began with the shared BOS/EOS token
     tokens: np.ndarray
-    rows: np.ndarray
-    row_off: np.ndarray
+    own_rows: np.ndarray | None  # rows (None: not taken from the parent yet)
+    own_row_off: np.ndarray | None  # row_off (None with own_rows)
     unit_off: np.ndarray
     # where document runs start (stream token offsets), as Layout.layout would cut the stream
     # read in one piece; built on first use by Layout.runs
@@ -55,8 +56,34 @@ class Stream:
     # a row, as a continuation does in an uninterrupted run (see ConcatPad)
     pin_at: list[int] | None = None
     # (the stream of the whole block this one was cut from, the offset of this one in it):
-    # Layout.runs slices the whole stream's document runs
+    # its rows and Layout.runs's document runs are the whole stream's, sliced
     parent: tuple[Stream, int] | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The provenance rows in stream order (``(k, 5)``)."""
+        if self.own_rows is None:
+            self._rows_from_parent()
+        assert self.own_rows is not None
+        return self.own_rows
+
+    @property
+    def row_off(self) -> np.ndarray:
+        """The stream token offsets of :attr:`rows` (``len(rows) + 1``)."""
+        if self.own_row_off is None:
+            self._rows_from_parent()
+        assert self.own_row_off is not None
+        return self.own_row_off
+
+    def _rows_from_parent(self) -> None:
+        assert self.parent is not None, "a stream without rows must have a parent"
+        whole, at = self.parent
+        b = at + len(self.tokens)
+        rows = whole.rows_between(at, b) if b > at else whole.rows[:0].copy()
+        row_off = np.empty(len(rows) + 1, np.int64)
+        row_off[0] = 0
+        rows[:, 4].cumsum(out=row_off[1:])
+        self.own_rows, self.own_row_off = rows, row_off
 
     def doc_ends(self) -> np.ndarray:
         """The stream token offsets where documents end (after their EOS), ascending."""
@@ -73,10 +100,16 @@ class Stream:
 
     def starts_with_literal(self, a: int) -> bool:
         """Whether stream token ``a`` is a placed special token."""
+        if self.parent is not None:
+            whole, at = self.parent
+            return whole.starts_with_literal(at + a)
         return bool(self.rows[int(np.searchsorted(self.row_off, a, "right")) - 1, 0] < 0)
 
     def rows_between(self, a: int, b: int) -> np.ndarray:
         """Provenance rows of stream tokens ``a .. b`` (``a < b``)."""
+        if self.parent is not None:  # the same rows, cut the same way
+            whole, at = self.parent
+            return whole.rows_between(at + a, at + b)
         row_off = self._row_off
         if row_off is None:
             row_off = self._row_off = self.row_off.tolist()
