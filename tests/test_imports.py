@@ -116,3 +116,70 @@ print(sorted(m for m in sys.modules if m.startswith("pyarrow.compute")))
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_forked_workers_import_nothing_of_numpy_pyarrow_fsspec_or_this_package(
+    tmp_path: Path,
+) -> None:
+    """What a worker imports on its way to its first batch is imported once, in the training
+    process, before the workers fork (``token_loader.WORKER_IMPORTS``): NumPy's lazily loaded
+    ``numpy.random`` and ``numpy.ma`` alone are ~16 ms per worker. Each forked worker finds a
+    module added to the list already imported, and records the modules it imported between
+    the start of its build and its first batch: none may be NumPy's, pyarrow's, fsspec's or
+    this package's. Fresh interpreter: nothing imported them before."""
+    import subprocess
+    import sys
+
+    from harness import write_random_arrow_datasets
+
+    write_random_arrow_datasets(str(tmp_path), (("a", 30, 40), ("b", 30, 40)), seed=5)
+    script = f"""
+import functools, os, sys
+from torchdata_ext import PipelineConfig, TokenLoader, World, build_pipeline
+from torchdata_ext.loader import token_loader
+
+OUT = {str(tmp_path / "imported")!r}
+assert "colorsys" not in sys.modules  # a module nothing here imports: on the list, it must be
+token_loader.WORKER_IMPORTS = (*token_loader.WORKER_IMPORTS, "colorsys")  # imported pre-fork
+
+class Recording:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __call__(self, world):
+        before = set(sys.modules)
+        with open(f"{{OUT}}.listed.{{world.worker_id}}", "w") as f:
+            f.write(str("colorsys" in before))
+        node = build_pipeline(self.cfg, world)
+        first = node.next_packed_batch
+
+        def next_packed_batch():
+            out = first()
+            new = sorted(set(sys.modules) - before)
+            with open(f"{{OUT}}.{{world.worker_id}}", "w") as f:
+                f.write("\\n".join(new))
+            node.next_packed_batch = first
+            return out
+
+        node.next_packed_batch = next_packed_batch
+        return node
+
+cfg = PipelineConfig(data_path={str(tmp_path)!r}, datasets=["a", "b"], weights=[1, 1],
+                     seq_length=16, batch_size=2, shuffle_buffer=4, eos_token=0, logical_shards=4)
+loader = TokenLoader(Recording(cfg), num_workers=2, multiprocessing_context="fork")
+batch = next(iter(loader))
+assert batch["input_ids"].shape == (2, 16), batch["input_ids"].shape
+loader.close()
+"""
+    subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    for worker in (0, 1):
+        assert (tmp_path / f"imported.listed.{worker}").read_text() == "True"
+        imported = (tmp_path / f"imported.{worker}").read_text().split()
+        ours = [
+            m
+            for m in imported
+            if m.split(".")[0] in ("numpy", "pyarrow", "fsspec", "torchdata_ext")
+        ]
+        assert ours == [], (worker, ours)
