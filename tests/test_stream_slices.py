@@ -148,14 +148,11 @@ def test_row_ends_found_in_the_blocks_stream_are_those_of_the_rest(
     stop = data.draw(st.integers(end + 1, n))
     fill %= capacity
 
-    def ratio(c: np.ndarray) -> np.ndarray:
-        return (c + t0) / 1.0
-
     rest = cut_block(block, lo, skip, stop, 0)
     units = cursor.units(rest, peek=True)
     at = first_row_end(
         rest.offsets.tolist(), units.off.tolist(), units.bos.tolist(), units.pin_at, 0, 0,
-        end - lo, len(rest), fill, capacity, ratio, r2, side,
+        end - lo, len(rest), fill, capacity, t0, 1.0, r2, side,
     )  # fmt: skip
     want = None
     if at is not None:
@@ -165,7 +162,7 @@ def test_row_ends_found_in_the_blocks_stream_are_those_of_the_rest(
     assert own is not None and span is not None
     at = first_row_end(
         own.tok, own.off, own.bos, None, span[0], own.tok[lo] + skip, end, stop,
-        fill, capacity, ratio, r2, side,
+        fill, capacity, t0, 1.0, r2, side,
     )  # fmt: skip
     got = None
     if at is not None:

@@ -75,6 +75,7 @@ weights right after a rescale. A state saved when such rests were delivered whol
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -86,7 +87,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes.row_cuts import cut_block, fill_after, first_row_end
-from torchdata_ext.nodes.stream import RUN_OF
+from torchdata_ext.nodes.stream import RUN_OF, token_offsets
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
@@ -515,11 +516,11 @@ class Interleave(BaseNode[DocumentBlock]):
         # equal to it and s is listed before every source at r2; or piece lo + j - 1 left its
         # document open (ratios only grow, so the rule holds up to a point, then the run goes
         # on to the end of the document in progress there)
-        off = block.offsets
-        base = int(off[lo]) + self._offset[s]
-        ratios = (off[lo + 1 : n] + (self._tokens[s] - base)) / self.weights[s]
+        off = token_offsets(block)
+        t, w = self._tokens[s] - off[lo] - self._offset[s], self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
-        end = lo + int(np.searchsorted(ratios, r2, side=side))  # the rule's last piece
+        find = bisect.bisect_right if side == "right" else bisect.bisect_left
+        end = find(off, r2, lo + 1, n, key=lambda o: (o + t) / w) - 1  # the rule's last piece
         if self._fill is not None and not (block.stop is not None and self._whole_hand_back):
             anywhere = any(self._holds_open(i) for i in others)
             cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
@@ -549,18 +550,20 @@ class Interleave(BaseNode[DocumentBlock]):
         run goes on to the document's end (or the block's, and on after it, see ``_emit``)."""
         assert self._mirror is not None and self._fill is not None
         last, n = block.last, len(block)
-        close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
+        if self._whole[s]:  # every piece ends its document
+            close = end
+        else:
+            close = end + int(last[end:].argmax()) if last[end:].any() else n - 1
         skip = self._offset[s]
         stop = (n - 1 if anywhere else close) + 1
         t0, w = self._tokens[s], self.weights[s]
-        ratio = lambda c: (c + t0) / w  # noqa: E731
         own = self._mirror.own_layout(block)
         if own is not None:  # in the whole block's stream, from the run's start on
             start = own.off[lo] + (skip + own.bos[lo] if skip else 0)
             tok = own.tok
             at = first_row_end(
                 tok, own.off, own.bos, None, start, tok[lo] + skip, end, stop, self._fill,
-                self._capacity, ratio, r2, side,
+                self._capacity, t0, w, r2, side,
             )  # fmt: skip
             if at is None:
                 return None
@@ -570,7 +573,7 @@ class Interleave(BaseNode[DocumentBlock]):
         units = self._mirror.units(rest, peek=True)
         at = first_row_end(
             rest.offsets.tolist(), units.off.tolist(), units.bos.tolist(), units.pin_at, 0, 0,
-            end - lo, len(rest), self._fill, self._capacity, ratio, r2, side,
+            end - lo, len(rest), self._fill, self._capacity, t0, w, r2, side,
         )  # fmt: skip
         if at is None:
             return None
@@ -582,7 +585,9 @@ class Interleave(BaseNode[DocumentBlock]):
     def _holds_open(self, i: int) -> bool:
         """Whether source ``i``'s last emitted piece left its document open."""
         block, c = self._blocks[i], self._consumed[i]
-        return block is not None and (self._offset[i] > 0 or (c > 0 and not block.last[c - 1]))
+        if block is None or self._offset[i] > 0:
+            return block is not None
+        return c > 0 and not self._whole[i] and not block.last[c - 1]
 
     def _pick_samples(self, active: list[int], u: np.ndarray) -> np.ndarray:
         """Positions in ``active`` of the sources draws ``u`` pick."""
@@ -629,7 +634,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 span = self._mirror.span(block, lo, skip, hi, cut)
         self._tokens[s] += out.num_tokens
         self._consumed[s], self._offset[s] = hi, cut
-        left_open = cut > 0 or not block.last[hi - 1]
+        left_open = cut > 0 or (not self._whole[s] and not block.last[hi - 1])
         if self._fill is None:  # documents whole: one left open goes on now
             self._open = s if left_open else None
         else:  # a row left open goes on now, as does a document cut mid-row

@@ -22,8 +22,6 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-import numpy as np
-
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.stream_types import Units
 
@@ -33,21 +31,24 @@ __all__ = ["cut_block", "fill_after", "first_row_end"]
 def cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> DocumentBlock:
     """Pieces ``lo .. hi`` of ``block`` from token ``a`` of piece ``lo`` on, and tokens ``0 ..
     b`` of piece ``hi`` (none when ``b`` is 0), sharing ``block``'s tokens (zero-copy)."""
-    out = block.select(lo, hi + 1 if b else hi)
     if not a and not b:
-        return out
-    off, start, last = out.offsets.copy(), out.start.copy(), out.last.copy()
+        return block.select(lo, hi)
+    end = hi + 1 if b else hi  # the pieces: lo .. end
+    assert block.tokens is not None, "only token blocks are cut inside a document"
+    base = int(block.offsets[lo])
+    off = block.offsets[lo : end + 1] - base
+    start, last = block.start[lo:end].copy(), block.last[lo:end].copy()
     if b:  # the last piece ends inside its document
         off[-1] = off[-2] + b
         last[-1] = False
     if a:  # the first piece begins where an earlier run cut it
         off[1:] -= a
         start[0] += a
-    assert out.tokens is not None, "only token blocks are cut inside a document"
-    tokens = out.tokens[a : a + int(off[-1])]
-    return DocumentBlock(  # dataclasses.replace, without its per-call field walk (a hot path)
-        out.dataset, tokens, out.texts, off, out.file, out.doc, start, last, out.shard,
-        out.epoch, out.stop,
+    tokens = block.tokens[base + a : base + a + int(off[-1])]
+    stop = None if block.stop is None else block.stop[lo:end]
+    return DocumentBlock(  # one block built, without dataclasses.replace (a hot path)
+        block.dataset, tokens, None, off, block.file[lo:end], block.doc[lo:end], start, last,
+        block.shard, block.epoch, stop,
     )  # fmt: skip
 
 
@@ -71,7 +72,8 @@ def first_row_end(
     stop: int,
     fill: int,
     capacity: int,
-    ratio: Any,
+    t0: int,
+    weight: float,
     r2: float,
     side: Any,
 ) -> tuple[int, int] | None:
@@ -83,10 +85,10 @@ def first_row_end(
     laid out as units at stream offsets ``unit_off`` with ``bos`` (1: a BOS placed before the
     piece) and ``pins`` (units that start a row: from one on, rows are counted from its
     offset; None: none), as :class:`~torchdata_ext.nodes.stream_types.Units` has them. Row
-    ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the rule stops where
-    ``ratio(tokens of the run)`` passes ``r2`` (``numpy.searchsorted`` ``side``); after it,
-    at the first row end. None: no row end. Python lists and ints: a piece holds 0-2 row
-    ends here, too few for NumPy's per-call cost."""
+    ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the rule stops where the
+    source's ratio ``(t0 + tokens of the run) / weight`` passes ``r2`` (``side`` as
+    ``numpy.searchsorted``'s); after it, at the first row end. None: no row end. Python lists
+    and ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost."""
     pins = pins or []
     origin = start  # the row position of stream offset x is (fill + x - origin) % capacity
     for j in range(j0, stop):
@@ -105,8 +107,9 @@ def first_row_end(
             continue
         i = 0
         if j == j0:  # inside the rule's last piece: where the rule stops
-            count = np.minimum(np.array(cand, np.int64) - lead, length) + (offsets[j] - base)
-            i = int(np.searchsorted(ratio(count), r2, side=side))
+            taken = offsets[j] - base + t0
+            ratios = [(min(c - lead, length) + taken) / weight for c in cand]
+            i = (bisect.bisect_right if side == "right" else bisect.bisect_left)(ratios, r2)
             if i == len(cand):
                 continue
         if cand[i] == after:

@@ -55,6 +55,7 @@ _UNITS_MEMO = "_stream_units"
 RUN_OF = "_stream_run_of"
 _WHOLE_MEMO = "_stream_whole"  # a block's whole Stream, kept for the runs cut from it
 _OWN_MEMO = "_stream_own"  # a block's own layout (StreamCursor.own_layout)
+_TOKEN_OFFSETS_MEMO = "_stream_token_offsets"  # token_offsets(block)
 
 
 class StreamCursor:
@@ -263,7 +264,7 @@ class StreamCursor:
         memo = block.__dict__.get(_OWN_MEMO)
         if memo is None or memo[0] != self._key:
             units = self.units(block, peek=True)
-            own = OwnLayout(units, units.off.tolist(), units.bos.tolist(), block.offsets.tolist())
+            own = OwnLayout(units, units.off.tolist(), units.bos.tolist(), token_offsets(block))
             memo = block.__dict__[_OWN_MEMO] = (self._key, own)
         return memo[1]
 
@@ -533,6 +534,15 @@ class _Pieces(NamedTuple):
         )
         block.__dict__[_PIECES_MEMO] = out
         return out
+
+
+def token_offsets(block: DocumentBlock) -> list[int]:
+    """``block.offsets`` as a list of Python ints, kept with the block (the mix looks offsets
+    up at every run: a list index or ``bisect`` costs less than NumPy's per-call overhead)."""
+    memo = block.__dict__.get(_TOKEN_OFFSETS_MEMO)
+    if memo is None:
+        memo = block.__dict__[_TOKEN_OFFSETS_MEMO] = block.offsets.tolist()
+    return memo
 
 
 def _check_block(block: Any) -> None:
