@@ -40,7 +40,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 650 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 653 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -559,11 +559,10 @@ class Interleave(BaseNode[DocumentBlock]):
         t0, w = self._tokens[s], self.weights[s]
         own = self._mirror.own_layout(block)
         if own is not None:  # in the whole block's stream, from the run's start on
-            start = own.off[lo] + (skip + own.bos[lo] if skip else 0)
             tok = own.tok
             at = first_row_end(
-                tok, own.off, own.bos, None, start, tok[lo] + skip, end, stop, self._fill,
-                self._capacity, t0, w, r2, side,
+                tok, own.off, own.bos, None, own.offset(lo, skip), tok[lo] + skip, end, stop,
+                self._fill, self._capacity, t0, w, r2, side,
             )  # fmt: skip
             if at is None:
                 return None

@@ -21,7 +21,7 @@ laying out each run, and the rest of the block at each run, again. Only when a b
 depends on more than the block (a shared BOS/EOS token, a rescale's delivered BOS pending, a
 block handed back) is each run laid out on its own.
 
-This module is 595 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 611 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
@@ -42,6 +42,7 @@ from torchdata_ext.nodes.stream_types import (
     Stream,
     StreamPiece,
     Units,
+    row_offsets,
 )
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
@@ -211,9 +212,7 @@ class StreamCursor:
         pieces = _Pieces.of(block)
         addbos, addeos, skipped, unit_off = self._units(block, tokens, pieces)
         rows = self._provenance_rows(block, ds_id, pieces, addbos, addeos)
-        row_off = np.empty(len(rows) + 1, np.int64)
-        row_off[0] = 0
-        rows[:, 4].cumsum(out=row_off[1:])
+        row_off = row_offsets(rows)
         return Stream(
             pre_state,
             carry_in,
@@ -246,13 +245,7 @@ class StreamCursor:
         own = self.own_layout(block)
         if own is None:
             return None
-        a = own.off[lo]
-        if skip:
-            a += skip + own.bos[lo]
-        b = own.off[hi]
-        if cut:
-            b += cut + own.bos[hi]
-        return a, b
+        return own.offset(lo, skip), own.offset(hi, cut)
 
     def own_layout(self, block: DocumentBlock) -> OwnLayout | None:
         """The layout of the whole ``block`` (:meth:`units` ``(block, peek=True)``, and as
@@ -281,8 +274,7 @@ class StreamCursor:
         """The stream of ``block`` = ``cut_block(whole_block, lo, skip, hi, cut)``, sliced from
         the stream of ``whole_block`` (laid out once, kept with it): equal to laying ``block``
         out (:meth:`_expand`), field by field."""
-        self._dataset_id(block.dataset)
-        key = (self._key, self._ds_ids[block.dataset])
+        key = (self._key, self._dataset_id(block.dataset))
         memo = whole_block.__dict__.get(_WHOLE_MEMO)
         if memo is None or memo[0] != key:
             memo = (key, self._expand(whole_block, None))
@@ -502,6 +494,12 @@ class OwnLayout(NamedTuple):
     off: list[int]
     bos: list[int]
     tok: list[int]
+
+    def offset(self, j: int, t: int) -> int:
+        """The stream offset of a run's edge at token ``t`` of piece ``j``: the unit's start
+        (its BOS, if any) when ``t`` is 0, else after the BOS and ``t`` tokens (a run going on
+        from a token has no BOS, a run cut there ends before the rest)."""
+        return self.off[j] + (t + self.bos[j] if t else 0)
 
 
 class _Pieces(NamedTuple):

@@ -16,7 +16,15 @@ import numpy as np
 
 from torchdata_ext.document import DocumentBlock
 
-__all__ = ["ReplayMark", "Specials", "Stream", "StreamPart", "StreamPiece", "Units"]
+__all__ = [
+    "ReplayMark",
+    "Specials",
+    "Stream",
+    "StreamPart",
+    "StreamPiece",
+    "Units",
+    "row_offsets",
+]
 
 StreamPiece = tuple[
     str, int, int, int, int
@@ -80,10 +88,7 @@ class Stream:
         whole, at = self.parent
         b = at + len(self.tokens)
         rows = whole.rows_between(at, b) if b > at else whole.rows[:0].copy()
-        row_off = np.empty(len(rows) + 1, np.int64)
-        row_off[0] = 0
-        rows[:, 4].cumsum(out=row_off[1:])
-        self.own_rows, self.own_row_off = rows, row_off
+        self.own_rows, self.own_row_off = rows, row_offsets(rows)
 
     def doc_ends(self) -> np.ndarray:
         """The stream token offsets where documents end (after their EOS), ascending."""
@@ -124,6 +129,14 @@ class Stream:
         if over:
             out[-1, 4] -= over
         return out
+
+
+def row_offsets(rows: np.ndarray) -> np.ndarray:
+    """The stream token offsets of provenance ``rows`` (``len(rows) + 1``, from 0)."""
+    row_off = np.empty(len(rows) + 1, np.int64)
+    row_off[0] = 0
+    rows[:, 4].cumsum(out=row_off[1:])
+    return row_off
 
 
 StreamPart = tuple[Stream, int, int]  # stream tokens a .. b
