@@ -1,6 +1,6 @@
 """Pack's ``best_fit`` mode: a window of units placed best-fit-decreasing into bins.
 
-The strategy reads ``window`` pieces of the stream (:mod:`._stream`), cuts units longer than a
+The strategy reads ``window`` pieces of the stream (:mod:`.stream`), cuts units longer than a
 sequence into a head (the remainder, holding the document start) and full-sequence chunks,
 places the items best-fit-decreasing (ties broken by arrival) into bins of one sequence (Ding
 et al. 2024, "Fewer Truncations Improve Language Modeling") and emits the bins padded, one a
@@ -84,7 +84,7 @@ class BestFit:
     def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The pieces of the window's bins not yet emitted, then the rest of the block the
         window ended in (the window built again first after a restore), and the documents
-        among them whose BOS was delivered (see :meth:`~._stream.StreamCursor.held`)."""
+        among them whose BOS was delivered (see :meth:`~.stream.StreamCursor.held`)."""
         c = self._cursor
         if self._bins is None and not c.exhausted:  # restored lazily: rebuild the window
             bins = self._build_window()

@@ -1,6 +1,6 @@
 """Pack's ``chunk`` mode: each document cut into sequences of its own (epochraft's ``chunk``).
 
-The strategy reads the stream (:mod:`._stream`) straight on, like ``concat``, but a sequence
+The strategy reads the stream (:mod:`.stream`) straight on, like ``concat``, but a sequence
 never holds two documents: it ends at a document's end (after its EOS), and the document's
 last, partial piece is padded, or dropped with ``drop_remainder``::
 

@@ -1,6 +1,6 @@
 """Pack's ``concat`` and ``pad`` modes: sequences filled from the stream in arrival order.
 
-Both read the stream (:mod:`._stream`) straight on and never look back, so the clean point to
+Both read the stream (:mod:`.stream`) straight on and never look back, so the clean point to
 replay from is the cursor itself: the current block and the stream tokens of it already
 packed (Pack's ``source`` / ``consumed`` state keys)::
 

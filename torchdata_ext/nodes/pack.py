@@ -51,8 +51,8 @@ _MODES = ("concat", "pad", "best_fit", "chunk")
 
 
 class _Strategy(Protocol):
-    """What Pack asks of a packing strategy (:mod:`._concat_pad`, :mod:`._best_fit`,
-    :mod:`._chunk`)."""
+    """What Pack asks of a packing strategy (:mod:`.concat_pad`, :mod:`.best_fit`,
+    :mod:`.chunk`)."""
 
     def reset(self, bins_done: int) -> None:
         """Start again at the cursor, ``bins_done`` sequences of the window already emitted."""
@@ -67,7 +67,7 @@ class _Strategy(Protocol):
 
     def inflight(self) -> tuple[list[StreamPiece], list[list[Any]]]:
         """The document pieces pulled but not yet emitted, and the documents among them
-        whose BOS was delivered (see :meth:`~._stream.StreamCursor.held`)."""
+        whose BOS was delivered (see :meth:`~.stream.StreamCursor.held`)."""
         ...
 
 

@@ -1,7 +1,7 @@
 """Pack's output side: a packed line's layout, from parts of streams to the output dict.
 
-Shared by both packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`). A strategy picks
-the parts of a sequence (stream tokens ``a .. b``, see :mod:`._stream`); :meth:`Layout.emit`
+Shared by both packing strategies (:mod:`.concat_pad`, :mod:`.best_fit`). A strategy picks
+the parts of a sequence (stream tokens ``a .. b``, see :mod:`.stream`); :meth:`Layout.emit`
 lays them between the line specials, pads, and cuts the line into document runs, giving a
 small :class:`PackedSequence`::
 

@@ -1,6 +1,6 @@
 """Pack's input side: upstream blocks read into streams with the document specials placed.
 
-Shared by the packing strategies (:mod:`._concat_pad`, :mod:`._best_fit`, :mod:`._chunk`). A
+Shared by the packing strategies (:mod:`.concat_pad`, :mod:`.best_fit`, :mod:`.chunk`). A
 :class:`StreamCursor` pulls :class:`~torchdata_ext.document.DocumentBlock` s from Pack's source and
 turns each into a :class:`Stream`: the block's tokens with the BOS/EOS each piece gets, its
 provenance rows, and the token offsets of its units (a piece plus its specials)::
@@ -9,7 +9,7 @@ provenance rows, and the token offsets of its units (a piece plus its specials):
     stream  units  |B a a a| |b b E|    rows: BOS, A[0:3], B[5:7], EOS (one token each special)
 
 A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and hands them to
-:class:`~._packed.Layout` to make the sequence. The cursor also keeps the clean point a
+:class:`~.packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`). The types are in :mod:`.stream_types`.
 
 A run the mix cut from one of its sources' blocks (``cut_block``, marked ``RUN_OF``) is a
