@@ -273,7 +273,10 @@ def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_pat
         next(a), next(b)
         if step % 4 == 0:
             sa, sb = local.state_dict(), remote.state_dict()
-            assert same(plain(sa["workers"]["0"]["graph"]), sb["workers"]["0"]["graph"]), step
+            # each as it is saved: the shuffle buffer's provenance is built when read, on both sides
+            assert same(plain(sa["workers"]["0"]["graph"]), plain(sb["workers"]["0"]["graph"])), (
+                step
+            )
 
 
 def test_closing_from_the_background_thread_itself_does_not_raise() -> None:

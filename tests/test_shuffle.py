@@ -518,9 +518,9 @@ def test_states_taken_at_every_step_and_read_later_in_any_order(index, monkeypat
     reads each at once. Both mixed, while the buffer fills, draws and drains, and with the
     journal rebuilt into a new base often (slack 3): every state, read whenever and in any
     order, pickled or not, lists the buffer as it was when the state was taken."""
-    from torchdata_ext.nodes import shuffle
+    from torchdata_ext.nodes import shuffle_state
 
-    monkeypatch.setattr(shuffle, "_JOURNAL_SLACK", slack)
+    monkeypatch.setattr(shuffle_state, "JOURNAL_SLACK", slack)
     idx, _ = index
     node = _packed(idx, 10, epochs=2)
     node.reset()
@@ -570,9 +570,9 @@ def test_a_buffer_whose_states_are_never_taken_keeps_bounded_memory(index, monke
     import gc
     import weakref
 
-    from torchdata_ext.nodes import shuffle
+    from torchdata_ext.nodes import shuffle_state
 
-    monkeypatch.setattr(shuffle, "_JOURNAL_SLACK", 3)
+    monkeypatch.setattr(shuffle_state, "JOURNAL_SLACK", 3)
     idx, _ = index
     node = make(idx, 10, epochs=None)
     node.reset()

@@ -33,16 +33,18 @@ drawn, so a 10,000-sequence buffer holds ~170 MB instead of ~700 MB (at seq_len 
 arrays handed downstream are freshly written.
 
 The provenance of the buffered items is journaled: each draw appends the slot and the new
-item's provenance table, and a state holds the journal's length (:class:`~.shuffle_state.LazyGroups`), so
-taking one costs a few references however large the buffer. A state is built into its blocks of
-``BLOCK`` (4) slots, in groups of ``GROUP`` (64), only when read (pickled, iterated or diffed),
-from the last built state and the changes since: a block or group that did not change is the
-same object as in the state before, so the state a dataloader worker sends after a batch is a
-few kilobytes (only the blocks whose slots were drawn, see :mod:`torchdata_ext.state.delta`),
-and a training loop that takes a state at every step and saves few pays for the ones it saves.
-A journal longer than twice the buffer is built into a new base (its memory is bounded: ~20,000
-small tables for a 10,000-sequence buffer). The journal, its blocks and groups, and the readers
-of a state's provenance are in :mod:`torchdata_ext.nodes.shuffle_state`.
+item's provenance table, and a state holds the journal's length
+(:class:`~.shuffle_state.LazyGroups`), so taking one costs a few references however large the
+buffer. A state is built into its blocks of ``BLOCK`` (4) slots, in groups of ``GROUP`` (64),
+only when read (pickled or iterated), from the last built state and the changes since: a block
+or group that did not change is the same object as in the state before. A dataloader worker
+sends, after each batch, the journal's changes since the state before (a few slots and their
+tables, :class:`~.shuffle_state.JournalDelta`), nothing built; the training process extends its
+own journal with them, so a training loop that takes a state at every step and saves few pays
+for the ones it saves, on either side. A journal longer than twice the buffer is built into a
+new base (``too_long``: its memory is bounded, ~20,000 small tables for a 10,000-sequence
+buffer). The journal, its blocks and groups, and the readers of a state's provenance are in
+:mod:`torchdata_ext.nodes.shuffle_state`.
 
 State keys: ``source`` (upstream state after the last pull), ``draws``, ``exhausted``, and
 either ``prov_groups`` (format 3: a list of groups, each a list of blocks of slots, each a
@@ -72,6 +74,7 @@ from torchdata_ext.nodes.shuffle_state import (
     buffered_provenance,
     provenance_groups,
     standard_layout,
+    too_long,
 )
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.progress import Progress
@@ -90,9 +93,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DRAW_TAG = 0x53485546
 """The tag of the draws: draw ``i`` picks slot ``mix_seed(seed, DRAW_TAG, i) % len(buffer)``."""
-# a journal longer than 2 x the buffer + this many changes is built into a new base (a state
-# read later then replays at most that many)
-_JOURNAL_SLACK = 1024
 FILL_MODES = ("stream", "full")
 """``ShuffleBuffer(fill=...)``: deliver while filling (``"stream"``) or fill first (``"full"``)."""
 
@@ -212,7 +212,7 @@ class ShuffleBuffer(BaseNode[T], Generic[T]):
         return self._out(self._draw())
 
     def _draw(self) -> Any:
-        if len(self._journal) > 2 * self.buffer_size + _JOURNAL_SLACK:
+        if too_long(self._journal, self.buffer_size):
             self._rebase()  # bounds its memory, states taken or not (a plain Loader takes none)
         buf = self._buf
         if not self._exhausted and len(buf) < self.buffer_size:

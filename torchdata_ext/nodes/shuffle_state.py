@@ -11,6 +11,7 @@ and :func:`provenance_groups` read and write a state's provenance without a buff
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -21,7 +22,9 @@ from torchdata_ext.provenance import PROV_COLUMNS
 __all__ = [
     "BLOCK",
     "GROUP",
+    "JOURNAL_SLACK",
     "Journal",
+    "JournalDelta",
     "LazyGroups",
     "Snapshot",
     "buffered_provenance",
@@ -29,17 +32,28 @@ __all__ = [
     "provenance_groups",
     "standard_layout",
     "state_blocks",
+    "too_long",
 ]
 
 BLOCK = 4  # slots per provenance block (the unit a state delta resends)
 GROUP = 64  # blocks per group (the unit a state delta looks inside)
+JOURNAL_SLACK = 1024  # a journal may hold 2 x the buffer's slots + this many changes
+
+
+def too_long(journal: Journal, slots: int) -> bool:
+    """Whether ``journal`` should be built into a new base (:meth:`Journal.after`): it holds
+    more than twice ``slots`` (the buffer's size) plus :data:`JOURNAL_SLACK` changes, so its
+    memory is bounded (~20,000 small tables for a 10,000-sequence buffer) and building a
+    state from it costs at most that many changes."""
+    return len(journal) > 2 * slots + JOURNAL_SLACK
 
 
 class Snapshot(NamedTuple):
     """The provenance of the buffer at one point, as a state lists it: ``groups`` of
-    :class:`_ProvBlock` s (never changed once made), over ``n`` slots."""
+    :class:`_ProvBlock` s or ``(counts, rows)`` pairs (never changed once made), over ``n``
+    slots. ``groups`` may be a :class:`LazyGroups`, built when this snapshot is first built on."""
 
-    groups: list[list[_ProvBlock]]
+    groups: Sequence[Sequence[Any]]
     n: int
 
 
@@ -51,22 +65,40 @@ class Journal:
     taking a state costs a few references whatever the buffer size; a draw costs two appends.
     """
 
-    __slots__ = ("base", "slots", "tables")
+    __slots__ = ("__weakref__", "base", "received", "slots", "tables", "_parent")
 
-    def __init__(self, base: Snapshot | None) -> None:
+    def __init__(self, base: Snapshot | None, *, received: bool = False) -> None:
         self.base = base
         self.slots: list[int] = []
         self.tables: list[Any] = []
+        # made by JournalDelta.apply_to from a worker's deltas: only that extends it
+        self.received = received
+        # (the journal this one was built from, how many of its changes the base holds),
+        # while that journal is alive: what a delta across a rebase needs (journal_delta)
+        self._parent: tuple[weakref.ref[Journal], int] | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def after(self, state: LazyGroups) -> Journal:
         """A journal from ``state`` (of this journal, built) on, with the changes since it."""
-        out = Journal(Snapshot(state.groups(), state.n))
+        out = Journal(Snapshot(state.groups(), state.n), received=self.received)
         out.slots = self.slots[state.k :]
         out.tables = self.tables[state.k :]
+        out._parent = (weakref.ref(self), state.k)
         return out
+
+    def changes_since(self, prev: LazyGroups) -> tuple[list[int], list[Any]] | None:
+        """The changes (slots, tables) from state ``prev`` to the end of this journal: the
+        rest of ``prev``'s journal if that is this one or the one this was built from
+        (:meth:`after`); None if ``prev`` is of neither."""
+        if prev.journal is self:
+            return self.slots[prev.k :], self.tables[prev.k :]
+        parent = self._parent[0]() if self._parent is not None else None
+        if parent is None or parent is not prev.journal or prev.k > self._parent[1]:  # type: ignore[index]
+            return None
+        k = self._parent[1]  # type: ignore[index]
+        return parent.slots[prev.k : k] + self.slots, parent.tables[prev.k : k] + self.tables
 
 
 class LazyGroups(Sequence[list[Any]]):
@@ -113,6 +145,63 @@ class LazyGroups(Sequence[list[Any]]):
     def __repr__(self) -> str:
         return f"LazyGroups({self.groups()!r})"
 
+    def __state_diff__(self, prev: Any) -> JournalDelta | None:
+        """What changed since state ``prev`` as the journal's changes (a dataloader worker's
+        delta: the slots drawn and their new items' provenance tables, nothing built), or None
+        when ``prev`` is not an earlier state of this journal (then the groups are compared)."""
+        if type(prev) is not LazyGroups:
+            return None
+        k = self.k
+        changes = self.journal.changes_since(prev)
+        if changes is None or len(changes[0]) < len(self.journal) - k:
+            return None
+        cut = len(changes[0]) - (len(self.journal) - k)  # the changes up to this state
+        return JournalDelta(prev.n, self.n, changes[0][:cut], changes[1][:cut])
+
+
+class JournalDelta(NamedTuple):
+    """A shuffle buffer state's provenance as the change from the state before: the buffer
+    held ``n_prev`` slots, then slot ``slots[i]`` got an item with provenance table
+    ``tables[i]``, in order, and now holds ``n``. What a dataloader worker sends for
+    ``prov_groups`` at each step (:mod:`torchdata_ext.state.delta`): a few slots and small
+    tables, where the groups would cost building and comparing the changed blocks."""
+
+    n_prev: int
+    n: int
+    slots: list[int]
+    tables: list[Any]
+
+    def __bool__(self) -> bool:
+        """Whether anything changed."""
+        return bool(self.slots) or self.n != self.n_prev
+
+    def apply_to(self, old: Any) -> LazyGroups:
+        """The state's ``prov_groups`` after these changes to ``old`` (the state before, as
+        the receiver holds it: groups, or a :class:`LazyGroups` this made). Nothing is built:
+        the changes extend the receiver's own journal, built when the state is read.
+
+        Raises:
+            ValueError: ``old`` does not hold ``n_prev`` slots (the delta is not of this
+                state).
+        """
+        journal = old.journal if type(old) is LazyGroups else None
+        if journal is None or not journal.received or old.k != len(journal) or old.n != self.n_prev:
+            n_old = old.n if type(old) is LazyGroups else sum(len(b[0]) for g in old for b in g)
+            if n_old != self.n_prev:
+                raise ValueError(
+                    f"a shuffle buffer's provenance delta from {self.n_prev} slots applied to a "
+                    f"state of {n_old} slots: the states a worker sent and the ones applied here "
+                    "differ (apply each delta to the state it was taken against)"
+                )
+            journal = Journal(Snapshot(old, n_old), received=True)
+        if type(old) is LazyGroups and old.journal is journal and old.built:
+            journal = journal.after(old)  # read (saved): later states build on it
+        elif too_long(journal, max(self.n_prev, self.n)):
+            journal = journal.after(LazyGroups(journal, len(journal), self.n_prev))
+        journal.slots.extend(self.slots)
+        journal.tables.extend(self.tables)
+        return LazyGroups(journal, len(journal), self.n)
+
 
 def _counts(n: int) -> tuple[int, int]:
     """Blocks and groups of ``n`` slots (the last of each may be partial)."""
@@ -125,7 +214,7 @@ def _build_groups(journal: Journal, k: int, n: int) -> list[list[_ProvBlock]]:
     base's groups, with new blocks where a slot changed (or the last block was cut) and new
     lists for the groups they are in."""
     base = journal.base
-    groups = list(base.groups) if base is not None else []
+    groups: list[Any] = list(base.groups) if base is not None else []
     n0 = base.n if base is not None else 0
     changes = dict(zip(journal.slots[:k], journal.tables[:k]))  # the last change of a slot
     dirty = {s // BLOCK for s in changes if s < n}

@@ -16,7 +16,11 @@ random pipelines in ``tests/test_state_delta.py``):
 So an object identical (``is``) to the one sent before is unchanged and skipped without
 looking inside; only what is new is compared. A value built only when read (the shuffle
 buffer's provenance, journaled per draw) has a ``__state_value__()`` method giving the plain
-value it stands for, which is what is compared and sent. :func:`apply` copies a container on
+value it stands for, which is what is compared and sent; unless its ``__state_diff__(prev)``
+gives the change from the value before in its own terms (false when nothing changed; None when
+it cannot tell, and the plain values are compared) (the shuffle buffer's: the slots drawn
+since, :class:`~torchdata_ext.nodes.shuffle_state.JournalDelta`), which is sent instead and
+played by that change's ``apply_to(old)``. :func:`apply` copies a container on
 a changed path once per delta and never writes into a state it was given, so states handed out
 earlier (``TokenLoader.state_dict()`` results) stay valid: taking a state costs nothing.
 
@@ -28,7 +32,9 @@ Operations are tuples ``(path, kind, value)``:
   appended;
 * ``PATCH``: the 1-D array at ``path``, copied, gets ``value[1]`` (a list) at positions
   ``value[0]`` (a list), for an array of the same shape and dtype where few elements changed
-  (a reader's cursor column when one shard of 1,000s was left).
+  (a reader's cursor column when one shard of 1,000s was left);
+* ``CHANGE``: the value at ``path`` becomes ``value.apply_to(old)``, ``value`` being what the
+  new value's ``__state_diff__(old)`` gave (it never writes into ``old``).
 """
 
 from __future__ import annotations
@@ -39,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DELETE", "PATCH", "RESIZE", "SET", "Op", "apply", "diff"]
+__all__ = ["CHANGE", "DELETE", "PATCH", "RESIZE", "SET", "Op", "apply", "diff"]
 
-SET, DELETE, RESIZE, PATCH = 0, 1, 2, 3
+SET, DELETE, RESIZE, PATCH, CHANGE = 0, 1, 2, 3, 4
 Op = tuple[tuple[Any, ...], int, Any]
 _MISSING = object()
 _SCALARS = (int, float, str, bytes, bool, type(None), np.integer, np.floating, np.bool_)
@@ -119,7 +125,12 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
         if cur != prev:
             ops.append((path, SET, cur))
     elif hasattr(tc, "__state_value__"):  # built when read: compared as what it stands for
-        _diff(prev.__state_value__(), cur.__state_value__(), path, ops)
+        own = getattr(tc, "__state_diff__", None)
+        change = own(cur, prev) if own is not None else None
+        if change is None:
+            _diff(prev.__state_value__(), cur.__state_value__(), path, ops)
+        elif change:  # false: nothing changed
+            ops.append((path, CHANGE, change))
     elif not _equal(prev, cur):  # tuples and anything else: compared whole
         ops.append((path, SET, cur))
 
@@ -168,6 +179,8 @@ def apply(state: Any, ops: list[Op]) -> Any:
             if kind == PATCH:
                 root = np.array(root)
                 root[np.asarray(value[0], np.int64)] = value[1]
+            elif kind == CHANGE:
+                root = value.apply_to(root)
             elif kind != SET:  # a list resize at the root
                 root = own(root)
                 del root[value[0] :]
@@ -190,6 +203,8 @@ def apply(state: Any, ops: list[Op]) -> Any:
             arr = np.array(node[last])
             arr[np.asarray(value[0], np.int64)] = value[1]
             node[last] = arr
+        elif kind == CHANGE:
+            node[last] = value.apply_to(node[last])
         else:
             child = own(node[last])
             del child[value[0] :]
