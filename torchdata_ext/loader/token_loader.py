@@ -275,8 +275,10 @@ class TokenLoader:
             it is the state of the last multiple of ``n`` steps plus the number of batches
             since (``skip_batches``, made again and dropped on restore; such a state does not
             rescale). Kept for compatibility: the exact state costs as little.
-        batches_per_message: batches a worker process sends in one message (default 4): a
-            message costs ~1 ms of shared-memory and file-descriptor work, spread over them.
+        batches_per_message: batches a worker process sends in one message (default 8): a
+            message costs ~1 ms of a worker's and the training process's CPU (pickling, the
+            queue, the ring slot), spread over them; 8 took 10-15% less CPU per token than 4
+            through 2 workers (docs/benchmarks.md).
             Batches are still delivered one worker after the other, as with one batch per
             message.
         prefetch_factor: messages each worker prepares ahead (default 2), or with
@@ -313,7 +315,7 @@ class TokenLoader:
         rank: int | None = None,
         world_size: int | None = None,
         snapshot_every_n_steps: int = 1,
-        batches_per_message: int = 4,
+        batches_per_message: int = 8,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
         multiprocessing_context: str | None = None,
