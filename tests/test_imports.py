@@ -123,7 +123,8 @@ def test_forked_workers_import_nothing_of_numpy_pyarrow_fsspec_or_this_package(
 ) -> None:
     """What a worker imports on its way to its first batch is imported once, in the training
     process, before the workers fork (``token_loader.WORKER_IMPORTS``): NumPy's lazily loaded
-    ``numpy.random`` and ``numpy.ma`` alone are ~16 ms per worker. Each forked worker finds a
+    ``numpy.random`` alone is ~8 ms per worker (``numpy.ma``, ~9 ms more, is not on the list:
+    nothing on the way may load it). Each forked worker finds a
     module added to the list already imported, and records the modules it imported between
     the start of its build and its first batch: none may be NumPy's, pyarrow's, fsspec's or
     this package's. Fresh interpreter: nothing imported them before."""
