@@ -174,6 +174,10 @@ def apply(state: Any, ops: list[Op]) -> Any:
         return c
 
     root = state
+    # the containers (owned) from the root down to the previous op's parent: consecutive ops
+    # share most of their path (a few cursors of one reader), walked once
+    chain: list[Any] = []
+    above: tuple[Any, ...] = ()  # the previous op's parent path
     for path, kind, value in ops:
         if not path:
             if kind == PATCH:
@@ -187,13 +191,23 @@ def apply(state: Any, ops: list[Op]) -> Any:
                 root.extend(value[1])
             else:
                 root = value
+            chain, above = [], ()
             continue
-        root = own(root)
-        node = root
-        for k in path[:-1]:
-            child = own(node[k])
-            node[k] = child
+        if not chain:
+            root = own(root)
+            chain = [root]
+        parents = path[:-1]
+        k, most = 0, min(len(parents), len(above))
+        while k < most and parents[k] == above[k]:
+            k += 1
+        del chain[k + 1 :]  # never the target of an op before: only parents are kept
+        node = chain[k]
+        for key in parents[k:]:
+            child = own(node[key])
+            node[key] = child
             node = child
+            chain.append(child)
+        above = parents
         last = path[-1]
         if kind == SET:
             node[last] = value
