@@ -4,8 +4,10 @@ its draws, the blocks and groups a state lists, and reading a state's provenance
 Each draw appends the slot and the new item's provenance table to a :class:`Journal`; a state
 holds a prefix of it (:class:`LazyGroups`) and builds it into blocks of :data:`BLOCK` slots in
 groups of :data:`GROUP` only when read, reusing the unchanged blocks and groups of the state
-before (see the module doc of :mod:`torchdata_ext.nodes.shuffle`). :func:`buffered_provenance`
-and :func:`provenance_groups` read and write a state's provenance without a buffer.
+before (see the module doc of :mod:`torchdata_ext.nodes.shuffle`). A dataloader worker sends
+the changes between two states (:class:`JournalDelta`), which the training process adds to a
+journal of its own. :func:`buffered_provenance` and :func:`provenance_groups` read and write a
+state's provenance without a buffer.
 """
 
 from __future__ import annotations
@@ -103,12 +105,14 @@ class Journal:
 
 class LazyGroups(Sequence[list[Any]]):
     """A state's ``prov_groups``: the first ``k`` changes of ``journal`` over ``n`` slots,
-    made into the groups of blocks when first read (iterated, indexed, pickled or diffed).
+    made into the groups of blocks when first read (iterated, indexed or pickled).
 
     It pickles (and copies) as the plain list of groups it stands for. Groups and blocks that
-    did not change since the journal's base are the base's own objects, so a dataloader worker
-    that diffs consecutive states sends only the changed blocks
-    (:mod:`torchdata_ext.state.delta` reads ``__state_value__``)."""
+    did not change since the journal's base are the base's own objects. A dataloader worker
+    sends the journal's changes since the state before (:meth:`__state_diff__`, which
+    :mod:`torchdata_ext.state.delta` calls), not the groups; where it cannot (the state before
+    is of no journal of this one's), the groups are compared (``__state_value__``) and only
+    the changed blocks are sent."""
 
     __slots__ = ("_groups", "journal", "k", "n")
 
