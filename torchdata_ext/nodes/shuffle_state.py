@@ -76,7 +76,7 @@ class Journal:
         # made by JournalDelta.apply_to from a worker's deltas: only that extends it
         self.received = received
         # (the journal this one was built from, how many of its changes the base holds),
-        # while that journal is alive: what a delta across a rebase needs (journal_delta)
+        # while that journal is alive: what a delta across a rebase needs (changes_since)
         self._parent: tuple[weakref.ref[Journal], int] | None = None
 
     def __len__(self) -> int:
@@ -96,10 +96,12 @@ class Journal:
         (:meth:`after`); None if ``prev`` is of neither."""
         if prev.journal is self:
             return self.slots[prev.k :], self.tables[prev.k :]
-        parent = self._parent[0]() if self._parent is not None else None
-        if parent is None or parent is not prev.journal or prev.k > self._parent[1]:  # type: ignore[index]
+        if self._parent is None:
             return None
-        k = self._parent[1]  # type: ignore[index]
+        ref, k = self._parent
+        parent = ref()
+        if parent is None or parent is not prev.journal or prev.k > k:
+            return None
         return parent.slots[prev.k : k] + self.slots, parent.tables[prev.k : k] + self.tables
 
 
