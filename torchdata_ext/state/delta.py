@@ -16,11 +16,12 @@ random pipelines in ``tests/test_state_delta.py``):
 So an object identical (``is``) to the one sent before is unchanged and skipped without
 looking inside; only what is new is compared. A value built only when read (the shuffle
 buffer's provenance, journaled per draw) has a ``__state_value__()`` method giving the plain
-value it stands for, which is what is compared and sent; unless its ``__state_diff__(prev)``
-gives the change from the value before in its own terms (false when nothing changed; None when
-it cannot tell, and the plain values are compared) (the shuffle buffer's: the slots drawn
-since, :class:`~torchdata_ext.nodes.shuffle_state.JournalDelta`), which is sent instead and
-played by that change's ``apply_to(old)``. :func:`apply` copies a container on
+value it stands for, which is what is compared and sent. If it also has
+``__state_diff__(prev)``, that gives the change since the value before in its own terms (the
+shuffle buffer's: the slots drawn since, :class:`~torchdata_ext.nodes.shuffle_state.JournalDelta`),
+which is sent instead and played by the change's ``apply_to(old)``; it gives None when it
+cannot tell (the plain values are then compared), a false change when nothing changed.
+:func:`apply` copies a container on
 a changed path once per delta and never writes into a state it was given, so states handed out
 earlier (``TokenLoader.state_dict()`` results) stay valid: taking a state costs nothing.
 
