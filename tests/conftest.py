@@ -161,6 +161,7 @@ class FaultProxy:
         self.methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE")  # faulted
         self.requests: Counter[tuple[str, str]] = Counter()
         self.faults: Counter[str] = Counter()
+        self.faulted: Counter[tuple[str, str]] = Counter()  # (method, key) faults
         self._attempts: Counter[str] = Counter()
         self._lock = threading.Lock()
         proxy = self
@@ -226,6 +227,7 @@ class FaultProxy:
         if kind is not None:
             with self._lock:
                 self.faults[kind] += 1
+                self.faulted[(req.command, req.path.split("?", 1)[0])] += 1
         if kind == "503":
             req.send_response(503)
             req.send_header("Content-Type", "application/xml")

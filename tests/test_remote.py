@@ -777,3 +777,38 @@ def test_a_release_from_a_finalizer_under_the_cache_lock_is_deferred(s3, s3_corp
     assert slot.refs == 2 and rt.deferred == [(url, s3.storage_options)]
     cache.release(url, s3.storage_options)  # drains the deferred release, then its own
     assert slot.refs == 0 and rt.deferred == []
+
+
+def test_a_download_takes_its_size_from_the_index_without_a_head(s3, s3_corpus, tmp_path) -> None:
+    """A data file the reader downloads is one GET: its size is the one its dataset index
+    lists (a download sent a HEAD for it first). Without listed sizes (an index made by hand)
+    the store is asked, a HEAD a file. A listed size the object no longer has is refused,
+    naming the index and what to do."""
+    import dataclasses
+
+    from torchdata_ext.remote.counting import count_s3_objects
+
+    so = s3.storage_options
+    index = build(s3_corpus, "web", so)
+    assert len(index.file_stats) == len(index.files)
+
+    def data_requests(counts, kind: str) -> dict[str, int]:
+        return {k: n for k, n in counts.items() if k.startswith(f"{kind} ") and "/web/" in k}
+
+    with count_s3_objects() as listed:
+        got = keys(read_all(index, World(), cache=ShardCache(tmp_path / "a")))
+    assert data_requests(listed, "HEAD") == {}
+    gets = data_requests(listed, "GET")
+    assert len(gets) == len(index.files) and set(gets.values()) == {1}, gets
+    bare = dataclasses.replace(index, file_stats=())
+    with count_s3_objects() as asked:
+        assert keys(read_all(bare, World(), cache=ShardCache(tmp_path / "b"))) == got
+    heads = data_requests(asked, "HEAD")
+    assert len(heads) == len(index.files) and set(heads.values()) == {1}, heads
+    cache = ShardCache(tmp_path / "c", retry=RetryPolicy(max_attempts=2, base_delay_s=0.01))
+    size = index.file_stats[0][0]
+    with pytest.raises(
+        RemoteError, match=r"part_0\.arrow.*dataset index lists.*torchdata-ext index"
+    ):
+        cache.acquire(index.files[0], so, size=size + 1)
+    assert not os.path.exists(cache.local_path(index.files[0], so))

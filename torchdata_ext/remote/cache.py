@@ -222,6 +222,7 @@ class ShardCache:
         url: str,
         storage_options: dict[str, Any] | None = None,
         companions: Sequence[str] = (),
+        size: int | None = None,
     ) -> str:
         """A local path holding all of ``url``; downloads it (or waits for the download in
         flight here or in another process) when it is not cached yet.
@@ -229,7 +230,9 @@ class ShardCache:
         The file is held (not evicted) until a matching :meth:`release`. ``companions`` are
         suffixes of side files fetched with the file when they exist remotely (e.g.
         ``".offsets.npy"``: ``url + ".offsets.npy"`` lands at ``path + ".offsets.npy"``).
-        Local URLs are returned unchanged.
+        ``size``: the file's size in bytes as its dataset index lists it, which spares the
+        store a HEAD per download (None or negative: asked of the store). Local URLs are
+        returned unchanged.
 
         Raises:
             FileNotFoundError: the object does not exist.
@@ -238,7 +241,7 @@ class ShardCache:
         """
         if not self.is_cached(url):
             return url
-        entry = self._entry(url, storage_options, companions)
+        entry = self._entry(url, storage_options, companions, size)
         rt = self._runtime()
         self._release_deferred(rt)
         t0 = time.perf_counter()
@@ -289,13 +292,15 @@ class ShardCache:
         url: str,
         storage_options: dict[str, Any] | None = None,
         companions: Sequence[str] = (),
+        size: int | None = None,
     ) -> None:
         """Start downloading ``url`` in the background, and hold it like :meth:`acquire` until
-        a matching :meth:`release`. A prefetch that does not fit under ``max_bytes`` (with
-        everything else held) is skipped; errors are left for :meth:`acquire` to report."""
+        a matching :meth:`release` (``size`` as there). A prefetch that does not fit under
+        ``max_bytes`` (with everything else held) is skipped; errors are left for
+        :meth:`acquire` to report."""
         if not self.is_cached(url):
             return
-        entry = self._entry(url, storage_options, companions)
+        entry = self._entry(url, storage_options, companions, size)
         rt = self._runtime()
         self._release_deferred(rt)
         with rt.mu:
@@ -392,11 +397,15 @@ class ShardCache:
         return dict(self.storage_options if storage_options is None else storage_options)
 
     def _entry(
-        self, url: str, storage_options: dict[str, Any] | None, companions: Sequence[str]
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None,
+        companions: Sequence[str],
+        size: int | None = None,
     ) -> Entry:
         so = self._options(storage_options)
         endpoint = so.get("endpoint_url") or (so.get("client_kwargs") or {}).get("endpoint_url")
-        return Entry.of(self.cache_dir, url, endpoint, companions)
+        return Entry.of(self.cache_dir, url, endpoint, companions, size)
 
     def _fs(self, url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
         """A filesystem for the caches of this process (not shared with other code), with
@@ -458,6 +467,9 @@ class ShardCache:
         sizes: list[tuple[str, str, str, int]] = []  # (url, remote path, local path, size)
         for suffix in ("", *entry.companions):
             rurl, rpath = entry.url + suffix, path + suffix
+            if not suffix and entry.size is not None:  # as the dataset index lists it
+                sizes.append((rurl, rpath, entry.local, entry.size))
+                continue
             try:
                 info = with_retries(
                     partial(fs.info, rpath), rurl, self.retry, what="stat", on_retry=count_retry
@@ -479,9 +491,10 @@ class ShardCache:
         try:
             with progress:
                 done = 0
-                for (rurl, rpath, _, size), tmp in zip(sizes, parts):
+                for (rurl, rpath, local, size), tmp in zip(sizes, parts):
+                    listed = local == entry.local and entry.size is not None
                     with_retries(
-                        partial(_get_file, fs, rpath, tmp, size, progress, done),
+                        partial(_get_file, fs, rpath, tmp, size, progress, done, listed),
                         rurl, self.retry, what="download", on_retry=count_retry,
                     )  # fmt: skip
                     done += size
@@ -545,10 +558,19 @@ class ShardCache:
         return freed
 
 
-def _get_file(fs: Any, rpath: str, tmp: str, size: int, progress: Progress, done: int) -> None:
+def _get_file(
+    fs: Any, rpath: str, tmp: str, size: int, progress: Progress, done: int, listed: bool = False
+) -> None:
+    """Download ``rpath`` to ``tmp``, which must then hold ``size`` bytes (``listed``: the size
+    the dataset index lists, not the store's answer to a HEAD just before)."""
     fs.get_file(rpath, tmp, callback=fsspec_callback(progress, done))
     got = os.path.getsize(tmp)
     if got != size:
-        raise IncompleteDownload(
-            errno.EIO, f"downloaded {got} bytes of {size}; the transfer was cut short"
+        why = (
+            f"downloaded {got} bytes where the dataset index lists {size}: the transfer was "
+            "cut short, or the file changed after the index was made (rebuild it with "
+            "`torchdata-ext index`)"
+            if listed
+            else f"downloaded {got} bytes of {size}; the transfer was cut short"
         )
+        raise IncompleteDownload(errno.EIO, why)

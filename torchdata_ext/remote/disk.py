@@ -54,9 +54,17 @@ class Entry:
     local: str  # where the complete file lives
     lock: str  # its lock file
     companions: tuple[str, ...]  # suffixes of side files fetched with it (if they exist)
+    size: int | None = None  # the file's size as its dataset index lists it (None: ask the store)
 
     @classmethod
-    def of(cls, cache_dir: str, url: str, endpoint: str | None, companions: Sequence[str]) -> Entry:
+    def of(
+        cls,
+        cache_dir: str,
+        url: str,
+        endpoint: str | None,
+        companions: Sequence[str],
+        size: int | None = None,
+    ) -> Entry:
         """The entry of ``url`` (served by ``endpoint``): one folder per remote folder."""
         folder, _, name = url.rstrip("/").rpartition("/")
         digest = hashlib.sha256(f"{endpoint or ''}|{folder}".encode()).hexdigest()[:20]
@@ -66,6 +74,7 @@ class Entry:
             os.path.join(base, name),
             os.path.join(base, f".{name}{_LOCK_SUFFIX}"),
             tuple(companions),
+            size if size is not None and size >= 0 else None,
         )
 
 

@@ -80,6 +80,7 @@ class FileAccess:
         self._current: tuple[int, Any] | None = None
         self._fetch_cache: dict[int, Any] = {}
         self._prefetching: list[str] = []  # URLs held prefetched in the cache
+        self._sizes: dict[str, int] | None = None  # listed sizes by URL (_listed_size)
         self._io = {"files_opened": 0, "open_seconds": 0.0}
 
     # -- the current file ----------------------------------------------------------------------
@@ -238,7 +239,7 @@ class FileAccess:
                 handle = _open_range(handler, self.cache, url, so)
                 if handle is not None:
                     return handle
-            local = self.cache.acquire(url, so, self._companions)
+            local = self.cache.acquire(url, so, self._companions, self._listed_size(url))
             if self._local_handler is None:  # the remote storage_options mean nothing locally
                 self._local_handler = get_handler(
                     self.dataset.file_type, **self.dataset.handler_options
@@ -308,6 +309,20 @@ class FileAccess:
         if cache is not None and cache.is_cached(url) and not getattr(handle, "_range_read", 0):
             cache.release(url, self.dataset.storage_options)
 
+    def _listed_size(self, url: str) -> int | None:
+        """The size of ``url`` in bytes as the dataset index lists it (None when it lists none:
+        an index made by hand, or a store that gives no sizes): what spares a download its
+        HEAD."""
+        sizes = self._sizes
+        if sizes is None:
+            stats = self.dataset.file_stats
+            sizes = self._sizes = (
+                {u: int(st[0]) for u, st in zip(self.dataset.files, stats) if int(st[0]) >= 0}
+                if len(stats) == len(self.dataset.files)
+                else {}
+            )
+        return sizes.get(url)
+
     def _hold_prefetched(self, urls: list[str], current: str | None = None) -> list[str]:
         """Hold exactly ``urls`` as prefetched in the cache (starting downloads of new ones).
 
@@ -320,7 +335,7 @@ class FileAccess:
         held = set(self._prefetching)
         for url in urls:
             if url not in held:
-                self.cache.prefetch(url, so, self._companions)
+                self.cache.prefetch(url, so, self._companions, self._listed_size(url))
         keep = set(urls)
         later = []
         for url in self._prefetching:
