@@ -10,7 +10,7 @@ say whether I/O is the bottleneck.
 
 This module is what one process keeps: holds, prefetch threads, counters and the download. The
 folder's layout, locks and eviction, shared by all processes, are in :mod:`.disk`. This module is
-537 lines because :class:`ShardCache` is one ~450-line class whose parts all share one lock and
+576 lines because :class:`ShardCache` is one ~470-line class whose parts all share one lock and
 one per-process state (``_Runtime``); split further, that lock's protocol would be scattered.
 """
 
