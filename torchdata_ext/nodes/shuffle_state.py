@@ -90,19 +90,22 @@ class Journal:
         out._parent = (weakref.ref(self), state.k)
         return out
 
-    def changes_since(self, prev: LazyGroups) -> tuple[list[int], list[Any]] | None:
-        """The changes (slots, tables) from state ``prev`` to the end of this journal: the
-        rest of ``prev``'s journal if that is this one or the one this was built from
-        (:meth:`after`); None if ``prev`` is of neither."""
+    def changes_since(self, prev: LazyGroups, k: int) -> tuple[list[int], list[Any]] | None:
+        """The changes (slots, tables) from state ``prev`` to the first ``k`` of this journal,
+        ``prev`` being of this journal or of the one this was built from (:meth:`after`);
+        None if it is of neither, or later."""
         if prev.journal is self:
-            return self.slots[prev.k :], self.tables[prev.k :]
+            return (self.slots[prev.k : k], self.tables[prev.k : k]) if prev.k <= k else None
         if self._parent is None:
             return None
-        ref, k = self._parent
+        ref, at = self._parent
         parent = ref()
-        if parent is None or parent is not prev.journal or prev.k > k:
+        if parent is None or parent is not prev.journal or prev.k > at:
             return None
-        return parent.slots[prev.k : k] + self.slots, parent.tables[prev.k : k] + self.tables
+        return (
+            parent.slots[prev.k : at] + self.slots[:k],
+            parent.tables[prev.k : at] + self.tables[:k],
+        )
 
 
 class LazyGroups(Sequence[list[Any]]):
@@ -157,12 +160,8 @@ class LazyGroups(Sequence[list[Any]]):
         when ``prev`` is not an earlier state of this journal (then the groups are compared)."""
         if type(prev) is not LazyGroups:
             return None
-        k = self.k
-        changes = self.journal.changes_since(prev)
-        if changes is None or len(changes[0]) < len(self.journal) - k:
-            return None
-        cut = len(changes[0]) - (len(self.journal) - k)  # the changes up to this state
-        return JournalDelta(prev.n, self.n, changes[0][:cut], changes[1][:cut])
+        changes = self.journal.changes_since(prev, self.k)
+        return None if changes is None else JournalDelta(prev.n, self.n, *changes)
 
 
 class JournalDelta(NamedTuple):
@@ -221,9 +220,7 @@ def _unpack_delta(
     n_prev: int, n: int, slots: list[int], counts: list[int], rows: np.ndarray
 ) -> JournalDelta:
     """A :class:`JournalDelta` as it was pickled: its tables are views of ``rows``."""
-    ends = list(itertools.accumulate(counts))
-    tables = [rows[a:b] for a, b in zip([0, *ends], ends)]
-    return JournalDelta(n_prev, n, slots, tables)
+    return JournalDelta(n_prev, n, slots, _block_tables((counts, rows)))
 
 
 def _counts(n: int) -> tuple[int, int]:

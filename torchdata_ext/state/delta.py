@@ -126,8 +126,8 @@ def _diff(prev: Any, cur: Any, path: tuple[Any, ...], ops: list[Op]) -> None:
         if cur != prev:
             ops.append((path, SET, cur))
     elif hasattr(tc, "__state_value__"):  # built when read: compared as what it stands for
-        own = getattr(tc, "__state_diff__", None)
-        change = own(cur, prev) if own is not None else None
+        state_diff = getattr(tc, "__state_diff__", None)
+        change = state_diff(cur, prev) if state_diff is not None else None
         if change is None:
             _diff(prev.__state_value__(), cur.__state_value__(), path, ops)
         elif change:  # false: nothing changed
