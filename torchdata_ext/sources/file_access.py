@@ -310,14 +310,15 @@ class FileAccess:
             cache.release(url, self.dataset.storage_options)
 
     def _listed_size(self, url: str) -> int | None:
-        """The size of ``url`` in bytes as the dataset index lists it (None when it lists none:
-        an index made by hand, or a store that gives no sizes): what spares a download its
-        HEAD."""
+        """The size of ``url`` in bytes as the dataset index lists it (None, or negative, when
+        it lists none: an index made by hand, or a store that gives no sizes): what spares a
+        download its HEAD."""
         sizes = self._sizes
         if sizes is None:
             stats = self.dataset.file_stats
+            # a negative size (none listed) the cache ignores (Entry.of)
             sizes = self._sizes = (
-                {u: int(st[0]) for u, st in zip(self.dataset.files, stats) if int(st[0]) >= 0}
+                {u: int(st[0]) for u, st in zip(self.dataset.files, stats)}
                 if len(stats) == len(self.dataset.files)
                 else {}
             )
