@@ -32,6 +32,7 @@ from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.remote import write_bytes_atomic
 from torchdata_ext.sources.fingerprint import ChangedFilesError
 
 NAMES = ["web", "code"]
@@ -227,7 +228,9 @@ def test_a_changed_data_file_is_refused_on_a_rescale(tmp_path: Path) -> None:
     write_random_arrow_datasets(root, (("web", 160, 20), ("code", 80, 45)), seed=3)
     _saved(root, tmp_path / "c")
     p1 = Path(root, "web", "p1.arrow")
-    p1.write_bytes(p1.read_bytes())  # the same bytes, a new mtime: caught, named
+    # the same bytes, a new mtime: caught, named (replaced, as a writer does: the saving
+    # loader's threads may still map the old file, which an in-place rewrite would truncate)
+    write_bytes_atomic(str(p1), p1.read_bytes(), durable=False)
     with pytest.raises(ChangedFilesError, match=r"dataset 'web': 1 file\(s\): p1\.arrow \("):
         _load(_config(root), tmp_path / "c")
     loader = _load(_config(root), tmp_path / "c", allow_changed_files=True)

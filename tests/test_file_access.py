@@ -168,6 +168,30 @@ def test_a_local_file_the_walk_comes_back_to_is_not_opened_again(tmp_path) -> No
     files.close_all()
 
 
+def test_a_kept_local_file_replaced_or_rewritten_since_is_read_anew(tmp_path) -> None:
+    """A local file kept open is taken back only while it is the file on disk: one replaced
+    (written aside and renamed, as the writers of this package do) or rewritten in place
+    since it was left is opened again and read as it is now, never from the old mapping."""
+    files = FileAccess(_dataset(str(tmp_path), 3), None, prefetch=0)
+    url = files.dataset.files[1]
+    files.open(1, iter([]))
+    files.open(0, iter([]))  # file 1 is kept
+    new = [_doc(7, d) for d in range(4)]  # the same document count and lengths: other tokens
+    write_arrow_batches(url, new)  # replaced: a new inode
+    assert files.open(1, iter([])) == 4 and files.get(3).tolist() == _doc(7, 3).tolist()
+    assert files.io_stats()["files_opened"] == 3
+    files.open(0, iter([]))  # reopened from the kept handle: unchanged since
+    assert files.io_stats()["files_opened"] == 3
+    with open(url, "r+b") as f:  # rewritten in place, same size: the mtime moves
+        data = f.read()
+        f.seek(0)
+        f.write(data)
+    os.utime(url, ns=(time.time_ns(), time.time_ns() + 10**9))
+    files.open(1, iter([]))
+    assert files.io_stats()["files_opened"] == 4 and files.get(3).tolist() == _doc(7, 3).tolist()
+    files.close_all()
+
+
 def test_a_remote_file_is_closed_when_the_walk_leaves_it(remote, tmp_path) -> None:
     """Remote files are not kept open after the walk leaves them: their cached copies stay
     free to evict, and the next open goes through the cache again."""

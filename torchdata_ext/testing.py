@@ -20,7 +20,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import posixpath
 from collections.abc import Mapping, Sequence
 from functools import reduce
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from torchdata_ext.remote.files import write_bytes_atomic
 from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
@@ -45,8 +45,14 @@ Docs = Sequence[Any]
 
 
 def _write_bytes(url: str, data: bytes, storage_options: dict[str, Any] | None) -> None:
+    """Write ``data`` to ``url`` whole. A local file is replaced (written aside, then renamed),
+    never truncated in place: a loader still mapping the old file (a test's earlier loader, its
+    background threads alive) keeps reading the old bytes instead of dying of SIGBUS."""
     fs, path = filesystem(url, storage_options)
-    parent = os.path.dirname(path) if is_local(fs) else posixpath.dirname(path)
+    if is_local(fs):
+        write_bytes_atomic(path, data, durable=False)
+        return
+    parent = posixpath.dirname(path)
     if parent:
         fs.makedirs(parent, exist_ok=True)
     with fs.open(path, "wb") as f:

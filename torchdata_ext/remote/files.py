@@ -59,6 +59,8 @@ def write_bytes_atomic(
     data: bytes,
     storage_options: dict[str, Any] | None = None,
     retry: RetryPolicy | None = None,
+    *,
+    durable: bool = True,
 ) -> None:
     """Write ``data`` to ``url`` so a reader sees the old content or the new, never a part.
 
@@ -80,6 +82,9 @@ def write_bytes_atomic(
         storage_options: fsspec options (credentials, endpoint).
         retry: the :class:`~torchdata_ext.remote.RetryPolicy` of the PUT (default
             ``RetryPolicy()``); local writes are not retried.
+        durable: ``fsync`` a local file before the rename (so it survives a power cut, not
+            only a killed process). ``False`` for files that can be made again (test data):
+            still atomic, and a reader that mapped the old file keeps reading the old bytes.
     """
     fs, path = _client(url, storage_options)
     if is_local(fs):
@@ -89,8 +94,9 @@ def write_bytes_atomic(
             os.makedirs(folder, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:  # a failed write() names no file: say which, and what to do
             raise OSError(

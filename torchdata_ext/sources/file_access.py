@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
+from fsspec.core import split_protocol
 
 from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
 from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
@@ -79,6 +80,7 @@ class FileAccess:
         self._companions = _COMPANIONS.get(dataset.file_type, ())
         self._current: tuple[int, Any] | None = None
         self._fetch_cache: dict[int, Any] = {}
+        self._stamps: dict[int, tuple[int, int, int]] = {}  # kept local files as opened (_stamp)
         self._prefetching: list[str] = []  # URLs held prefetched in the cache
         self._sizes: dict[str, int] | None = None  # listed sizes by URL (_listed_size)
         self._io = {"files_opened": 0, "open_seconds": 0.0}
@@ -111,9 +113,11 @@ class FileAccess:
         self.close()
         url = self.dataset.files[file]
         kept = self._fetch_cache.pop(file, None) if self._in_place(file) else None
-        if kept is not None:  # a local file read a moment ago: its handle (and index) as it was
-            self._current = (file, kept)
-            return self.handler().length(kept)
+        if kept is not None:
+            if self._stamps.get(file) == self._stamp(file):  # a local file read a moment ago,
+                self._current = (file, kept)  # unchanged: its handle (and index) as it was
+                return self.handler().length(kept)
+            self._close_handle(file, kept)  # replaced or rewritten since: read it anew
         try:
             handle = self._open_prefetching(file, self._prefetch_urls(file, upcoming))
         except DataFileError:
@@ -125,6 +129,8 @@ class FileAccess:
             self._close_handle(file, handle)
             raise
         self._current = (file, handle)
+        if self._in_place(file):
+            self._stamps[file] = self._stamp(file)
         return n
 
     def get_many(self, doc_ids: np.ndarray) -> Sequence[DocData]:
@@ -158,6 +164,16 @@ class FileAccess:
         url = self.dataset.files[file]
         return not is_remote(url) and (self.cache is None or not self.cache.is_cached(url))
 
+    def _stamp(self, file: int) -> tuple[int, int, int]:
+        """Local file number ``file`` as the filesystem has it now (inode, size, mtime in ns):
+        a handle kept open is taken back only while this is unchanged, so a file replaced or
+        rewritten meanwhile is read anew, never served from the old mapping."""
+        try:
+            st = os.stat(_local_path(self.dataset.files[file]))
+        except OSError:
+            return (-1, -1, -1)  # gone: opening it again reports the error
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def _keep(self, file: int, handle: Any) -> None:
         """Keep ``handle`` open among the last files read (least recently used closed first)."""
         self._fetch_cache.pop(file, None)
@@ -165,6 +181,7 @@ class FileAccess:
         while len(self._fetch_cache) > _FETCH_CACHE_FILES:
             old = next(iter(self._fetch_cache))
             self._close_handle(old, self._fetch_cache.pop(old))
+            self._stamps.pop(old, None)
 
     # -- any file ------------------------------------------------------------------------------
     def fetch_document(self, file: int, doc: int) -> DocData:
@@ -178,6 +195,8 @@ class FileAccess:
         handle = self._fetch_cache.get(file)
         if handle is None:
             handle = self._open_handle(file)
+            if self._in_place(file):
+                self._stamps[file] = self._stamp(file)
         self._keep(file, handle)
         return self.handler().get(handle, doc)
 
@@ -352,6 +371,11 @@ class FileAccess:
         if self.cache is not None:
             for url in urls:
                 self.cache.release(url, self.dataset.storage_options)
+
+
+def _local_path(url: str) -> str:
+    """The filesystem path of a local URL (a path, or ``file://`` and a path)."""
+    return split_protocol(url)[1]
 
 
 def make_cache(cache: CacheSetting, dataset: DatasetIndex) -> ShardCache | None:
