@@ -14,13 +14,14 @@ from torchdata.nodes import BaseNode, IterableWrapper
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.nodes.pack import Pack, PackedSequence
-from torchdata_ext.nodes.shuffle import ProvenanceItem, ShuffleBuffer
+from torchdata_ext.nodes.shuffle import DRAW_TAG, ProvenanceItem, ShuffleBuffer
 from torchdata_ext.nodes.shuffle_state import (
     buffered_provenance,
     narrow,
     provenance_groups,
     state_blocks,
 )
+from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.provenance import resolve
 from torchdata_ext.testing import write_arrow_batches
 
@@ -231,6 +232,48 @@ def test_draws_are_uniform_over_the_buffer() -> None:
         picks[v % 8] += 1
     counts = np.array([picks[i] for i in range(8)])
     assert counts.min() > 800 and counts.max() < 1200
+
+
+def _documented_draws(items: list[int], size: int, seed: int) -> list[int]:
+    """The stream the module docstring promises, written out: grow by one item per draw
+    until full, draw ``mix_seed(seed, DRAW_TAG, i) % len(buffer)``, replace the drawn slot
+    from upstream, and once upstream ends move the last slot into the drawn one."""
+    src, buf, out, exhausted = iter(items), [], [], False
+    while True:
+        if not exhausted and len(buf) < size:
+            try:
+                buf.append(next(src))
+            except StopIteration:
+                exhausted = True
+        if not buf:
+            return out
+        j = mix_seed(seed, DRAW_TAG, len(out)) % len(buf)
+        out.append(buf[j])
+        if not exhausted:
+            try:
+                buf[j] = next(src)
+                continue
+            except StopIteration:
+                exhausted = True
+        buf[j] = buf[-1]
+        buf.pop()
+
+
+@pytest.mark.parametrize("seed", [0, 11, -3, 2**63 + 5])
+def test_the_draws_are_the_documented_hash_through_a_restore(seed) -> None:
+    """Draw ``i`` picks slot ``mix_seed(seed, DRAW_TAG, i) % len(buffer)`` (the slot hashes
+    are made ahead in tables of 256: across a table's end, and from a state taken inside
+    one), to the last item of a finite source."""
+    items = list(range(1000, 1700))
+    want = _documented_draws(items, 90, seed)
+    node = ShuffleBuffer(IterableWrapper(items), 90, seed=seed)
+    node.reset()
+    got = [next(node) for _ in range(300)]
+    state = node.state_dict()
+    assert got == want[:300]
+    again = ShuffleBuffer(IterableWrapper(items), 90, seed=seed)
+    again.reset(state)
+    assert got + list(again) == want and sorted(want) == items
 
 
 def test_seed_and_bad_arguments(index) -> None:

@@ -225,6 +225,9 @@ class Interleave(BaseNode[DocumentBlock]):
         self._capacity = 0  # document tokens per row
         self._fill: int | None = None  # tokens of the current row after our output; None: off
         self._whole_hand_back = False  # decide handed-back pieces whole (a state from before)
+        # get_state's last entry per source and weights dict, given again while unchanged
+        self._last_entries: list[dict[str, Any] | None] = [None] * n
+        self._last_weights: tuple[list[float] | None, dict[str, float]] = (None, {})
 
     def follow_rows(self, mirror: StreamCursor, capacity: int) -> None:
         """Let ``"tokens"`` mode switch sources inside a document where a row ends (Pack in
@@ -366,7 +369,11 @@ class Interleave(BaseNode[DocumentBlock]):
         self._tokens = shares
 
     def get_state(self) -> dict[str, Any]:
+        # Taken at every block the packer pulls. A source's entry that did not change since
+        # the last state is the same dict again (states are never mutated), and so are the
+        # weights while in force: the state delta skips them without looking inside.
         per_source = {}
+        last = self._last_entries
         for i, name in enumerate(self.names):
             if self._blocks[i] is not None:  # pieces left, or the last one left a document open
                 src, consumed = self._before[i], self._consumed[i]
@@ -374,19 +381,31 @@ class Interleave(BaseNode[DocumentBlock]):
                 src, consumed = self._ahead[i][0][0], 0
             else:
                 src, consumed = self.sources[i].state_dict(), 0
-            per_source[name] = {
-                self.SOURCE_KEY: src,
-                self.CONSUMED_KEY: consumed,
-                self.OFFSET_KEY: self._offset[i] if self._blocks[i] is not None else 0,
-                self.ENDED_KEY: self._ended[i],
-            }
+            offset = self._offset[i] if self._blocks[i] is not None else 0
+            entry = last[i]
+            if (
+                entry is None
+                or entry[self.SOURCE_KEY] is not src
+                or entry[self.CONSUMED_KEY] != consumed
+                or entry[self.OFFSET_KEY] != offset
+                or entry[self.ENDED_KEY] != self._ended[i]
+            ):
+                entry = last[i] = {
+                    self.SOURCE_KEY: src,
+                    self.CONSUMED_KEY: consumed,
+                    self.OFFSET_KEY: offset,
+                    self.ENDED_KEY: self._ended[i],
+                }
+            per_source[name] = entry
+        if self._last_weights[0] is not self.weights:
+            self._last_weights = (self.weights, dict(zip(self.names, self.weights)))
         return {
             self.SOURCES_KEY: per_source,
             self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
             self.FILL_KEY: self._fill,
             self.FINISHING_KEY: None if self._open is None else self.names[self._open],
             self.CUTS_BACK_KEY: True,  # handed-back pieces are cut at row ends too
-            "weights": dict(zip(self.names, self.weights)),  # the weights in force
+            "weights": self._last_weights[1],  # the weights in force
             self.COUNTER_KEY: self._counter,
             SETTINGS_KEY: self._settings,
         }
