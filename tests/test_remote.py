@@ -812,3 +812,51 @@ def test_a_download_takes_its_size_from_the_index_without_a_head(s3, s3_corpus, 
     ):
         cache.acquire(index.files[0], so, size=size + 1)
     assert not os.path.exists(cache.local_path(index.files[0], so))
+
+
+def test_a_range_read_open_takes_its_size_from_the_index_without_a_head(
+    s3, s3_corpus, local_corpus, tmp_path
+) -> None:
+    """Range reads open an Arrow or Parquet file with no HEAD when its dataset index lists its
+    size (an open stat-ed the object for it), and deliver the same tokens as a read from disk.
+    Without listed sizes the store is asked, a HEAD an open. A listed size the object does not
+    have (larger, smaller, or far larger) is refused at the first read of the file's end,
+    naming the file and `torchdata-ext index`."""
+    import dataclasses
+
+    from torchdata_ext.remote.counting import count_s3_objects
+
+    so = s3.storage_options
+
+    def data_requests(counts, kind: str, name: str) -> dict[str, int]:
+        return {k: n for k, n in counts.items() if k.startswith(f"{kind} ") and f"/{name}/" in k}
+
+    for name in ("web", "books"):
+        index = build(s3_corpus, name, so)
+        assert len(index.file_stats) == len(index.files)
+        ref = keys(read_all(build(local_corpus[0], name), World()))
+        cache = ShardCache(tmp_path / name, range_reads=True, block_size=4096, retry=FAST)
+        with count_s3_objects() as listed:
+            assert keys(read_all(index, World(), cache=cache)) == ref, name
+        assert data_requests(listed, "HEAD", name) == {}, name
+        assert len(data_requests(listed, "RANGE_GET", name)) == len(index.files), name
+        assert cache.stats()["downloads"] == 0 and not _all_files(tmp_path / name)
+        bare = dataclasses.replace(index, file_stats=())
+        with count_s3_objects() as asked:
+            assert keys(read_all(bare, World(), cache=cache)) == ref, name
+        heads = data_requests(asked, "HEAD", name)  # one an open (a file split in shards: more)
+        assert len(heads) == len(index.files) and min(heads.values()) >= 1, (name, heads)
+
+    index = build(s3_corpus, "web", so)
+    cache = ShardCache(tmp_path / "wrong", range_reads=True, block_size=4096, retry=FAST)
+    size = index.file_stats[0][0]
+    for wrong in (size + 1, size - 1, 4 * size):
+        stats = list(index.file_stats)
+        stats[0] = (wrong, stats[0][1])
+        bad = dataclasses.replace(index, file_stats=tuple(stats))
+        with pytest.raises(
+            RemoteError, match=rf"part_0\.arrow: the dataset index lists {wrong} bytes.*"
+            r"rebuild it with `torchdata-ext index`"
+        ):  # fmt: skip
+            read_all(bad, World(), n_shards=1, cache=cache)
+    assert cache.stats()["downloads"] == 0

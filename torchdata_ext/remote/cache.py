@@ -10,7 +10,7 @@ say whether I/O is the bottleneck.
 
 This module is what one process keeps: holds, prefetch threads, counters and the download. The
 folder's layout, locks and eviction, shared by all processes, are in :mod:`.disk`. This module is
-576 lines because :class:`ShardCache` is one ~470-line class whose parts all share one lock and
+584 lines because :class:`ShardCache` is one ~470-line class whose parts all share one lock and
 one per-process state (``_Runtime``); split further, that lock's protocol would be scattered.
 """
 
@@ -349,10 +349,18 @@ class ShardCache:
         entry = self._entry(url, storage_options, ())
         return self._evict(entry.local) is not None
 
-    def open_range(self, url: str, storage_options: dict[str, Any] | None = None) -> RangeFile:
+    def open_range(
+        self, url: str, storage_options: dict[str, Any] | None = None, size: int | None = None
+    ) -> RangeFile:
         """A seekable, read-only binary file over ``url`` that fetches ``block_size`` blocks
-        with range requests (with retries), keeping a few recent blocks."""
+        with range requests (with retries), keeping a few recent blocks.
+
+        ``size``: the file's size in bytes as its dataset index lists it, which spares the
+        store a HEAD per file (None or negative: asked of the store); an object of another
+        size is refused at its last block, naming the index and what to do."""
         fs, path = self._fs(url, storage_options)
+        if size is not None and size >= 0:
+            return RangeFile(self, fs, path, url, size, listed=True)
         info = with_retries(lambda: fs.info(path), url, self.retry, what="stat")
         return RangeFile(self, fs, path, url, int(info["size"]))
 

@@ -8,6 +8,7 @@ cache's :meth:`~torchdata_ext.remote.ShardCache.stats`.
 
 from __future__ import annotations
 
+import errno
 import io
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,18 +25,24 @@ class RangeFile(io.RawIOBase):
     """A read-only, seekable view of a remote object through range requests (with retries).
 
     Reads of less than ``block_size`` bytes are served from whole blocks, keeping the last few.
-    Time spent in requests counts as ``wait_seconds`` of the cache.
+    Time spent in requests counts as ``wait_seconds`` of the cache. With ``listed``, ``size``
+    is the one the dataset index lists rather than the store's answer to a HEAD: the request
+    that reaches the end asks for one byte more, so an object that grew or shrank since the
+    index was made is refused there, with no request of its own.
     """
 
     _KEEP_BLOCKS = 4
 
-    def __init__(self, cache: ShardCache, fs: Any, path: str, url: str, size: int) -> None:
+    def __init__(
+        self, cache: ShardCache, fs: Any, path: str, url: str, size: int, listed: bool = False
+    ) -> None:
         super().__init__()
         self._cache = cache
         self._fs = fs
         self._path = path
         self.url = url
         self.size = size
+        self.listed = listed
         self._pos = 0
         self._blocks: dict[int, bytes] = {}
 
@@ -61,11 +68,23 @@ class RangeFile(io.RawIOBase):
             with rt.mu:
                 self._cache._count("retries")
 
-        data = with_retries(
-            lambda: self._fs.cat_file(self._path, start=start, end=end),
-            self.url, self._cache.retry, what="range read", on_retry=count_retry,
-        )  # fmt: skip
+        # one byte past a listed size's end: only an object of another size sends it back
+        ask = end + 1 if self.listed and end == self.size else end
+        try:
+            data = with_retries(
+                lambda: self._fs.cat_file(self._path, start=start, end=ask),
+                self.url, self._cache.retry, what="range read", on_retry=count_retry,
+            )  # fmt: skip
+        except OSError as exc:  # S3's InvalidRange: the object ends before ``start``
+            if self.listed and exc.errno == errno.EINVAL and not isinstance(exc, RemoteError):
+                raise self._wrong_size(f"the object has fewer than {start}") from exc
+            raise
         if len(data) != end - start:
+            if self.listed:
+                got = len(data)
+                raise self._wrong_size(
+                    "the object is longer" if got > end - start else f"the object has {start + got}"
+                )
             raise RemoteError(
                 self.url,
                 f"a range read of bytes {start}..{end} returned {len(data)} bytes; the object "
@@ -78,6 +97,13 @@ class RangeFile(io.RawIOBase):
             self._cache._count("wait_seconds", seconds)
             self._cache._count("download_seconds", seconds)
         return bytes(data)
+
+    def _wrong_size(self, what: str) -> RemoteError:
+        return RemoteError(
+            self.url,
+            f"the dataset index lists {self.size} bytes, but {what}: the file changed after "
+            "the index was made (rebuild it with `torchdata-ext index`)",
+        )
 
     def read(self, size: int | None = -1) -> bytes:
         start = self._pos

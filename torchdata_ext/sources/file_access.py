@@ -255,7 +255,7 @@ class FileAccess:
                     return handler.open(url)
                 return with_retries(lambda: handler.open(url), url, what="open")
             if self._range_reads():
-                handle = _open_range(handler, self.cache, url, so)
+                handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
                 if handle is not None:
                     return handle
             local = self.cache.acquire(url, so, self._companions, self._listed_size(url))
@@ -331,11 +331,11 @@ class FileAccess:
     def _listed_size(self, url: str) -> int | None:
         """The size of ``url`` in bytes as the dataset index lists it (None, or negative, when
         it lists none: an index made by hand, or a store that gives no sizes): what spares a
-        download its HEAD."""
+        download or a range-read open its HEAD."""
         sizes = self._sizes
         if sizes is None:
             stats = self.dataset.file_stats
-            # a negative size (none listed) the cache ignores (Entry.of)
+            # a negative size (none listed) the cache ignores (Entry.of, open_range)
             sizes = self._sizes = (
                 {u: int(st[0]) for u, st in zip(self.dataset.files, stats)}
                 if len(stats) == len(self.dataset.files)
@@ -399,9 +399,12 @@ def make_cache(cache: CacheSetting, dataset: DatasetIndex) -> ShardCache | None:
     return ShardCache(cache, storage_options=dataset.storage_options)
 
 
-def _open_range(handler: FileHandler, cache: ShardCache, url: str, so: dict[str, Any]) -> Any:
+def _open_range(
+    handler: FileHandler, cache: ShardCache, url: str, so: dict[str, Any], size: int | None
+) -> Any:
     """Open an Arrow IPC file (one document per record batch) or a Parquet file with range
-    requests; None when the file is not of that kind (it is then downloaded instead)."""
+    requests; None when the file is not of that kind (it is then downloaded instead).
+    ``size``: as the dataset index lists it (spares a HEAD; see :meth:`ShardCache.open_range`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -409,7 +412,7 @@ def _open_range(handler: FileHandler, cache: ShardCache, url: str, so: dict[str,
     from torchdata_ext.handlers.parquet import ParquetReader
 
     col = handler.col_name
-    source = pa.PythonFile(cache.open_range(url, so), mode="r")
+    source = pa.PythonFile(cache.open_range(url, so, size), mode="r")
     reader: Any = None
     try:
         if handler.name == "arrow":
