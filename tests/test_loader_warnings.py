@@ -53,3 +53,36 @@ def test_the_bamba_example_prints_no_warning() -> None:
                          timeout=300, check=False)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "Warning" not in res.stderr and "warn" not in res.stderr.lower(), res.stderr
+
+
+_AT_EXIT = """
+import functools, sys
+import numpy as np
+from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
+from torchdata_ext.loader import token_loader  # a module named in __main__: torn down first
+from torchdata_ext.testing import write_arrow_batches
+
+root = sys.argv[1]
+write_arrow_batches(root + "/web/a.arrow", [np.arange(1, 50, dtype=np.uint32) + i for i in range(64)])
+cfg = PipelineConfig(data_path=root, datasets=["web"], seq_length=16, batch_size=2,
+                     shuffle_buffer=4, logical_shards=4, eos_token=0)
+loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=int(sys.argv[2]))
+next(iter(loader))
+if sys.argv[3] == "close":
+    loader.close()
+print("done")
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("close", ["close", "leave"])
+def test_a_loader_alive_at_exit_leaves_a_quiet_console(tmp_path, workers, close) -> None:
+    """A loader still referenced at the interpreter's exit (closed or not) ends without an
+    ``Exception ignored in ... __del__`` on stderr (its module's globals may be gone then)."""
+    res = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT, str(tmp_path / "data"), str(workers), close],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0 and res.stdout.strip() == "done", res.stderr
+    assert "Exception ignored" not in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -627,9 +627,11 @@ class TokenLoader:
         if isinstance(it, _Background):
             it.close()
 
-    def __del__(self) -> None:
-        if isinstance(getattr(self, "_it", None), _Background):
-            self._it.close()
+    def __del__(self, _background: type = _Background) -> None:
+        # the class bound here: at interpreter shutdown the module's globals may be gone
+        it = getattr(self, "_it", None)
+        if isinstance(it, _background):
+            it.close()
 
     def _deliver(self, produced: Iterator[_Delivery]) -> Iterator[Any]:
         """On the training thread: take each ready batch and make its worker's state the
