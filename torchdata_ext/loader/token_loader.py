@@ -627,7 +627,7 @@ class TokenLoader:
         if isinstance(it, _Background):
             it.close()
 
-    def __del__(self, _background: type = _Background) -> None:
+    def __del__(self, _background: type[_Background] = _Background) -> None:
         # the class bound here: at interpreter shutdown the module's globals may be gone
         it = getattr(self, "_it", None)
         if isinstance(it, _background):
