@@ -159,6 +159,7 @@ def test_a_local_file_the_walk_comes_back_to_is_not_opened_again(tmp_path) -> No
     assert files.io_stats()["files_opened"] == 4
     for f in range(3, 12):  # 9 more distinct files: file 0 is among the oldest, closed
         files.open(f, iter([]))
+    assert sorted(files._stamps) == sorted([*files._fetch_cache, 11])  # the kept and current
     files.open(0, iter([]))
     assert files.io_stats()["files_opened"] == 4 + 8 + 1
     assert files.get(2).tolist() == _doc(0, 2).tolist()

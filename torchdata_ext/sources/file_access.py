@@ -154,6 +154,7 @@ class FileAccess:
                 self._keep(file, handle)
             else:
                 self._close_handle(file, handle)
+                self._stamps.pop(file, None)
                 if discard:
                     self._discard(self.dataset.files[file])
         self._current = None
@@ -222,6 +223,7 @@ class FileAccess:
         self.stop_prefetching()
         for file in list(self._fetch_cache):
             self._close_handle(file, self._fetch_cache.pop(file))
+        self._stamps.clear()  # one per file kept open: at most the kept files and the current
 
     def io_stats(self) -> dict[str, float]:
         """``files_opened``, ``open_seconds`` (time spent opening files, waits for downloads
