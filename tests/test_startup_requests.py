@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import socket
 from collections import Counter
 from pathlib import Path
@@ -140,6 +141,35 @@ def test_prepare_writes_the_index_file(tmp_path: Path) -> None:
 
 def _cfg_of(folder: str) -> PipelineConfig:
     return PipelineConfig(data_path=folder, seq_length=16, logical_shards=8, tokenizer="byte")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_reads_the_index_files_once_for_its_workers_and_saves(
+    tmp_path, monkeypatch, workers
+) -> None:
+    """``TokenLoader(partial(build_pipeline, cfg))`` reads the dataset indexes once, in the
+    training process, before its graphs are built: no dataloader worker nor the first save
+    reads them again (each worker read them before, and a save's graph once more)."""
+    from torchdata_ext.pipeline import build as pipeline_build
+
+    root = str(tmp_path / "data")
+    _corpus(root)
+    log = tmp_path / "reads.txt"
+    read = pipeline_build._datasets_here
+
+    def logged(cfg: PipelineConfig, verify: bool) -> dict[str, DatasetIndex]:
+        with open(log, "a") as f:  # the workers are forked: the patch and the file go with them
+            f.write(f"{os.getpid()}\n")
+        return read(cfg, verify)
+
+    monkeypatch.setattr(pipeline_build, "_datasets_here", logged)
+    loader = TokenLoader(functools.partial(build_pipeline, _cfg(root)), num_workers=workers)
+    got = [item_key(b) for b, _ in zip(loader, range(4))]
+    save_checkpoint(loader, str(tmp_path / "ckpt"))
+    loader.close()
+    assert log.read_text().split() == [str(os.getpid())]
+    assert len(set(got)) == 4  # 4 batches came, each other than the others
 
 
 # -- requests on S3 -----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ restores the rank's own states (same topology) or plans new ones
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from torchdata_ext.loader.mix_history import MixHistory
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.pipeline.build import build_pipeline
+from torchdata_ext.pipeline.build import with_indexes
 from torchdata_ext.pipeline.config import step_ranges
 from torchdata_ext.sources.fingerprint import describe, listed_changes
 from torchdata_ext.sources.index import DatasetIndex
@@ -176,23 +175,11 @@ def restore_loader(
 
 def _reuse_indexes(loader: TokenLoader, datasets: dict[str, DatasetIndex]) -> None:
     """Let every later graph of ``loader`` (old workers' graphs at a rescale, the graphs built
-    at ``iter()``, a save's) use ``datasets``, the indexes the restore's own graph read, when
-    its build function is ``functools.partial(build_pipeline, cfg)`` without ``datasets``: so
-    each rank reads its index and metadata files (or lists) once per restore. A build
-    function of another kind is left as it is."""
-
-    def given(build: Any) -> Any:
-        if (
-            isinstance(build, functools.partial)
-            and build.func is build_pipeline
-            and build.keywords.get("datasets") is None
-            and len(build.args) <= 1  # the config alone: the loader passes the World
-        ):
-            return functools.partial(build, datasets=datasets)
-        return build
-
+    at ``iter()``, a save's) use ``datasets``, the indexes the restore's own graph read
+    (:func:`~torchdata_ext.pipeline.build.with_indexes`): so each rank reads its index and
+    metadata files (or lists) once per restore."""
     if datasets:
-        loader.replace_build(given)
+        loader.replace_build(lambda build: with_indexes(build, datasets))
 
 
 def _check_weight_changes(where: str, rank: int, meta: dict[str, Any], changes: list[Any]) -> None:

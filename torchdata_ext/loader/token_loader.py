@@ -49,6 +49,7 @@ from torchdata_ext.loader.weights import (
     check_weights,
     is_pipeline_config,
 )
+from torchdata_ext.pipeline.build import indexes_to_share, with_indexes
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -415,11 +416,14 @@ class TokenLoader:
 
     def _start(self) -> Iterator[_Delivery]:
         """Start the workers (or the background thread) from the loaded state."""
+        # the index files read once here, not in every worker, nor again by a save's graph
+        shared = indexes_to_share(self.build)
+        if shared:
+            self.replace_build(lambda build: with_indexes(build, shared))
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             import_worker_modules()  # once here, not in every worker after the fork
-
             # collate_fn: messages as they are (the default converts every NumPy array in the
             # state deltas to a tensor, each then sent as its own shared-memory segment)
             with _torchdata_noise_filtered():

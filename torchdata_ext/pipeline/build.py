@@ -41,8 +41,10 @@ __all__ = [
     "build_datasets",
     "build_eval_pipeline",
     "build_pipeline",
+    "indexes_to_share",
     "mix_cuts_rows",
     "mix_quantum_tokens",
+    "with_indexes",
 ]
 
 
@@ -113,6 +115,41 @@ def _datasets_here(cfg: PipelineConfig, verify: bool) -> dict[str, DatasetIndex]
             index = DatasetIndex.build(url, **options)
         out[name] = with_side_files(index)
     return out
+
+
+def _reads_indexes(build: Any) -> bool:
+    """Whether ``build`` is ``functools.partial(build_pipeline, cfg)`` without ``datasets``
+    (the config alone: the loader passes the World), which reads the index files at every
+    graph it builds."""
+    return (
+        isinstance(build, functools.partial)
+        and build.func is build_pipeline
+        and build.keywords.get("datasets") is None
+        and len(build.args) <= 1
+    )
+
+
+def with_indexes(build: Any, datasets: Mapping[str, DatasetIndex]) -> Any:
+    """``build`` given the indexes ``datasets`` when it would read them at every graph it
+    builds (``functools.partial(build_pipeline, cfg)``); a build function of another kind as
+    it is. ``load_checkpoint`` passes on the indexes its checks read so."""
+    if datasets and _reads_indexes(build):
+        return functools.partial(build, datasets=datasets)
+    return build
+
+
+def indexes_to_share(build: Any) -> dict[str, DatasetIndex] | None:
+    """The indexes ``build`` would read at every graph it builds, read here, now (None for a
+    build function that reads none: another kind, or given them already). What a
+    ``TokenLoader`` passes on to its graphs (:func:`with_indexes`) before starting its
+    dataloader workers, so that they and the saves read no index file (each worker read each
+    dataset's index and metadata files before: 2 requests per dataset per worker on an object
+    store). Read as a worker would: rank 0 checks the index files against a listing; never a
+    collective."""
+    if not _reads_indexes(build):
+        return None
+    cfg = build.args[0] if build.args else build.keywords["cfg"]
+    return _datasets_here(cfg, _checks_index_files(None))
 
 
 def build_pipeline(
