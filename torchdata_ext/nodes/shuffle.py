@@ -92,8 +92,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DRAW_TAG = 0x53485546
-_DRAW_HASHES = 256  # draws whose slot hashes _draw_hash makes at once
 """The tag of the draws: draw ``i`` picks slot ``mix_seed(seed, DRAW_TAG, i) % len(buffer)``."""
+_DRAW_HASHES = 256  # draws whose slot hashes _draw_hash makes at once
 FILL_MODES = ("stream", "full")
 """``ShuffleBuffer(fill=...)``: deliver while filling (``"stream"``) or fill first (``"full"``)."""
 
