@@ -80,7 +80,7 @@ class FileAccess:
         self._companions = _COMPANIONS.get(dataset.file_type, ())
         self._current: tuple[int, Any] | None = None
         self._fetch_cache: dict[int, Any] = {}
-        self._stamps: dict[int, tuple[int, int, int]] = {}  # kept local files as opened (_stamp)
+        self._stamps: dict[int, tuple[int, int, int]] = {}  # open local files as opened (_stamp)
         self._prefetching: list[str] = []  # URLs held prefetched in the cache
         self._sizes: dict[str, int] | None = None  # listed sizes by URL (_listed_size)
         self._io = {"files_opened": 0, "open_seconds": 0.0}
@@ -129,8 +129,6 @@ class FileAccess:
             self._close_handle(file, handle)
             raise
         self._current = (file, handle)
-        if self._in_place(file):
-            self._stamps[file] = self._stamp(file)
         return n
 
     def get_many(self, doc_ids: np.ndarray) -> Sequence[DocData]:
@@ -154,7 +152,6 @@ class FileAccess:
                 self._keep(file, handle)
             else:
                 self._close_handle(file, handle)
-                self._stamps.pop(file, None)
                 if discard:
                     self._discard(self.dataset.files[file])
         self._current = None
@@ -182,7 +179,6 @@ class FileAccess:
         while len(self._fetch_cache) > _FETCH_CACHE_FILES:
             old = next(iter(self._fetch_cache))
             self._close_handle(old, self._fetch_cache.pop(old))
-            self._stamps.pop(old, None)
 
     # -- any file ------------------------------------------------------------------------------
     def fetch_document(self, file: int, doc: int) -> DocData:
@@ -196,8 +192,6 @@ class FileAccess:
         handle = self._fetch_cache.get(file)
         if handle is None:
             handle = self._open_handle(file)
-            if self._in_place(file):
-                self._stamps[file] = self._stamp(file)
         self._keep(file, handle)
         return self.handler().get(handle, doc)
 
@@ -223,7 +217,6 @@ class FileAccess:
         self.stop_prefetching()
         for file in list(self._fetch_cache):
             self._close_handle(file, self._fetch_cache.pop(file))
-        self._stamps.clear()  # one per file kept open: at most the kept files and the current
 
     def io_stats(self) -> dict[str, float]:
         """``files_opened``, ``open_seconds`` (time spent opening files, waits for downloads
@@ -253,8 +246,10 @@ class FileAccess:
         t0 = time.perf_counter()
         try:
             if self.cache is None or not self.cache.is_cached(url):
-                if not is_remote(url):
-                    return handler.open(url)
+                if not is_remote(url):  # in place: stamped, to be taken back while unchanged
+                    handle = handler.open(url)
+                    self._stamps[file] = self._stamp(file)
+                    return handle
                 return with_retries(lambda: handler.open(url), url, what="open")
             if self._range_reads():
                 handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
@@ -325,6 +320,7 @@ class FileAccess:
 
     def _close_handle(self, file: int, handle: Any) -> None:
         self.handler().close(handle)
+        self._stamps.pop(file, None)  # one per open local file, no more
         url = self.dataset.files[file]
         cache = self.cache
         if cache is not None and cache.is_cached(url) and not getattr(handle, "_range_read", 0):
