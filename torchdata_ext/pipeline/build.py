@@ -141,8 +141,8 @@ def with_indexes(build: Any, datasets: Mapping[str, DatasetIndex]) -> Any:
 def indexes_to_share(build: Any) -> dict[str, DatasetIndex] | None:
     """The indexes ``build`` would read at every graph it builds, read here, now (None for a
     build function that reads none: another kind, or given them already). What a
-    ``TokenLoader`` passes on to its graphs (:func:`with_indexes`) before starting its
-    dataloader workers, so that they and the saves read no index file (each worker read each
+    ``TokenLoader`` passes on to its graphs (:func:`with_indexes`) when it starts (before its
+    dataloader workers, if any), so that they and the saves read no index file (each worker read each
     dataset's index and metadata files before: 2 requests per dataset per worker on an object
     store). Read as a worker would: rank 0 checks the index files against a listing; never a
     collective."""
