@@ -19,9 +19,13 @@ Three ways to start, each a mode:
   dataset folder and reads its counts and metadata files;
 * ``index``: the same launch with an index file per dataset (``torchdata-ext index``): a rank
   reads one object per dataset and lists nothing; rank 0 lists once to refuse a stale index;
-* ``dist``: ``torch.distributed`` (gloo) initialised, ``build_datasets(cfg)`` on every rank:
-  rank 0 lists and reads, the indexes are broadcast, the other ranks ask the store for
-  nothing before reading data.
+* ``dist``: ``torch.distributed`` (gloo) initialised, ``build_datasets(cfg)`` on every rank,
+  over the same index files: rank 0 reads them and lists to check them, the indexes (and the
+  index files' digests) are broadcast, the other ranks ask the store for nothing before
+  reading data.
+
+Each mode sets up its folders itself (:func:`set_up`), so ``--modes dist`` alone, or
+``--modes index,list``, measures what the full run does.
 
 It prints per-rank counts (rank 0, and the most any other rank sent) and the job's total per
 phase, the fitted growth of the total in R and in F and of a rank other than 0 in F (log-log
@@ -109,6 +113,27 @@ def upload(endpoint: str, bucket: str, prefix: str, datasets: int, files: int) -
         )
     s3fs.S3FileSystem.clear_instance_cache()
     return names
+
+
+def set_up(mode: str, url: str, names: list[str], so: dict[str, Any]) -> None:
+    """The data folders as ``mode`` measures them, whichever modes ran before it on them:
+    ``list`` without index files (removed if an earlier mode wrote them), ``index`` and
+    ``dist`` with one per dataset (``dist``'s rank 0 reads them, checks them against a
+    listing and broadcasts the indexes and their digests, as every published ``dist`` row,
+    measured after ``index`` wrote them, did)."""
+    import s3fs
+
+    from torchdata_ext.sources.index_file import index_file_url, write_index_files
+
+    if mode in ("index", "dist"):
+        write_index_files(url, names, storage_options=so)
+        return
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    for name in names:
+        path = index_file_url(f"{url}/{name}").removeprefix("s3://")
+        if fs.exists(path):
+            fs.rm(path)
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _config(endpoint: str, url: str, names: list[str], ranks: int) -> Any:
@@ -336,10 +361,7 @@ def main() -> None:
             names = upload(endpoint, "startup", f"F{F}", args.datasets, F)
             url = f"s3://startup/F{F}"
             for mode in modes:
-                if mode == "index":
-                    from torchdata_ext.sources.index_file import write_index_files
-
-                    write_index_files(url, names, storage_options=_options(endpoint))
+                set_up(mode, url, names, _options(endpoint))
                 results[mode][F] = {}
                 for R in ranks:
                     ckpt = f"s3://startup/ckpt/{mode}/F{F}/R{R}"
