@@ -225,6 +225,25 @@ def test_a_rank_starts_with_one_get_per_dataset_and_no_list(s3) -> None:
     assert built == Counter()
 
 
+def test_a_loader_given_its_rank_checks_the_index_files_on_rank_0_alone(s3, monkeypatch) -> None:
+    """``TokenLoader(partial(build_pipeline, cfg), rank=, world_size=)`` without a process
+    group or ``RANK`` reads the index files at ``iter()`` as the rank it was given: rank 1
+    sends no LIST, rank 0 lists to check them (every rank listed, each taking itself for
+    rank 0, when the loader read them without its rank)."""
+    root, so = s3.url("data"), s3.storage_options
+    _corpus(root, so)
+    write_index_files(root, NAMES, storage_options=so)
+    monkeypatch.delenv("RANK", raising=False)
+    build = functools.partial(build_pipeline, _cfg(root, so), collate=False)
+    for rank in (1, 0):
+        monkeypatch.setattr(index_file, "_verified", set())  # a new process: nothing checked
+        loader = TokenLoader(build, rank=rank, world_size=2)
+        with count_s3_requests() as c:
+            next(iter(loader))
+        loader.close()
+        assert ("LIST" in c) == (rank == 0), (rank, c)
+
+
 def test_an_unchanged_restore_reads_no_data_file_to_check_it(s3) -> None:
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)

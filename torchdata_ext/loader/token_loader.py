@@ -416,8 +416,9 @@ class TokenLoader:
 
     def _start(self) -> Iterator[_Delivery]:
         """Start the workers (or the background thread) from the loaded state."""
-        # the index files read once here, not in every worker, nor again by a save's graph
-        shared = indexes_to_share(self.build)
+        # the index files read once here, not in every worker, nor again by a save's graph;
+        # as this rank's worker 0 (its rank, not RANK's: rank 0 alone lists to check them)
+        shared = indexes_to_share(self.build, World(self.rank, self.world_size))
         if shared:
             self.replace_build(lambda build: with_indexes(build, shared))
         if self.num_workers > 0:

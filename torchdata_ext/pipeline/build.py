@@ -138,18 +138,20 @@ def with_indexes(build: Any, datasets: Mapping[str, DatasetIndex]) -> Any:
     return build
 
 
-def indexes_to_share(build: Any) -> dict[str, DatasetIndex] | None:
+def indexes_to_share(build: Any, world: World | None = None) -> dict[str, DatasetIndex] | None:
     """The indexes ``build`` would read at every graph it builds, read here, now (None for a
     build function that reads none: another kind, or given them already). What a
     ``TokenLoader`` passes on to its graphs (:func:`with_indexes`) when it starts (before its
     dataloader workers, if any), so that they and the saves read no index file (each worker read each
     dataset's index and metadata files before: 2 requests per dataset per worker on an object
     store). Read as a worker would: rank 0 checks the index files against a listing; never a
-    collective."""
+    collective. ``world``: the loader's rank (its worker 0), which decides that check; None
+    detects it (``torch.distributed`` or ``RANK``): a rank given as ``rank=`` without either
+    is rank 0 there, and every rank would list."""
     if not _reads_indexes(build):
         return None
     cfg = build.args[0] if build.args else build.keywords["cfg"]
-    return _datasets_here(cfg, _checks_index_files(None))
+    return _datasets_here(cfg, _checks_index_files(world))
 
 
 def build_pipeline(
