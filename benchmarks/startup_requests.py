@@ -24,6 +24,13 @@ Three ways to start, each a mode:
   index files' digests) are broadcast, the other ranks ask the store for nothing before
   reading data.
 
+``--workers N`` runs every rank's ``TokenLoader`` with N dataloader workers (forked; 0, the
+default, runs the graph in the rank's process) and counts each worker's requests too (a
+file per worker, which its rank reads at the end of each phase; a save's are what the worker
+sent while the save ran): each phase then has a line for the workers (the busiest, the
+fewest, their total), and the extrapolation takes each of ``--at-workers`` workers per rank
+as the busiest measured instead of as a rank other than 0.
+
 Each mode sets up its folders itself (:func:`set_up`), so ``--modes dist`` alone, or
 ``--modes index,list``, measures what the full run does.
 
@@ -36,6 +43,7 @@ a GET of the bucket): the seconds one prefix needs to serve a start at that size
 
     python benchmarks/startup_requests.py                       # R in 1,2,4,8; F in 30,300
     python benchmarks/startup_requests.py --ranks 1,8,32,128 --files 300,3000   # ~10 min
+    python benchmarks/startup_requests.py --modes index,dist --ranks 2 --workers 8
 """
 
 from __future__ import annotations
@@ -146,9 +154,19 @@ def _config(endpoint: str, url: str, names: list[str], ranks: int) -> Any:
 
 
 def _rank_main(
-    rank: int, ranks: int, mode: str, phase: str, cfg: Any, ckpt: str, port: int, out: str
+    rank: int,
+    ranks: int,
+    mode: str,
+    phase: str,
+    cfg: Any,
+    ckpt: str,
+    port: int,
+    out: str,
+    workers: int = 0,
 ) -> None:
-    """One rank's ``phase``; writes its request counts to ``out/<rank>.json``."""
+    """One rank's ``phase``; writes its request counts to ``out/<rank>.json`` (with
+    ``workers``, each dataloader worker's too, under ``"workers <phase>"``: a list, one
+    per worker, of what it sent by the end of each phase)."""
     os.environ["TORCHDATA_EXT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"rank{rank}-")
     from torchdata_ext.remote.process_state import PROBED_STORES
     from torchdata_ext.sources import fingerprint, index_file
@@ -168,28 +186,93 @@ def _rank_main(
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks
         )
-    counts: dict[str, Counter[str]] = {}
+    if workers:
+        _count_in_workers(os.path.join(out, f"{rank}-w"))
+    counts: dict[str, Any] = {}
     try:
         with _counting() as c:
             datasets = build_datasets(cfg) if mode == "dist" else None
             build = functools.partial(build_pipeline, cfg, datasets=datasets, collate=False)
-            loader = TokenLoader(build, rank=rank, world_size=ranks)
+            loader = TokenLoader(build, rank=rank, world_size=ranks, num_workers=workers)
             if phase != "start":
                 load_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
             it = iter(loader)
             next(it)
         counts[phase] = c
+        if workers:
+            seen = counts[f"workers {phase}"] = _worker_counts(out, rank)
         if phase == "start":
             for save in ("save", "save2"):  # the second writes the checkpoint the others load
                 with _counting() as c:
                     save_checkpoint(loader, ckpt, storage_options=cfg.storage_options)
                 counts[save] = c
+                if workers:  # what each worker sent meanwhile (its prefetch goes on)
+                    now = _worker_counts(out, rank)
+                    counts[f"workers {save}"] = [_minus(a, b) for a, b in zip(now, seen)]
+                    seen = now
                 next(it)
+        if workers:
+            loader.close()
     finally:
         if mode == "dist":
             dist.destroy_process_group()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({k: dict(v) for k, v in counts.items()}, f)
+        json.dump({k: v if k.startswith("workers") else dict(v) for k, v in counts.items()}, f)
+
+
+class _FileCounter(Counter):  # type: ignore[type-arg]
+    """A ``Counter`` that writes itself to ``path`` (JSON) at every change: a dataloader
+    worker's counts, read by its rank while the worker runs and after it is gone."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def __setitem__(self, key: str, value: int) -> None:
+        super().__setitem__(key, value)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(dict(self), f)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def _count_in_workers(prefix: str) -> None:
+    """Make every process forked from this rank from now on (its dataloader workers) count
+    its own S3 requests, by kind and by object as :func:`_counting` does, into
+    ``<prefix><pid>.json``, from its fork to its end."""
+    from torchdata_ext.remote import counting
+
+    def child() -> None:
+        counting._lock = counting.threading.Lock()  # held by no thread of the new process
+        counter = _FileCounter(f"{prefix}{os.getpid()}.json")
+        # counted as the rank's own blocks count: the inherited blocks' copies are never read
+        with counting._lock:
+            if not counting._active:
+                counting._install()
+            counting._active.append((counter, True))
+
+    os.register_at_fork(after_in_child=child)
+
+
+def _worker_counts(out: str, rank: int) -> list[dict[str, int]]:
+    """What each dataloader worker of ``rank`` has sent so far, by kind and by
+    ``"<kind> <what>"`` (as :func:`_counting`), in the order of their process ids."""
+    found = []
+    for name in os.listdir(out):
+        if name.startswith(f"{rank}-w") and name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                raw = json.load(f)
+            by: Counter[str] = Counter()
+            for key, n in raw.items():
+                kind, path = key.split(" ", 1)
+                by[kind] += n
+                by[f"{kind} {_what(path)}"] += n
+            found.append((int(name[len(f"{rank}-w") : -5]), dict(by)))
+    return [c for _, c in sorted(found)]
+
+
+def _minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """``a - b`` by key, without the zeros."""
+    return {k: n - b.get(k, 0) for k, n in a.items() if n - b.get(k, 0)}
 
 
 @contextlib.contextmanager
@@ -230,15 +313,20 @@ def _what(path: str) -> str:
     return "bucket" if "/" not in path else "other"
 
 
-def run_ranks(ranks: int, mode: str, phase: str, cfg: Any, ckpt: str) -> list[dict[str, Any]]:
-    """``ranks`` forked processes running ``phase``; each rank's counts by phase."""
+def run_ranks(
+    ranks: int, mode: str, phase: str, cfg: Any, ckpt: str, workers: int = 0
+) -> list[dict[str, Any]]:
+    """``ranks`` forked processes running ``phase`` (each with ``workers`` dataloader
+    workers); each rank's counts by phase."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_rank_main, args=(r, ranks, mode, phase, cfg, ckpt, port, out))
+            ctx.Process(
+                target=_rank_main, args=(r, ranks, mode, phase, cfg, ckpt, port, out, workers)
+            )
             for r in range(ranks)
         ]
         for p in procs:
@@ -297,6 +385,18 @@ def _row(mode: str, F: int, R: int, phase: str, per: list[dict[str, int]]) -> st
     )
 
 
+def _worker_row(mode: str, F: int, R: int, phase: str, per: list[dict[str, int]]) -> str:
+    """One line of the table for the dataloader workers: the busiest worker (split by what it
+    asked for), the fewest, and all workers' total (a worker that sent nothing yet has no
+    file: it is not counted, nor is the fewest 0)."""
+    busiest = show(max(per, key=total), True) if per else "-"
+    least = show(min(per, key=total)) if per else "-"
+    return (
+        f"{mode:5s} {F:>6,} {R:>4} {phase:8s} workers ({len(per)} sent any): busiest {busiest}; "
+        f"fewest {least}; total {sum(map(total, per)):,}"
+    )
+
+
 def _job(res: Any, F: int, R: int, kinds: tuple[str, ...]) -> int:
     """The job's requests of ``kinds`` at start and restore."""
     return sum(c.get(k, 0) for ph in ("start", "restore") for c in res[F][R][ph] for k in kinds)
@@ -320,6 +420,8 @@ def main() -> None:
     ap.add_argument("--at-ranks", type=int, default=8192)
     ap.add_argument("--at-files", type=int, default=100_000)
     ap.add_argument("--at-workers", type=int, default=8, help="dataloader workers per rank")
+    ap.add_argument("--workers", type=int, default=0, help="dataloader workers per rank run "
+                    "(0: the graph in the rank's process); each worker's requests counted")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="R in 1,2,4 and F in 30,120 (~1 min)")
     ap.add_argument("--json", help="write the counts to this file instead of the report")
     ap.add_argument(
@@ -367,23 +469,28 @@ def main() -> None:
                     ckpt = f"s3://startup/ckpt/{mode}/F{F}/R{R}"
                     cfg = _config(endpoint, url, names, R)
                     rows: dict[str, list[dict[str, int]]] = {}
-                    started = run_ranks(R, mode, "start", cfg, ckpt)
-                    rows["start"] = [r["start"] for r in started]
-                    rows["save"] = [r["save"] for r in started]
-                    rows["save2"] = [r["save2"] for r in started]
-                    rows["restore"] = [
-                        r["restore"] for r in run_ranks(R, mode, "restore", cfg, ckpt)
-                    ]
+                    W = args.workers
+                    started = run_ranks(R, mode, "start", cfg, ckpt, W)
+                    restored = run_ranks(R, mode, "restore", cfg, ckpt, W)
                     cfg2 = _config(endpoint, url, names, R)  # same shards: a rescale, not new data
-                    rows["rescale"] = [
-                        r["rescale"] for r in run_ranks(2 * R, mode, "rescale", cfg2, ckpt)
-                    ]
+                    rescaled = run_ranks(2 * R, mode, "rescale", cfg2, ckpt, W)
+                    for phase, per_rank in (
+                        ("start", started), ("save", started), ("save2", started),
+                        ("restore", restored), ("rescale", rescaled),
+                    ):  # fmt: skip
+                        rows[phase] = [r[phase] for r in per_rank]
+                        if W:  # every worker of every rank, rank 0's first
+                            rows[f"workers {phase}"] = [
+                                w for r in per_rank for w in r[f"workers {phase}"]
+                            ]
                     results[mode][F][R] = rows
                     if args.json:  # as it goes: a run stopped by --budget keeps its rows
                         with open(args.json, "w") as f:
                             json.dump(results, f)
                     for phase in PHASES:  # as it goes: a long run shows its rows early
                         print(_row(mode, F, R, phase, rows[phase]), flush=True)
+                        if W:
+                            print(_worker_row(mode, F, R, phase, rows[f"workers {phase}"]))
     finally:
         proc.kill()
     if args.json:
@@ -525,11 +632,14 @@ def report(
             if mode != "list" and at[mode] > 0:
                 p(f"  {mode} needs 1/{at['list'] / at[mode]:,.0f} of the reference (list)")
     W = args.at_workers
+    measured = all("workers start" in results[m][big_f][big_r] for m in modes)
     p(f"\nthe job's requests per phase at {args.at_ranks:,} ranks x {args.at_files:,} files per "
       "dataset (rank 0, and every other rank as the busiest measured; RANGE_GET linear in F, "
       "LIST by listing pages, the rest as at the largest F), and with "
-      f"{W} dataloader workers per rank (each worker process counted as a rank other than 0 "
-      "at start: its probe, its index reads, its first data; an upper bound):")  # fmt: skip
+      f"{W} dataloader workers per rank (" + (
+          f"each worker as the busiest of the {args.workers} a rank ran, kind by kind"
+          if measured else "each worker process counted as a rank other than 0 at start: its "
+          "probe, its index reads, its first data; an upper bound") + "):")  # fmt: skip
     for mode in modes:
         res = results[mode]
         per_phase = []
@@ -538,8 +648,18 @@ def report(
             ranged = _extrapolate(res, file_counts, big_r, ph, ("RANGE_GET",), args)
             lists = _extrapolate(res, file_counts, big_r, ph, ("LIST",), args)
             per_phase.append(f"{ph} {n:,.0f} (LIST {lists:,.0f}, RANGE_GET {ranged:,.0f})")
-        workers = args.at_ranks * W * _extrapolate_other(res, file_counts, big_r, "start", args)
-        p(f"  {mode:5s}: " + "; ".join(per_phase) + f"; workers at start {workers:,.0f}")
+        if measured:
+            per_worker = [_extrapolate_worker(res, file_counts, big_r, ph, args) for ph in PHASES]
+            workers = "; ".join(
+                f"{ph} {args.at_ranks * W * n:,.0f} ({n:,.1f} a worker)"
+                for ph, n in zip(PHASES, per_worker)
+            )
+            p(f"  {mode:5s}: ranks: " + "; ".join(per_phase) + f"; workers: {workers}")
+            continue
+        workers_at_start = (
+            args.at_ranks * W * _extrapolate_other(res, file_counts, big_r, "start", args)
+        )
+        p(f"  {mode:5s}: " + "; ".join(per_phase) + f"; workers at start {workers_at_start:,.0f}")
     print(out.getvalue())
 
 
@@ -547,6 +667,23 @@ def _phase_rank(res: Any, F: int, R: int, phase: str, rank: int, kinds: tuple[st
     """Requests of ``kinds`` rank ``rank`` (0) or the busiest other rank (1) sent in ``phase``."""
     per = [sum(c.get(k, 0) for k in kinds) for c in res[F][R][phase]]
     return per[0] if rank == 0 else max(per[1:], default=per[0])
+
+
+def _extrapolate_worker(res: Any, file_counts: list[int], R: int, phase: str, args: Any) -> float:
+    """One dataloader worker's requests in ``phase`` at ``--at-files``: the busiest worker
+    measured, kind by kind, scaled in F as :func:`_extrapolate` scales a rank's."""
+    big = file_counts[-1]
+    pages = math.ceil(args.at_files / 1000) / math.ceil(big / 1000)
+    out = 0.0
+    for kind in ALL:
+        ys = [max((c.get(kind, 0) for c in res[F][R][f"workers {phase}"]), default=0)
+              for F in file_counts]  # fmt: skip
+        if kind == "RANGE_GET":
+            a, b = linear(file_counts, ys)
+            out += a + b * args.at_files
+        else:
+            out += ys[-1] * (pages if kind == "LIST" else 1)
+    return out
 
 
 def _extrapolate_other(res: Any, file_counts: list[int], R: int, phase: str, args: Any) -> float:
