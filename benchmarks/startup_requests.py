@@ -144,11 +144,14 @@ def set_up(mode: str, url: str, names: list[str], so: dict[str, Any]) -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _config(endpoint: str, url: str, names: list[str], ranks: int) -> Any:
+def _config(endpoint: str, url: str, names: list[str], ranks: int, workers: int = 0) -> Any:
+    """The job's config; its logical shards leave every worker one or more at the rescale to
+    2R ranks (``workers`` per rank: as many shards as without workers when they are enough)."""
     from torchdata_ext import PipelineConfig
 
+    shards = max(16, 4 * ranks, 2 * ranks * workers)
     return PipelineConfig(
-        data_path=url, datasets=",".join(names), seq_length=32, logical_shards=max(16, 4 * ranks),
+        data_path=url, datasets=",".join(names), seq_length=32, logical_shards=shards,
         batch_size=2, shuffle_buffer=4, block_docs=4, storage_options=_options(endpoint),
     )  # fmt: skip
 
@@ -467,12 +470,12 @@ def main() -> None:
                 results[mode][F] = {}
                 for R in ranks:
                     ckpt = f"s3://startup/ckpt/{mode}/F{F}/R{R}"
-                    cfg = _config(endpoint, url, names, R)
+                    cfg = _config(endpoint, url, names, R, args.workers)
                     rows: dict[str, list[dict[str, int]]] = {}
                     W = args.workers
                     started = run_ranks(R, mode, "start", cfg, ckpt, W)
                     restored = run_ranks(R, mode, "restore", cfg, ckpt, W)
-                    cfg2 = _config(endpoint, url, names, R)  # same shards: a rescale, not new data
+                    cfg2 = _config(endpoint, url, names, R, args.workers)  # same shards: a rescale
                     rescaled = run_ranks(2 * R, mode, "rescale", cfg2, ckpt, W)
                     for phase, per_rank in (
                         ("start", started), ("save", started), ("save2", started),
