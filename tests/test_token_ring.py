@@ -16,7 +16,14 @@ import torch
 from torchdata_ext import World
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.ring import TokenRing
-from torchdata_ext.loader.token_loader import TokenLoader, _PipelineIterator, _split
+from torchdata_ext.loader.token_loader import (
+    MAX_BATCHES_PER_MESSAGE,
+    MESSAGE_TOKENS,
+    TokenLoader,
+    _PipelineIterator,
+    _split,
+    batches_for_message,
+)
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.state.delta import apply
@@ -103,6 +110,72 @@ def test_slot_and_in_message_tokens_give_the_in_process_batches(data_path) -> No
         node = build_pipeline(cfg, world)
         node.reset(pickle.loads(pickle.dumps(st)))
         assert _key(next(node)) == ref[i + 1], i
+
+
+@pytest.mark.parametrize(
+    ("shape", "want"),
+    [
+        ((8, 4097), 16),  # the issue-33 benchmark's batch: 32,776 tokens
+        ((8, 4096), 16),  # exactly MESSAGE_TOKENS in 16
+        ((8, 4098), 16),  # a little over 1/16 of it: rounded up, never fewer tokens
+        ((64, 8193), 1),  # a batch above MESSAGE_TOKENS travels alone
+        ((1, 129), MAX_BATCHES_PER_MESSAGE),  # tiny batches: capped
+    ],
+)
+def test_a_message_holds_batches_for_its_tokens(shape, want) -> None:
+    n = shape[0] * shape[1]
+    assert want == min(MAX_BATCHES_PER_MESSAGE, max(1, -(-MESSAGE_TOKENS // n)))
+    packed = PackedBatch(
+        torch.zeros(shape, dtype=torch.int32), *(np.zeros(1, np.int32),) * 4, shape[1] - 1,
+        True, ("input_ids",),
+    )  # fmt: skip
+    assert batches_for_message(packed) == want
+    assert batches_for_message({"input_ids": np.zeros(shape, np.int64)}) == want
+    assert batches_for_message({"text": ["a", "b"]}) == 8  # nothing to count: the old default
+
+
+def test_messages_sized_by_tokens_carry_the_stream_of_one_batch_messages(data_path) -> None:
+    """``group=None`` (``TokenLoader``'s default): the first message holds one batch, every
+    later one ``batches_for_message`` of it (the ring made for that many), and the batches and
+    states are those of one batch per message."""
+    cfg = _cfg(data_path)
+    world = World(0, 1, 0, 1)
+
+    def run(group: int | None) -> tuple[list[int], list[object], list[object]]:
+        it = _PipelineIterator(
+            functools.partial(_build, cfg), world, None, group=group, delta=True, ring_slots=4
+        )
+        ring, state, sizes, batches, states = None, None, [], [], []
+        while len(batches) < 200:
+            msg = pickle.loads(ForkingPickler.dumps(next(it)))
+            ring = msg.ring or ring
+            sizes.append(len(msg.states))
+            for batch, delta in zip(_split(msg.items, ring, False), msg.states, strict=True):
+                state = apply(state, delta)
+                batches.append(_key(batch))
+                states.append(pickle.dumps(state))
+        return sizes, batches[:200], states[:200]
+
+    sizes, batches, states = run(None)
+    want = batches_for_message(PackedBatch(torch.zeros(3, 21), *(np.zeros(1),) * 4, 20, True, ()))
+    assert want == MAX_BATCHES_PER_MESSAGE  # 3 x 21 tokens: the cap
+    assert sizes[0] == 1 and set(sizes[1:]) == {want}, sizes
+    one_sizes, one_batches, one_states = run(1)
+    assert set(one_sizes) == {1}
+    assert batches == one_batches
+    for i in (0, 1, want, want + 1, 2 * want + 3, 150):  # inside and across messages
+        for st in (states[i], one_states[i]):  # each state restores the rest of the stream
+            node = build_pipeline(cfg, world)
+            node.reset(pickle.loads(st))
+            assert [_key(next(node)) for _ in range(3)] == batches[i + 1 : i + 4], i
+
+
+def test_batches_per_message_is_refused_by_name_unless_a_count_or_none(data_path) -> None:
+    build = functools.partial(_build, _cfg(data_path))
+    for bad in (0, -2, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"batches_per_message=.* or None"):
+            TokenLoader(build, batches_per_message=bad)  # type: ignore[arg-type]
+    assert TokenLoader(build).batches_per_message is None
 
 
 def test_batches_copied_out_of_a_slot_do_not_change_when_it_is_written_again(data_path) -> None:

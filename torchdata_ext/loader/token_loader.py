@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 980 lines: the worker side (the messages and their iterator) and the loader side
+This module is 1,050 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -62,6 +62,32 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = 1
 BuildFn = Callable[[World], BaseNode]
 
+MESSAGE_TOKENS = 1 << 19
+"""Tokens a worker's message carries when ``batches_per_message`` is not given: a message has
+a fixed cost in both processes (the dataloader's index and result queues, pickling, a thread
+woken on each side), which this many tokens make small. Through 2 workers of the issue-33
+benchmark (batches of 8 x 4,097 tokens), 16 batches a message (this) delivered ~10% more tokens
+per second than 8 (docs/benchmarks.md)."""
+
+MAX_BATCHES_PER_MESSAGE = 32  # the most batches of a message sized by MESSAGE_TOKENS
+
+
+def batches_for_message(batch: Any) -> int:
+    """How many batches like ``batch`` a message holds by default: enough for
+    :data:`MESSAGE_TOKENS` tokens, from 1 to :data:`MAX_BATCHES_PER_MESSAGE`; 8 for a batch
+    whose tokens it cannot count (neither a ``tokens`` tensor nor an ``input_ids`` key)."""
+    tokens = getattr(batch, "tokens", None)
+    if tokens is None and isinstance(batch, Mapping):
+        tokens = batch.get("input_ids")
+    shape = getattr(tokens, "shape", None)
+    if shape is None:
+        return 8
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return max(1, min(MAX_BATCHES_PER_MESSAGE, -(-MESSAGE_TOKENS // max(n, 1))))
+
+
 
 class _Message(NamedTuple):
     """What a worker sends: up to ``G`` batches and, per batch, its graph state after it
@@ -87,7 +113,7 @@ class _PipelineIterator(Iterator[_Message]):
         world: World,
         initial: dict[str, Any] | None,
         *,
-        group: int = 1,
+        group: int | None = 1,
         delta: bool = True,
         ring_slots: int = 0,
     ) -> None:
@@ -95,7 +121,7 @@ class _PipelineIterator(Iterator[_Message]):
         self.root = build(world)
         self._initial = initial
         self._started = False
-        self._group = group
+        self._group = group  # None: sized by the first batch (batches_for_message)
         self._ended = False
         self._delta = delta
         self._sent: Any = None  # the graph state sent with the last batch
@@ -127,7 +153,7 @@ class _PipelineIterator(Iterator[_Message]):
             raise StopIteration
         # the first message holds one batch: the first batch (fresh or after a restore) does
         # not wait for the group's others
-        group = self._group if self._started else 1
+        group = self._group if self._started and self._group is not None else 1
         self._start()
         items: list[Any] = []
         states: list[Any] = []
@@ -141,6 +167,8 @@ class _PipelineIterator(Iterator[_Message]):
             states.append(diff(self._sent, graph) if self._delta else graph)
             self._sent = graph
             items.append(item)
+        if self._group is None and items:
+            self._group = batches_for_message(items[0])
         ring = None
         grouped: BatchGroup | list[Any] = items
         if self._delta and BatchGroup.can_group(items):
@@ -154,7 +182,8 @@ class _PipelineIterator(Iterator[_Message]):
         and the ring, if this is the first message that uses it."""
         shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
         if self._ring is None and self._ring_slots and self._ring_due:
-            self._ring = TokenRing.make((self._group, *shape[1:]), dtype, self._ring_slots)
+            size = self._group or len(items)
+            self._ring = TokenRing.make((size, *shape[1:]), dtype, self._ring_slots)
             if self._ring is None:  # shared memory is short: tokens go in the messages
                 self._ring_slots = 0
         # the first message (one batch) carries its tokens: making the ring and sending its
@@ -215,7 +244,9 @@ class PipelineDataset(IterableDataset):
         initial_states: per logical worker id, the graph state to start from.
         worker_offset: logical worker id of physical worker 0 (used to keep the round-robin
             order of batches across a restore; logical = (physical + offset) % num_workers).
-        batches_per_message: batches a worker sends together.
+        batches_per_message: batches a worker sends together (None: as many as make
+            :data:`MESSAGE_TOKENS` tokens, :func:`batches_for_message`); the first message of
+            an iterator holds one batch.
         ring_slots: in a dataloader worker, how many messages' tokens can be in a shared-memory
             :class:`~torchdata_ext.loader.ring.TokenRing` at once instead of in the messages (at
             least the messages in flight, the dataloader's ``prefetch_factor``, plus 2); 0:
@@ -230,7 +261,7 @@ class PipelineDataset(IterableDataset):
         world_size: int | None = None,
         initial_states: dict[int, dict[str, Any]] | None = None,
         worker_offset: int = 0,
-        batches_per_message: int = 1,
+        batches_per_message: int | None = 1,
         ring_slots: int = 0,
     ) -> None:
         super().__init__()
@@ -239,7 +270,7 @@ class PipelineDataset(IterableDataset):
         self.world_size = world_size
         self.initial_states = dict(initial_states or {})
         self.worker_offset = int(worker_offset)
-        self.batches_per_message = int(batches_per_message)
+        self.batches_per_message = None if batches_per_message is None else int(batches_per_message)
         self.ring_slots = int(ring_slots)
 
     def world_for(self, physical_worker: int, num_workers: int) -> World:
@@ -276,12 +307,15 @@ class TokenLoader:
             it is the state of the last multiple of ``n`` steps plus the number of batches
             since (``skip_batches``, made again and dropped on restore; such a state does not
             rescale). Kept for compatibility: the exact state costs as little.
-        batches_per_message: batches a worker process sends in one message (default 8): a
-            message costs ~1 ms of a worker's and the training process's CPU (pickling, the
-            queue, the ring slot), spread over them; 8 took 10-15% less CPU per token than 4
-            through 2 workers (docs/benchmarks.md).
+        batches_per_message: batches a worker process sends in one message. Default (None):
+            as many as make :data:`MESSAGE_TOKENS` (524,288) tokens, 1 to 32 (16 batches of
+            8 x 4,097 tokens), :func:`batches_for_message`. A message has a fixed cost in
+            both processes (the dataloader's queues, pickling, a woken thread on each side),
+            spread over its tokens: 8 took 10-15% less CPU per token than 4 through 2 workers,
+            16 ~10% less than 8 (docs/benchmarks.md); a message's tokens sit in a
+            shared-memory slot (``shared_tokens``), ``prefetch_factor + 2`` slots per worker.
             Batches are still delivered one worker after the other, as with one batch per
-            message.
+            message, and the first message of a start holds one batch.
         prefetch_factor: messages each worker prepares ahead (default 2), or with
             ``num_workers=0`` messages the graph prepares ahead (default 4).
         pin_memory: pin batch tensors (for fast host-to-GPU copies).
@@ -316,7 +350,7 @@ class TokenLoader:
         rank: int | None = None,
         world_size: int | None = None,
         snapshot_every_n_steps: int = 1,
-        batches_per_message: int = 8,
+        batches_per_message: int | None = None,
         prefetch_factor: int | None = None,
         pin_memory: bool = False,
         multiprocessing_context: str | None = None,
@@ -327,12 +361,14 @@ class TokenLoader:
         check_build(build)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{num_workers=} must be an integer >= 0")
-        for name, value in (
-            ("snapshot_every_n_steps", snapshot_every_n_steps),
-            ("batches_per_message", batches_per_message),
+        for name, value, extra in (
+            ("snapshot_every_n_steps", snapshot_every_n_steps, ""),
+            ("batches_per_message", batches_per_message, ", or None (sized by its tokens)"),
         ):
+            if value is None and extra:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+                raise ValueError(f"{name}={value!r} must be an integer >= 1{extra}")
         self.build = build
         self.num_workers = num_workers
         base = World.detect(rank, world_size)
@@ -437,7 +473,8 @@ class TokenLoader:
             messages = iter(self._dataset())
         produced = self._produce(messages)
         if self.background:  # the training thread only takes finished batches
-            produced = _Background(produced, self.prefetch * self.batches_per_message)
+            # batches ahead: the messages prepared ahead, of 8 batches when sized by tokens
+            produced = _Background(produced, self.prefetch * (self.batches_per_message or 8))
         self._it = produced
         return produced
 
