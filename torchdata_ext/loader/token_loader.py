@@ -88,7 +88,6 @@ def batches_for_message(batch: Any) -> int:
     return max(1, min(MAX_BATCHES_PER_MESSAGE, -(-MESSAGE_TOKENS // max(n, 1))))
 
 
-
 class _Message(NamedTuple):
     """What a worker sends: up to ``G`` batches and, per batch, its graph state after it
     (``delta``: a :func:`~torchdata_ext.state.delta.diff` against the previous one; else the
