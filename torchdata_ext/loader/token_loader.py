@@ -66,8 +66,10 @@ MESSAGE_TOKENS = 1 << 19
 """Tokens a worker's message carries when ``batches_per_message`` is not given: a message has
 a fixed cost in both processes (the dataloader's index and result queues, pickling, a thread
 woken on each side), which this many tokens make small. Through 2 workers of the issue-33
-benchmark (batches of 8 x 4,097 tokens), 16 batches a message (this) delivered ~10% more tokens
-per second than 8 (docs/benchmarks.md)."""
+benchmark (batches of 8 x 4,097 tokens), 16 batches a message (this) took ~13% less of the
+training process's CPU than 8 and delivered ~3% more tokens per second (docs/benchmarks.md).
+A batch of this many tokens or more travels alone, so large batches keep the shared-memory
+ring small."""
 
 MAX_BATCHES_PER_MESSAGE = 32  # the most batches of a message sized by MESSAGE_TOKENS
 
@@ -311,8 +313,9 @@ class TokenLoader:
             8 x 4,097 tokens), :func:`batches_for_message`. A message has a fixed cost in
             both processes (the dataloader's queues, pickling, a woken thread on each side),
             spread over its tokens: 8 took 10-15% less CPU per token than 4 through 2 workers,
-            16 ~10% less than 8 (docs/benchmarks.md); a message's tokens sit in a
-            shared-memory slot (``shared_tokens``), ``prefetch_factor + 2`` slots per worker.
+            16 ~13% less of the training process's than 8 (docs/benchmarks.md); a message's
+            tokens sit in a shared-memory slot (``shared_tokens``), ``prefetch_factor + 2``
+            slots per worker.
             Batches are still delivered one worker after the other, as with one batch per
             message, and the first message of a start holds one batch.
         prefetch_factor: messages each worker prepares ahead (default 2), or with
