@@ -29,6 +29,7 @@ import collections
 import contextlib
 import importlib
 import logging
+import math
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -84,9 +85,7 @@ def batches_for_message(batch: Any) -> int:
     shape = getattr(tokens, "shape", None)
     if shape is None:
         return 8
-    n = 1
-    for d in shape:
-        n *= int(d)
+    n = int(math.prod(shape))
     return max(1, min(MAX_BATCHES_PER_MESSAGE, -(-MESSAGE_TOKENS // max(n, 1))))
 
 
@@ -183,8 +182,8 @@ class _PipelineIterator(Iterator[_Message]):
         and the ring, if this is the first message that uses it."""
         shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
         if self._ring is None and self._ring_slots and self._ring_due:
-            size = self._group or len(items)
-            self._ring = TokenRing.make((size, *shape[1:]), dtype, self._ring_slots)
+            assert self._group is not None  # sized by the first message, which has no ring
+            self._ring = TokenRing.make((self._group, *shape[1:]), dtype, self._ring_slots)
             if self._ring is None:  # shared memory is short: tokens go in the messages
                 self._ring_slots = 0
         # the first message (one batch) carries its tokens: making the ring and sending its
@@ -475,7 +474,8 @@ class TokenLoader:
             messages = iter(self._dataset())
         produced = self._produce(messages)
         if self.background:  # the training thread only takes finished batches
-            # batches ahead: the messages prepared ahead, of 8 batches when sized by tokens
+            # batches ahead: the messages prepared ahead; when sized by tokens, 8 batches a
+            # message as before (a larger message's rest waits in _produce for room)
             produced = _Background(produced, self.prefetch * (self.batches_per_message or 8))
         self._it = produced
         return produced
