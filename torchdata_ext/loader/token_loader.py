@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import logging
 import math
+import os
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from torchdata.nodes import BaseNode
 from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
+from torchdata_ext.loader.orphan import exit_with_parent
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
@@ -272,6 +274,7 @@ class PipelineDataset(IterableDataset):
         self.worker_offset = int(worker_offset)
         self.batches_per_message = None if batches_per_message is None else int(batches_per_message)
         self.ring_slots = int(ring_slots)
+        self.trainer_pid = os.getpid()  # the training process, whose death ends the workers
 
     def world_for(self, physical_worker: int, num_workers: int) -> World:
         base = World.detect(self.rank, self.world_size)
@@ -283,6 +286,9 @@ class PipelineDataset(IterableDataset):
         physical, n = (0, 1) if info is None else (info.id, info.num_workers)
         if info is not None:  # this worker's share of the cores for its tokenizers
             limit_tokenizer_threads(n)
+            exit_with_parent(
+                self.trainer_pid
+            )  # a killed trainer leaves no worker behind (orphan.py)
         world = self.world_for(physical, n)
         return _PipelineIterator(
             self.build,

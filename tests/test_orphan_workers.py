@@ -1,0 +1,87 @@
+"""A training process killed by SIGKILL (the OOM killer, a preemption) leaves no dataloader
+worker running: each exits within seconds, whatever it was blocked on (loader/orphan.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from torchdata_ext.testing import write_arrow_batches
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    children, out, todo = _children(), set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.multiprocess
+# default: the workers are the trainer's children (fork); forkserver: its fork server's, which
+# outlives the trainer while a worker runs (spawn: the trainer's children, as with fork)
+@pytest.mark.parametrize("context", ["default", "forkserver"])
+def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str) -> None:
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(5, 999, 4_000, dtype=np.uint32) for _ in range(400)]
+    write_arrow_batches(str(tmp_path / "web" / "p0.arrow"), docs)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "_orphan_trainer.py"), str(tmp_path), context],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    workers: set[int] = set()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        time.sleep(2)  # the workers fill the pipe meanwhile
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2, workers  # the 2 workers (and a fork server's processes)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_alive(p) for p in workers):
+            time.sleep(0.1)
+        left = [p for p in workers if _alive(p)]
+        assert not left, f"processes {left} outlived their killed trainer by 10 s"
+    finally:
+        proc.kill()
+        for p in _descendants(proc.pid) | workers:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
