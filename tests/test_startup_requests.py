@@ -365,7 +365,8 @@ def test_digests_are_kept_only_for_content_versions() -> None:
 # -- ranks without a process group share the fingerprint reads ---------------------------------
 def test_ranks_without_a_process_group_check_their_share(tmp_path: Path, monkeypatch) -> None:
     """Ranks given as rank=/world_size= (no torch.distributed) each check every world_size-th
-    file; the rank whose share holds a changed file raises, naming itself and the file."""
+    file and the files their own shards read (test_changed_files_ranks.py); the rank that
+    reads or checks a changed file raises, naming itself and the file."""
     root = str(tmp_path / "data")
     write_random_arrow_datasets(root, (("web", 40, 20),), seed=4)
     for k in (2, 3):
@@ -384,15 +385,17 @@ def test_ranks_without_a_process_group_check_their_share(tmp_path: Path, monkeyp
         reads.clear()
         load_checkpoint(TokenLoader(build, rank=r, world_size=2), str(tmp_path / "c"))
         per_rank.append(sorted(reads))
-    assert per_rank == [["p0.arrow", "p2.arrow"], ["p1.arrow", "p3.arrow"]]
+    # shares p0, p2 and p1, p3; 8 shards over 46 documents (20, 20, 3, 3): rank 0's read
+    # documents 0-22 (p0, p1), rank 1's 23-45 (p1, p2, p3)
+    assert per_rank == [["p0.arrow", "p1.arrow", "p2.arrow"], ["p1.arrow", "p2.arrow", "p3.arrow"]]
     before = (Path(root) / "web" / "p3.arrow").stat()
     write_arrow_batches(f"{root}/web/p3.arrow", [np.arange(6, 13, dtype=np.uint32)] * 3)
     assert (Path(root) / "web" / "p3.arrow").stat().st_size == before.st_size
     monkeypatch.setattr(fingerprint, "_digests", {})
-    load_checkpoint(TokenLoader(build, rank=0, world_size=2), str(tmp_path / "c"))  # not its share
+    load_checkpoint(TokenLoader(build, rank=0, world_size=2), str(tmp_path / "c"))  # not read
     with pytest.raises(ChangedFilesError) as e:
         load_checkpoint(TokenLoader(build, rank=1, world_size=2), str(tmp_path / "c"))
-    assert "(rank 1 of 2 checks every 2-th file)" in str(e.value)
+    assert "(rank 1 of 2 checks every 2-th file and those its shards read)" in str(e.value)
     assert "dataset 'web': 1 file(s): p3.arrow (first/last 64 KiB differ; version" in str(e.value)
 
 

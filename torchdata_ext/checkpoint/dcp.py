@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -272,12 +273,13 @@ class DCPLoaderState:
             where,
             rank_meta=lambda r: entry(dcp_entries.rank_key(r)),
             worker=lambda g, _meta: entry(dcp_entries.worker_key(g))["graph"],
-            check_files=lambda datasets: check_share(
+            check_files=lambda datasets, _reads, listed_since: check_share(
                 recorded,
                 datasets,
                 world_size=loader.world_size,
                 allow_changed_files=self.allow_changed_files,
                 where=where,
+                listed_since=listed_since,
             ),
             allow_weight_changes=self.allow_weight_changes,
             allow_new_datasets=self.allow_new_datasets,
@@ -298,12 +300,14 @@ class DCPLoaderState:
         if "loader" not in payload:  # saved before fingerprints: the loader state alone
             payload = {"loader": payload, "file_fingerprints": None}
         loader = self.loader
+        began = time.time()
         check_share(
             payload["file_fingerprints"],
             loader_datasets(loader),
             world_size=loader.world_size,
             allow_changed_files=self.allow_changed_files,
             where=f"the loader state of {key} in the DCP checkpoint",
+            listed_since=began,
         )
         loader.load_state_dict(payload["loader"])
 

@@ -420,7 +420,9 @@ def load_checkpoint(
     manifest = read_manifest(url, storage_options)
     checked = manifest.get("checksums") == _CHECKSUMS
 
-    def check_files(datasets: dict[str, DatasetIndex]) -> None:
+    def check_files(
+        datasets: dict[str, DatasetIndex], reads: dict[str, list[int]], listed_since: float
+    ) -> None:
         check_data_files(
             manifest.get("file_fingerprints"),
             datasets,
@@ -428,6 +430,8 @@ def load_checkpoint(
             world_size=loader.world_size,
             allow_changed_files=allow_changed_files,
             where=f"loader checkpoint {url}",
+            reads=reads,
+            listed_since=listed_since,
         )
 
     restore_loader(

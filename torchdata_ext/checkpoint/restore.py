@@ -14,6 +14,7 @@ restores the rank's own states (same topology) or plans new ones
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torchdata_ext.loader.mix_history import MixHistory
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
+from torchdata_ext.order.shards import shards_files
 from torchdata_ext.pipeline.build import with_indexes
 from torchdata_ext.pipeline.config import step_ranges
 from torchdata_ext.sources.fingerprint import describe, listed_changes
@@ -64,15 +66,19 @@ def restore_loader(
     *,
     rank_meta: Callable[[int], dict[str, Any]],
     worker: Callable[[int, dict[str, Any]], dict[str, Any]],
-    check_files: Callable[[dict[str, DatasetIndex]], Any],
+    check_files: Callable[[dict[str, DatasetIndex], dict[str, list[int]], float], Any],
     allow_weight_changes: bool,
     allow_new_datasets: bool,
 ) -> None:
     """Restore ``loader`` from a checkpoint, folder or DCP (``where`` names it in messages):
     ``manifest`` (topology, datasets), ``rank_meta(r)`` (old rank ``r``'s ``next_worker`` and
     ``skip_batches``) and ``worker(g, rank_meta)`` (old global worker ``g``'s graph state) read
-    only what this rank needs; ``check_files`` refuses changed data files. The same topology
-    restores the rank's own states; another one is planned by :mod:`torchdata_ext.checkpoint.rescale`."""
+    only what this rank needs; ``check_files(datasets, reads, listed_since)`` refuses changed
+    data files (``reads``: the files this rank's shards read, :func:`files_read`;
+    ``listed_since``: this restore's start, so a listing made before it is asked again). The
+    same topology restores the rank's own states; another one is planned by
+    :mod:`torchdata_ext.checkpoint.rescale`."""
+    began = time.time()
     old_ranks, old_workers = int(manifest["world_size"]), int(manifest["num_workers"])
     W = loader.logical_workers
     changes = manifest.get("weight_changes", [])
@@ -94,7 +100,8 @@ def restore_loader(
     added, reweighted = _check_datasets(
         root, mine, manifest, allow_weight_changes, allow_new_datasets
     )
-    check_files(_datasets_of(root))
+    datasets = _datasets_of(root)
+    check_files(datasets, files_read(loader, manifest, datasets), began)
     if (old_ranks, old_workers) == (loader.world_size, W) and not added:
         meta = rank_meta(loader.rank)
         _check_weight_changes(where, loader.rank, meta, changes)
@@ -171,6 +178,33 @@ def restore_loader(
     loader.adopt_mix_history(
         MixHistory.rescaled([rank_meta(r).get("mix_history") for r in carried], step)
     )
+
+
+def files_read(
+    loader: TokenLoader, manifest: dict[str, Any], datasets: dict[str, DatasetIndex]
+) -> dict[str, list[int]]:
+    """The files this rank reads after restoring ``manifest`` (by dataset, file numbers):
+    those of its logical shards and, at another topology, of the old workers' shards whose
+    in-flight data it takes over. Datasets the checkpoint does not have are left out."""
+    W, old_total = (
+        loader.logical_workers,
+        int(manifest["world_size"]) * int(manifest["num_workers"]),
+    )
+    out: dict[str, list[int]] = {}
+    for name, index in datasets.items():
+        recorded = manifest["datasets"].get(name)
+        if recorded is None or not len(index.files):
+            continue
+        n = int(recorded["n_logical_shards"])
+        worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
+        total = worlds[0].total_workers
+        first = (worlds[0].global_worker * n) // total  # the rank's shards ...
+        stop = ((worlds[-1].global_worker + 1) * n) // total
+        old = [g for w in worlds for g in old_workers_needed(n, old_total, w)]
+        first = min(first, (min(old) * n) // old_total)  # ... and its old workers'
+        stop = max(stop, ((max(old) + 1) * n) // old_total)
+        out[name] = shards_files(index.doc_counts, n, range(first, stop))
+    return out
 
 
 def _reuse_indexes(loader: TokenLoader, datasets: dict[str, DatasetIndex]) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "shard_bounds",
     "shard_fragments",
     "shard_owner",
+    "shards_files",
     "worker_shards",
 ]
 
@@ -117,6 +118,24 @@ def shard_fragments(offsets: np.ndarray, n_logical_shards: int, shard: int) -> l
         lo = max(lo, stop)
         f += 1
     return out
+
+
+def shards_files(
+    doc_counts: Sequence[int] | np.ndarray, n_logical_shards: int, shards: range
+) -> list[int]:
+    """The file numbers holding documents of the logical shards ``shards`` (a contiguous
+    range of shard ids in ``[0, N)``): the files their reader opens, in order. Empty files
+    are left out (nothing of them is read)."""
+    n = check_int("n_logical_shards", n_logical_shards, 1)
+    if shards.step != 1 or not 0 <= shards.start <= shards.stop <= n:
+        raise ValueError(f"{shards=} must be a contiguous range within [0, {n_logical_shards=}]")
+    offsets = file_offsets(doc_counts)
+    total = int(offsets[-1])
+    lo, hi = (shards.start * total) // n, (shards.stop * total) // n
+    if hi <= lo:  # shards without documents
+        return []
+    holds = (offsets[:-1] < hi) & (offsets[1:] > lo) & (offsets[1:] > offsets[:-1])
+    return [int(f) for f in np.nonzero(holds)[0]]
 
 
 def worker_shards(n_logical_shards: int, total_workers: int, global_worker: int) -> range:

@@ -73,6 +73,7 @@ __all__ = [
     "file_fingerprints",
     "file_stat",
     "fingerprint_share",
+    "fresh_stats",
     "is_collective",
     "listed_changes",
     "remember_digests",
@@ -113,19 +114,24 @@ def stat_from_info(info: Mapping[str, Any]) -> Stat:
     return (-1 if size is None else int(size)), version
 
 
-def file_stat(url: str, storage_options: dict[str, Any] | None = None) -> Stat:
+def file_stat(
+    url: str, storage_options: dict[str, Any] | None = None, *, fresh: bool = False
+) -> Stat:
     """``(size, version)`` of file ``url`` from fsspec ``info`` (see :func:`stat_from_info`).
 
     Args:
         url: the file (any fsspec URL).
         storage_options: fsspec options (credentials, endpoint).
+        fresh: ask the store now (``info(refresh=True)``: a HEAD on S3) instead of taking
+            what a listing of this process cached.
 
     Raises:
         FileNotFoundError: no such file.
         RemoteError: the store cannot be reached or refuses access (after retries).
     """
     fs, path = filesystem(url, storage_options)
-    return stat_from_info(with_retries(partial(fs.info, path), url, what="stat"))
+    info = partial(fs.info, path, refresh=True) if fresh else partial(fs.info, path)
+    return stat_from_info(with_retries(info, url, what="stat"))
 
 
 def file_fingerprint(
@@ -412,6 +418,7 @@ def dataset_fingerprints(
     rank: int = 0,
     world_size: int = 1,
     recorded: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+    listed_since: float | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Every data file's fingerprint now: ``{dataset: {file name: fingerprint}}``.
 
@@ -424,6 +431,8 @@ def dataset_fingerprints(
         recorded: fingerprints recorded earlier, by dataset and file: a file listed with the
             recorded size and content version (ETag, generation) is not read
             (:func:`current_fingerprints`).
+        listed_since: as for :func:`current_fingerprints` (a check: listings older than it
+            are asked again).
 
     Each file is read once per process (see :func:`file_fingerprint`).
 
@@ -438,7 +447,9 @@ def dataset_fingerprints(
     recorded = recorded or {}
 
     def fingerprints(name: str, which: list[int]) -> dict[str, dict[str, Any]]:
-        return current_fingerprints(datasets[name], which, recorded.get(name, {}))
+        return current_fingerprints(
+            datasets[name], which, recorded.get(name, {}), listed_since=listed_since
+        )
 
     if not shared:
         for name, which in mine.items():
@@ -484,7 +495,11 @@ def _remember_recorded(
 
 
 def current_fingerprints(
-    index: DatasetIndex, which: Sequence[int], recorded: Mapping[str, Mapping[str, Any]]
+    index: DatasetIndex,
+    which: Sequence[int],
+    recorded: Mapping[str, Mapping[str, Any]],
+    *,
+    listed_since: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The fingerprints now of files ``which`` (positions) of ``index``, by name.
 
@@ -493,9 +508,19 @@ def current_fingerprints(
     ``generation``, which change whenever the object is rewritten), is unchanged: its recorded
     fingerprint is returned and nothing is read. The others are read (2 range reads each), so
     a restart over unchanged objects reads no data file.
+
+    Args:
+        listed_since: a check's start (``time.time()``): when ``index`` was listed before it
+            (an index built earlier in this process, or read from an index file), the sizes
+            and versions of files ``which`` are asked again (:func:`fresh_stats`: a stat or a
+            HEAD each) instead of trusted, so a file rewritten since the listing is caught as
+            by a fresh process. None: the listing is taken as it is (a save).
     """
     names = index.file_names()
     stats = getattr(index, "file_stats", ())
+    if listed_since is not None and stats and getattr(index, "listed_at", 0.0) < listed_since:
+        stats = fresh_stats(index, which)
+        index = _with_stats(index, stats)
     out: dict[str, dict[str, Any]] = {}
     read: list[int] = []
     for i in which:
@@ -507,6 +532,34 @@ def current_fingerprints(
     if read:
         out.update(index.file_fingerprints(read))
     return out
+
+
+def fresh_stats(index: DatasetIndex, which: Sequence[int]) -> tuple[Stat, ...]:
+    """``index.file_stats`` with the sizes and versions of files ``which`` asked of the store
+    now (:data:`THREADS` at a time); the others as listed.
+
+    Raises:
+        FileNotFoundError: a file of ``which`` is gone.
+        RemoteError: the store cannot be reached or refuses access (after retries).
+    """
+    stats = list(index.file_stats)
+    urls = [index.files[i] for i in which]
+    ask = partial(file_stat, storage_options=index.storage_options, fresh=True)
+    if len(urls) <= 1:
+        now = [ask(u) for u in urls]
+    else:
+        with ThreadPoolExecutor(min(THREADS, len(urls)), thread_name_prefix="stat") as pool:
+            now = list(pool.map(ask, urls))
+    for i, stat in zip(which, now):
+        stats[i] = stat
+    return tuple(stats)
+
+
+def _with_stats(index: DatasetIndex, stats: tuple[Stat, ...]) -> DatasetIndex:
+    import dataclasses
+    import time
+
+    return dataclasses.replace(index, file_stats=stats, listed_at=time.time())
 
 
 def _same_object(recorded: Mapping[str, Any], stat: Stat) -> bool:
@@ -582,6 +635,7 @@ def check_share(
     world_size: int = 1,
     allow_changed_files: bool = False,
     where: str = "the checkpoint",
+    listed_since: float | None = None,
 ) -> dict[str, list[FileChange]]:
     """Compare the files a rank recorded (:func:`fingerprint_share`) with the files now.
 
@@ -594,7 +648,8 @@ def check_share(
             recorded; nothing is checked).
         datasets: the datasets now, by name (a recorded dataset missing here is skipped: the
             readers' own checks refuse a dataset that went away).
-        world_size / allow_changed_files / where: as for :func:`check_data_files`.
+        world_size / allow_changed_files / where / listed_since: as for
+            :func:`check_data_files`.
 
     Raises:
         ChangedFilesError: as for :func:`check_data_files`.
@@ -604,7 +659,7 @@ def check_share(
     """
 
     def mine() -> dict[str, list[FileChange]]:
-        return {} if recorded is None else _share_changes(recorded, datasets)
+        return {} if recorded is None else _share_changes(recorded, datasets, listed_since)
 
     if is_collective(world_size):
         changes: dict[str, list[FileChange]] = {}
@@ -620,7 +675,9 @@ def check_share(
 
 
 def _share_changes(
-    recorded: Mapping[str, Any], datasets: Mapping[str, DatasetIndex]
+    recorded: Mapping[str, Any],
+    datasets: Mapping[str, DatasetIndex],
+    listed_since: float | None = None,
 ) -> dict[str, list[FileChange]]:
     """The recorded files (:func:`fingerprint_share`) that differ now, by dataset."""
     changes: dict[str, list[FileChange]] = {}
@@ -632,7 +689,9 @@ def _share_changes(
             continue
         files = theirs[name]
         number = {f: i for i, f in enumerate(index.file_names())}
-        now = current_fingerprints(index, [number[f] for f in files if f in number], files)
+        now = current_fingerprints(
+            index, [number[f] for f in files if f in number], files, listed_since=listed_since
+        )
         if found := compare(files, now):
             changes[name] = found
     return changes
@@ -646,6 +705,8 @@ def check_data_files(
     world_size: int = 1,
     allow_changed_files: bool = False,
     where: str = "the checkpoint",
+    reads: Mapping[str, Iterable[int]] | None = None,
+    listed_since: float | None = None,
 ) -> dict[str, list[FileChange]]:
     """Compare the data files with the fingerprints recorded at save time.
 
@@ -659,10 +720,17 @@ def check_data_files(
             ``torch.distributed`` (:func:`is_collective`) a collective: each rank reads every
             ``world_size``-th file and every rank refuses every changed file. Without a
             process group each rank reads and compares its share alone (2 range reads per
-            file, F / world_size files) and the rank that finds a change raises it (rank 0
-            also reports recorded files that are gone). ``world_size=1``: every file.
+            file, about F / world_size files) plus every file of ``reads``, and the rank that
+            finds a change raises it (rank 0 also reports recorded files that are gone).
+            ``world_size=1``: every file.
         allow_changed_files: log a warning naming the changed files instead of raising.
         where: what recorded them, for messages (``"loader checkpoint s3://b/ckpt"``).
+        reads: the files this rank's shards read, by dataset (file numbers): without a
+            process group a rank checks these too, whoever's share they are, so no rank
+            reads a changed file another rank alone would have found.
+        listed_since: the check's start (``time.time()``): the files of an index listed
+            before it are asked again (see :func:`current_fingerprints`). None: listings are
+            trusted as they are.
 
     Returns:
         The changed files by dataset (empty when nothing changed).
@@ -678,10 +746,15 @@ def check_data_files(
     mine = {n: ix for n, ix in datasets.items() if n in theirs}
     _remember_recorded(theirs, mine)
     if world_size > 1 and not is_collective(world_size):  # ranks known, no process group
-        changes = _checked_share(theirs, mine, rank, world_size)
-        where = f"{where} (rank {rank} of {world_size} checks every {world_size}-th file)"
+        changes = _checked_share(theirs, mine, rank, world_size, reads or {}, listed_since)
+        where = (
+            f"{where} (rank {rank} of {world_size} checks every {world_size}-th file and "
+            "those its shards read)"
+        )
         return _refuse_or_warn(changes, allow_changed_files, where)
-    current = dataset_fingerprints(mine, rank=rank, world_size=world_size, recorded=theirs)
+    current = dataset_fingerprints(
+        mine, rank=rank, world_size=world_size, recorded=theirs, listed_since=listed_since
+    )
     changes = {name: c for name in sorted(current) if (c := compare(theirs[name], current[name]))}
     return _refuse_or_warn(changes, allow_changed_files, where)
 
@@ -691,14 +764,18 @@ def _checked_share(
     datasets: Mapping[str, DatasetIndex],
     rank: int,
     world_size: int,
+    reads: Mapping[str, Iterable[int]],
+    listed_since: float | None,
 ) -> dict[str, list[FileChange]]:
-    """The changed files among rank ``rank``'s share (:func:`_share`) of the recorded ones,
-    read by this rank alone; rank 0 also reports the recorded files that are gone."""
+    """The changed files among rank ``rank``'s share (:func:`_share`) of the recorded ones
+    and the files its shards read (``reads``), read by this rank alone; rank 0 also reports
+    the recorded files that are gone."""
     changes: dict[str, list[FileChange]] = {}
     share = _share(datasets, rank, world_size)
     for name in sorted(datasets):
         recorded = theirs[name]
-        now = current_fingerprints(datasets[name], share.get(name, []), recorded)
+        which = sorted(set(share.get(name, [])) | {int(i) for i in reads.get(name, ())})
+        now = current_fingerprints(datasets[name], which, recorded, listed_since=listed_since)
         was = {f: recorded[f] for f in now if f in recorded}
         if rank == 0:
             present = set(datasets[name].file_names())

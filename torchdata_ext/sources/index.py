@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -112,6 +113,10 @@ class DatasetIndex:
         side_files: small files next to the data read once with the index (the prepared
             metadata), by URL, None for one known to be absent: read from here instead of
             asking the store again in every worker (see :mod:`torchdata_ext.sources.index_file`).
+        listed_at: when :attr:`file_stats` were listed (``time.time()``; 0: not known, e.g.
+            read from an index file): a check of the data files against a checkpoint asks
+            again for the stats of a listing older than the check
+            (:func:`torchdata_ext.sources.fingerprint.current_fingerprints`).
     """
 
     name: str
@@ -123,6 +128,7 @@ class DatasetIndex:
     storage_options: dict[str, Any] = field(default_factory=dict)
     file_stats: tuple[Stat, ...] = field(default=(), repr=False, compare=False)
     side_files: Mapping[str, bytes | None] = field(default_factory=dict, repr=False, compare=False)
+    listed_at: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def total_docs(self) -> int:
@@ -259,6 +265,7 @@ class DatasetIndex:
         handler_options = dict(handler_options or {})
         if col_name is not None:
             handler_options["col_name"] = col_name
+        listed_at = time.time()
         files, file_type = list_data_files(urls, file_type, storage_options)
         if eos_token is not None and handler_accepts(get_handler_class(file_type), "eos_token"):
             handler_options.setdefault("eos_token", eos_token)
@@ -274,6 +281,7 @@ class DatasetIndex:
             handler_options=handler_options,
             storage_options=storage_options,
             file_stats=tuple(_file_stats(files, storage_options)),
+            listed_at=listed_at,
         )
         index._fill_counts(root, counts, "data" if write_counts is True else write_counts)
         if index.total_docs == 0:
