@@ -28,6 +28,7 @@ import pyarrow as pa
 __all__ = [
     "READ_ERRORS",
     "DataFileError",
+    "drop_resident_pages",
     "DocData",
     "FileHandler",
     "format_for_url",
@@ -126,8 +127,40 @@ class FileHandler(ABC):
     def close(self, reader: Any) -> None:  # noqa: B027 - optional hook
         """Release the reader's resources."""
 
+    def release_pages(self, reader: Any) -> None:
+        """Drop the pages of a local file's memory map that this process has read from its
+        resident set, keeping the reader open (called for files kept open between uses).
+        The bytes stay in the operating system's page cache and are mapped back on the next
+        access; arrays already handed out stay valid. Default: the memory map behind the
+        reader's ``source`` (the Arrow reader's file) or ``tokens`` (the token-array
+        readers'), if any."""
+        for name in ("source", "tokens"):
+            drop_resident_pages(getattr(reader, name, None))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(col_name={self.col_name!r})"
+
+
+def drop_resident_pages(buffer: Any) -> None:
+    """``madvise(MADV_DONTNEED)`` over a read-only shared file mapping (an ``mmap.mmap``, or
+    the one a NumPy array is a view of): its pages leave this process's resident set (RSS),
+    not the page cache; reading them again maps them back (a minor fault). Anything else, or
+    a platform without ``madvise``, is left as it is."""
+    import mmap
+
+    for _ in range(8):  # a view of a view of ... the map (np.frombuffer, slices, memoryview)
+        if isinstance(buffer, np.ndarray):
+            buffer = buffer.base
+        elif isinstance(buffer, memoryview):
+            buffer = buffer.obj
+        else:
+            break
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if isinstance(buffer, mmap.mmap) and advice is not None and not buffer.closed:
+        try:
+            buffer.madvise(advice)
+        except (OSError, ValueError):  # e.g. an empty or a closed map: nothing resident
+            pass
 
 
 # name -> "module:Class" (lazy) or a class

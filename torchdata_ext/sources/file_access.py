@@ -150,6 +150,10 @@ class FileAccess:
             file, handle = self._current
             if not discard and self._in_place(file):  # kept open: the walk comes back to it
                 self._keep(file, handle)
+                # the pages it read (and the kernel's fault-around neighbours: ~64 KiB per
+                # document read) leave this process's resident set; kept open, the 12 files of
+                # the benchmark held +0.35 GB after 1,000 batches (they stay in the page cache)
+                self.handler().release_pages(handle)
             else:
                 self._close_handle(file, handle)
                 if discard:
