@@ -21,6 +21,12 @@ For each: seconds from building the loader to its first batch; input tokens per 
 ``load_state_dict`` of a state taken after ``--restore-at`` batches (pickled, as a checkpoint
 holds it); fms-fsdp's resume from the checkpoint its workers wrote at that step.
 
+Each measurement runs in a process of its own (this script with ``--child``), so each gets a
+clean **peak RSS**: the largest sum of the resident memory of its process tree (the training
+process and its workers), sampled every 20 ms. ``--ref PATH`` adds the loader of another
+checkout of this project (e.g. ``git worktree add /tmp/ref 04b86f6``), measured the same way
+in the same rounds, so a change is compared with the commit before it on the same machine.
+
 fms-fsdp is not on PyPI: clone it and pass the folder (the benchmark imports its loader from
 there; nothing of it is copied into this project). Its ``file_type="arrow"`` passes the handler
 class where an instance is expected and fails (at its commit 5a296af); ``"auto"`` reads Arrow
@@ -30,19 +36,22 @@ placeholder stands in for it.
 
     git clone https://github.com/foundation-model-stack/fms-fsdp /tmp/fms-fsdp
     python benchmarks/old_loader.py --fms-fsdp /tmp/fms-fsdp [--tokens 150_000_000]
-        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2]
+        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2] [--ref PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import pickle
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import warnings
@@ -51,7 +60,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _corpus import BAMBA_SHARES, bamba_corpus  # noqa: E402
-from _cpu import tree_cpu  # noqa: E402
+from _cpu import tree_cpu, tree_rss  # noqa: E402
 
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline  # noqa: E402
 
@@ -59,10 +68,32 @@ SEQ, BATCH, BUFFER, SHARDS = 4096, 8, 10_000, 64
 
 
 class Run:
-    """One measurement: first batch (s), tokens/s after it, CPU s per M tokens."""
+    """One measurement: first batch (s), tokens/s after it, CPU s per M tokens; and, once
+    measured in its own process, the first batch after a restore (s) and the peak RSS of the
+    process tree (bytes)."""
 
-    def __init__(self, first: float, rate: float, cpu: float) -> None:
-        self.first, self.rate, self.cpu = first, rate, cpu
+    def __init__(self, first: float, rate: float, cpu: float, restore: float = 0.0,
+                 rss: int = 0) -> None:  # fmt: skip
+        self.first, self.rate, self.cpu, self.restore, self.rss = first, rate, cpu, restore, rss
+
+
+class PeakRss:
+    """The largest :func:`tree_rss` seen while the ``with`` block runs (sampled every 20 ms)."""
+
+    def __enter__(self) -> PeakRss:
+        self.peak, self._stop = tree_rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, tree_rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss())
 
 
 def timed(make: Callable[[], Iterator[Any]], tokens_of: Callable[[Any], int], batches: int,
@@ -197,6 +228,45 @@ def raw_limit(root: str) -> float:
     return total / (time.perf_counter() - t0)
 
 
+def child(args: argparse.Namespace) -> None:
+    """``--child KIND WORKERS``: one measurement in this process, printed as a JSON line."""
+    kind, workers = args.child[0], int(args.child[1])
+    root = bamba_corpus(args.data_dir, args.tokens)
+    with PeakRss() as peak:
+        if kind == "fms":
+            run, restore = old_runs(load_fms(args.fms_fsdp), root, workers, args.batches,
+                                    args.restore_at)  # fmt: skip
+        else:
+            run, restore = new_runs(config(root), workers, args.batches, args.restore_at)
+    print(json.dumps({"first": run.first, "rate": run.rate, "cpu": run.cpu, "restore": restore,
+                      "rss": peak.peak}))  # fmt: skip
+
+
+def config(root: str) -> PipelineConfig:
+    return PipelineConfig(
+        data_path=root, datasets=list(BAMBA_SHARES), weights=[3, 1, 1], seq_length=SEQ,
+        batch_size=BATCH, shuffle_buffer=BUFFER, logical_shards=SHARDS, eos_token=0,
+        dtype="int32",
+    )  # fmt: skip
+
+
+def measured(args: argparse.Namespace, kind: str, workers: int, checkout: str | None) -> Run:
+    """One measurement in a child process (``checkout``: the torchdata-ext to import)."""
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = os.pathsep.join([checkout, env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, str(workers),
+           "--fms-fsdp", args.fms_fsdp, "--tokens", str(args.tokens), "--data-dir",
+           os.path.abspath(args.data_dir), "--batches", str(args.batches), "--restore-at",
+           str(args.restore_at)]  # fmt: skip
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
+                         cwd=checkout or os.getcwd())  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return Run(got["first"], got["rate"], got["cpu"], got["restore"], got["rss"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fms-fsdp", required=True, help="a clone of foundation-model-stack/fms-fsdp")
@@ -207,28 +277,34 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="alternating rounds; best and median")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--old-workers", type=int, nargs="+", default=[0, 2])
+    p.add_argument(
+        "--ref",
+        default=None,
+        help="another checkout of torchdata-ext, measured alongside (same rounds)",
+    )
+    p.add_argument("--child", nargs=2, metavar=("KIND", "WORKERS"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        child(args)
+        return
 
-    get_loader = load_fms(args.fms_fsdp)
+    load_fms(args.fms_fsdp)  # a bad --fms-fsdp fails here, not in a child
     root = bamba_corpus(args.data_dir, args.tokens)
-    cfg = PipelineConfig(
-        data_path=root, datasets=list(BAMBA_SHARES), weights=[3, 1, 1], seq_length=SEQ,
-        batch_size=BATCH, shuffle_buffer=BUFFER, logical_shards=SHARDS, eos_token=0,
-        dtype="int32",
-    )  # fmt: skip
-    results: dict[str, list[tuple[Run, float]]] = {}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results: dict[str, list[Run]] = {}
     raws: list[float] = []
     for _ in range(max(1, args.repeat)):
         raws.append(raw_limit(root))
         for w in args.old_workers:
-            results.setdefault(f"fms-fsdp, {w} workers", []).append(
-                old_runs(get_loader, root, w, args.batches, args.restore_at)
-            )
+            results.setdefault(f"fms-fsdp, {w} workers", []).append(measured(args, "fms", w, None))
         for w in args.workers:
             results.setdefault(f"torchdata-ext, {w} workers", []).append(
-                new_runs(cfg, w, args.batches, args.restore_at)
+                measured(args, "new", w, here)
             )
-    refs = {w: max(r.rate for r, _ in results[f"fms-fsdp, {w} workers"]) for w in args.old_workers}
+            if args.ref:
+                label = f"{os.path.basename(os.path.normpath(args.ref))}, {w} workers"
+                results.setdefault(label, []).append(measured(args, "new", w, args.ref))
+    refs = {w: max(r.rate for r in results[f"fms-fsdp, {w} workers"]) for w in args.old_workers}
     print(
         f"corpus {args.tokens / 1e6:.0f}M tokens, seq {SEQ}+1 x batch {BATCH}, buffer {BUFFER}, "
         f"{SHARDS} logical shards; {args.batches} batches after the first (the buffers' fill "
@@ -241,15 +317,16 @@ def main() -> None:
         f"(median {statistics.median(raws) / 1e6:.0f}M)"
     )
     for label, runs in results.items():
-        rates = [r.rate for r, _ in runs]
-        firsts = [r.first for r, _ in runs]
-        restores = [f for _, f in runs]
+        rates = [r.rate for r in runs]
+        firsts = [r.first for r in runs]
+        restores = [r.restore for r in runs]
         ratios = ", ".join(f"{max(rates) / ref:.2f}x fms-fsdp {w}w" for w, ref in refs.items())
         print(
             f"{label:26s} {max(rates) / 1e6:6.2f}M tokens/s (median "
             f"{statistics.median(rates) / 1e6:.2f}M; {ratios}; {max(rates) / raw:.1%} of the raw "
-            f"limit); CPU "
-            f"{min(r.cpu for r, _ in runs):.3f} s/M tokens; first batch {min(firsts):.3f} s "
+            f"limit); peak RSS {min(r.rss for r in runs) / 1e9:.2f}-"
+            f"{max(r.rss for r in runs) / 1e9:.2f} GB; CPU "
+            f"{min(r.cpu for r in runs):.3f} s/M tokens; first batch {min(firsts):.3f} s "
             f"(median {statistics.median(firsts):.3f}); after a restore {min(restores):.3f} s "
             f"(median {statistics.median(restores):.3f})"
         )
