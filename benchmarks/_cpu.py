@@ -1,16 +1,29 @@
-"""CPU time of a benchmark's process tree (Linux ``/proc``), for rates per CPU second."""
+"""CPU time and resident memory of a benchmark's process tree (Linux ``/proc``)."""
 
 from __future__ import annotations
 
 import os
 
 
-def _tree(procs: dict[int, int]) -> set[int]:
-    """This process and its live descendants, from ``{pid: ppid}``."""
+def _stats() -> dict[int, list[str]]:
+    """Every process's ``/proc/<pid>/stat`` fields after the command name, by pid."""
+    out: dict[int, list[str]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    out[int(d)] = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+    return out
+
+
+def _tree(stats: dict[int, list[str]]) -> set[int]:
+    """This process and its live descendants."""
     tree, todo = {os.getpid()}, [os.getpid()]
     while todo:
         parent = todo.pop()
-        kids = [c for c, pp in procs.items() if pp == parent and c not in tree]
+        kids = [c for c, rest in stats.items() if int(rest[1]) == parent and c not in tree]
         tree.update(kids)
         todo.extend(kids)
     return tree
@@ -19,33 +32,15 @@ def _tree(procs: dict[int, int]) -> set[int]:
 def tree_rss() -> int:
     """Resident bytes now of this process and its live descendants (the sum of their RSS;
     pages shared between them, e.g. a forked worker's copy of the parent, count in each)."""
-    parents: dict[int, int] = {}
-    rss: dict[int, int] = {}
+    stats = _stats()
     page = os.sysconf("SC_PAGE_SIZE")
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(d)] = int(rest[1])
-            rss[int(d)] = int(rest[21]) * page
-    return sum(rss[p] for p in _tree(parents) if p in rss)
+    return sum(int(stats[p][21]) * page for p in _tree(stats) if p in stats)
 
 
 def tree_cpu() -> float:
     """CPU seconds so far of this process and its live descendants (dataloader workers; Linux
     ``/proc``): on a shared machine a better measure than wall time, which more processes win
     by taking a larger share of contended cores."""
-    procs: dict[int, tuple[int, int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            procs[int(d)] = (int(rest[1]), int(rest[11]) + int(rest[12]))  # ppid, utime+stime
-    tree = _tree({p: pp for p, (pp, _) in procs.items()})
-    return sum(procs[p][1] for p in tree if p in procs) / os.sysconf("SC_CLK_TCK")
+    stats = _stats()
+    ticks = sum(int(stats[p][11]) + int(stats[p][12]) for p in _tree(stats) if p in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")  # utime + stime
