@@ -36,7 +36,7 @@ placeholder stands in for it.
 
     git clone https://github.com/foundation-model-stack/fms-fsdp /tmp/fms-fsdp
     python benchmarks/old_loader.py --fms-fsdp /tmp/fms-fsdp [--tokens 150_000_000]
-        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2] [--ref PATH]
+        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2] [--ref PATH ...]
 """
 
 from __future__ import annotations
@@ -279,8 +279,10 @@ def main() -> None:
     p.add_argument("--old-workers", type=int, nargs="+", default=[0, 2])
     p.add_argument(
         "--ref",
-        default=None,
-        help="another checkout of torchdata-ext, measured alongside (same rounds)",
+        action="append",
+        default=[],
+        help="another checkout of torchdata-ext, measured alongside in the same rounds "
+        "(repeat the option for more)",
     )
     p.add_argument("--child", nargs=2, metavar=("KIND", "WORKERS"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -301,9 +303,9 @@ def main() -> None:
             results.setdefault(f"torchdata-ext, {w} workers", []).append(
                 measured(args, "new", w, here)
             )
-            if args.ref:
-                label = f"{os.path.basename(os.path.normpath(args.ref))}, {w} workers"
-                results.setdefault(label, []).append(measured(args, "new", w, args.ref))
+            for ref in args.ref:
+                label = f"{os.path.basename(os.path.normpath(ref))}, {w} workers"
+                results.setdefault(label, []).append(measured(args, "new", w, ref))
     refs = {w: max(r.rate for r in results[f"fms-fsdp, {w} workers"]) for w in args.old_workers}
     print(
         f"corpus {args.tokens / 1e6:.0f}M tokens, seq {SEQ}+1 x batch {BATCH}, buffer {BUFFER}, "
