@@ -4,8 +4,10 @@ counts ``prepare`` reports add up."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -288,3 +290,44 @@ def test_a_resumed_prepare_reports_the_total_and_what_it_added(
     ) in err
     again = prepare(str(inputs), str(tmp_path / "out"), max_tokens_per_file=3000, progress=False)
     assert again.skipped and (again.documents, again.total_documents) == (0, reference.documents)
+
+
+# -- hangs (issue 44) ----------------------------------------------------------------------------
+class _Ticks:
+    """A clock a second further on at each read (Progress reports after 2 s)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_skip_range_past_the_end_of_the_data_is_refused_and_its_drop_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torchdata_ext import progress
+
+    cfg = _tiny(tmp_path / "data")
+    n = len(list(TokenLoader(functools.partial(build_pipeline, cfg))))
+    # a range that ends with the data takes the rest of the run; one past it is refused
+    ends = dataclasses.replace(cfg, skip_steps=[[3, n + 1]])
+    assert len(list(TokenLoader(functools.partial(build_pipeline, ends)))) == 2
+    monkeypatch.setattr(progress, "_clock", _Ticks())
+    past = dataclasses.replace(cfg, skip_steps=[[3, 10**12]])
+    got = []
+    with pytest.raises(ValueError) as e, caplog.at_level(logging.WARNING):
+        for batch in TokenLoader(functools.partial(build_pipeline, past)):
+            got.append(batch)
+    assert len(got) == 2
+    assert str(e.value) == (
+        f"skip_steps: the range [3, {10**12}] runs past the end of the data: it ran out after "
+        f"{n - 2} of the range's {10**12 - 3} batches; end the range at step {n + 1} at most "
+        "(B excluded) or remove it"
+    )
+    lines = [r.getMessage() for r in caplog.records if "skip_steps" in r.getMessage()]
+    assert lines[0] == (
+        f"skip_steps: dropping the batches of steps 3..{10**12 - 1}: 2 of {10**12 - 3:,} batches "
+        f"after 2 s, about {10**12 - 5} s left"
+    )

@@ -51,6 +51,7 @@ from torchdata_ext.loader.weights import (
     is_pipeline_config,
 )
 from torchdata_ext.pipeline.build import indexes_to_share, with_indexes
+from torchdata_ext.progress import Progress
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -422,6 +423,7 @@ class TokenLoader:
         self._skipped = list(self._skipped0)
         self._dropping = 0  # batches of a skipped step range still to drop
         self._applied = 0  # the first step of the skipped range dropped last
+        self._skip_progress: Progress | None = None  # the range being dropped, reported
         self._snap = self._live_snapshot()
 
     @property
@@ -702,6 +704,7 @@ class TokenLoader:
                 if self._restart_due():
                     break
             else:
+                self._check_skip_ended()
                 return
             produced = self._restart()
 
@@ -720,7 +723,15 @@ class TokenLoader:
                 return False
             (a, b), self._applied = due[0], due[0][0]  # once: the step stays a - 1 meanwhile
             self._dropping = b - a
+            self._skip_progress = Progress(
+                f"skip_steps: dropping the batches of steps {a}..{b - 1}", logger,
+                total=b - a, unit="batches", bar=False, level=logging.WARNING,
+            )  # fmt: skip
         self._dropping -= 1
+        if self._skip_progress is not None:
+            self._skip_progress.update()
+            if not self._dropping:
+                self._skip_progress.close()
         prov = item.get("provenance") if isinstance(item, dict) else None
         if prov is not None:
             rows = prov.reshape(-1, 5).numpy() if hasattr(prov, "numpy") else prov.reshape(-1, 5)
@@ -728,6 +739,20 @@ class TokenLoader:
                 name = self._names[ds] if ds < len(self._names) else ds
                 self._skipped.append([name, f, d, start, n])
         return True
+
+    def _check_skip_ended(self) -> None:
+        """The stream ended inside a skipped step range: refuse the range (its data ran out;
+        the trainer would get no batch for step ``a`` however long the loader dropped)."""
+        progress, self._skip_progress = self._skip_progress, None
+        if progress is None or not self._dropping:
+            return
+        progress.close(ok=False)
+        a, b = self._applied, self._applied + int(progress.total or 0)
+        raise ValueError(
+            f"skip_steps: the range [{a}, {b}] runs past the end of the data: it ran out after "
+            f"{progress.done} of the range's {b - a} batches; end the range at step "
+            f"{a + progress.done} at most (B excluded) or remove it"
+        )
 
     def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
         """Batches one worker after the other (each worker's message holds several), each

@@ -237,7 +237,9 @@ class PipelineConfig:
             (restored from a checkpoint taken before step ``A``, or started fresh): the
             trainer's step ``A`` receives what step ``B`` would have received. The skip is recorded in the loader state (later
             restores, rescales and ``show_batches`` know it); a range starting at or before
-            the checkpoint's step is refused. See ``docs/forensics.md``.
+            the checkpoint's step is refused, and so is a range the data runs out in (when
+            it does). Dropping a range that takes longer than 2 s is logged (WARNING) with
+            the batches left and the time they will take. See ``docs/forensics.md``.
         weight_schedule: ``{step: weights}``: the weights from that training step on
             (must match at a restore), see :mod:`~torchdata_ext.pipeline.schedule`.
         weight_schedule_unit: what the schedule's keys count: ``"steps"`` or ``"tokens"``
