@@ -152,6 +152,29 @@ def test_a_config_too_big_for_memory_is_refused_before_allocating() -> None:
     assert sum(int(np.count_nonzero(x["input_ids"])) for x in out) > 0
 
 
+def test_a_best_fit_window_too_big_for_memory_is_refused_before_reading() -> None:
+    from torchdata_ext.sources.index import DatasetIndex
+
+    docs = {"web": [np.arange(1, 50, dtype=np.uint32)] * 4}
+    indexes = {n: DatasetIndex.from_documents(n, d) for n, d in docs.items()}
+    cfg = PipelineConfig(data_path="mem", pack_mode="best_fit", best_fit_window=10**9,
+                         logical_shards=4)  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        build_pipeline(cfg, World(), indexes)
+    assert str(e.value).startswith(
+        "best_fit_window=1000000000 needs at least 100.0 GB of memory per pipeline (at least "
+        "100 B a piece: its place in a bin, its provenance row and a token), more than the "
+    )
+    assert str(e.value).endswith(" left after the shuffle buffer and a batch; lower "
+                                 "best_fit_window (default 1000)")  # fmt: skip
+    need = 4097 * 8 * (10_000 + 8 * 3) + 1000 * 100  # the buffers and the default window
+    small = PipelineConfig(data_path="mem", pack_mode="best_fit", logical_shards=4)
+    small.check_memory(available_bytes=need)
+    with pytest.raises(ValueError, match=r"^best_fit_window=1000 needs at least 100\.0 KB"):
+        small.check_memory(available_bytes=need - 1)
+    dataclasses.replace(small, pack_mode="concat").check_memory(available_bytes=need - 1)
+
+
 # -- DCP -----------------------------------------------------------------------------------------
 def _tiny(root: Path) -> PipelineConfig:
     write_random_arrow_datasets(str(root), (("web", 30, 10), ("code", 20, 10)), seed=2)

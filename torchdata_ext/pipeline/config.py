@@ -39,7 +39,7 @@ from torchdata_ext.tokenizers.load import (
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 
-__all__ = ["RESTORE_CONTRACT", "PipelineConfig", "as_config", "step_ranges"]
+__all__ = ["BEST_FIT_PIECE_BYTES", "RESTORE_CONTRACT", "PipelineConfig", "as_config", "step_ranges"]
 
 RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     # field: (class, why) -- "may_change": a restore with another value is exact;
@@ -322,7 +322,7 @@ class PipelineConfig:
             )
         if any(w <= 0 for w in self.weights):
             raise ValueError(f"weights={self.weights} must all be > 0")
-        for name in ("seq_length", "logical_shards", "batch_size", "block_docs"):
+        for name in ("seq_length", "logical_shards", "batch_size", "block_docs", "best_fit_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -394,7 +394,8 @@ class PipelineConfig:
         ``seq_length + shift`` tokens of ``dtype``) and a batch (``batch_size`` such
         sequences for each of the ``output_keys``); each dataloader worker holds its own
         pipeline. A config whose one pipeline needs more than the memory available is an
-        error (an out-of-memory kill with no message otherwise).
+        error (an out-of-memory kill with no message otherwise). In ``best_fit`` mode the
+        window adds at least :data:`BEST_FIT_PIECE_BYTES` a piece.
 
         Args:
             available_bytes: the memory available, in bytes (default: ``MemAvailable`` of
@@ -419,6 +420,16 @@ class PipelineConfig:
                 f"{self.dtype} tokens), more than the {_size(available)} available; lower "
                 "seq_length, shuffle_buffer or batch_size"
             )
+        if self.pack_mode == "best_fit":
+            window = self.best_fit_window * BEST_FIT_PIECE_BYTES
+            if buffer + batch + window > available:
+                raise ValueError(
+                    f"best_fit_window={self.best_fit_window} needs at least {_size(window)} of "
+                    f"memory per pipeline (at least {BEST_FIT_PIECE_BYTES} B a piece: its "
+                    f"place in a bin, its provenance row and a token), more than the "
+                    f"{_size(available - buffer - batch)} left after the shuffle buffer and a "
+                    "batch; lower best_fit_window (default 1000)"
+                )
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -549,6 +560,11 @@ class PipelineConfig:
 
     def _single_name(self) -> str:
         return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+BEST_FIT_PIECE_BYTES = 100
+"""A lower bound of the memory one piece of a ``best_fit`` window holds: its place in a bin
+(a 3-tuple, 64 B, and a list slot), its provenance row (5 x int64) and one token."""
 
 
 def _available_memory() -> int | None:
