@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -114,6 +115,37 @@ def test_the_checkpoint_knows_its_step_across_a_restore(run) -> None:
     assert read_manifest(str(tmp / "step_30_1x3"))["step"] == 30
     got = show_batches(str(tmp / "step_30_1x3"), cfg, range(31, 36))
     assert _without_worker(got) == _as_shown(cfg, rescaled, range(31, 36), 1)
+
+
+class _Ticks:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:  # a second further on at each read
+        self.now += 1.0
+        return self.now
+
+
+def test_a_long_fast_forward_reports_progress_and_names_a_nearer_checkpoint(
+    run, monkeypatch, caplog
+) -> None:
+    """Issue 44 item 8: steps 11..24 before step 25 are made and dropped; once that has lasted
+    2 s it is logged (WARNING: heard without a logging setup), with the time left."""
+    from torchdata_ext import progress
+
+    cfg, tmp, recorded, _, _ = run
+    monkeypatch.setattr(progress, "_clock", _Ticks())
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext.forensics"):
+        got = show_batches(str(tmp / "step_10"), cfg, 25, rank=1)
+    assert _without_worker(got) == [b for b in _as_shown(cfg, recorded, [25], 2) if b["rank"] == 1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchdata_ext.forensics.replay"]
+    what = ("rank 1: fast-forwarding from step 10 (the checkpoint's) to step 25 (a checkpoint "
+            "saved nearer step 25 replays faster)")  # fmt: skip
+    assert lines[0] == f"{what}: 2 of 14 steps after 2 s, about 12 s left"
+    assert all(line.startswith(what) for line in lines)
+    caplog.clear()
+    show_batches(str(tmp / "step_20"), cfg, 21, rank=1)  # nothing to fast-forward: silent
+    assert not [r for r in caplog.records if r.name == "torchdata_ext.forensics.replay"]
 
 
 def test_a_step_the_checkpoint_is_past_is_refused(run) -> None:

@@ -23,6 +23,7 @@ its ``input_ids`` as the trainer received them (and ``labels`` with ``shift``), 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -38,11 +39,14 @@ from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig, as_config
+from torchdata_ext.progress import Progress
 from torchdata_ext.provenance import PAD, literal_owner
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.world import World
 
 __all__ = ["parse_steps", "replay_rank", "row_record", "show_batches"]
+
+logger = logging.getLogger(__name__)
 
 
 def parse_steps(steps: str | int | range | Sequence[int]) -> range:
@@ -145,31 +149,41 @@ def replay_rank(
         start(w, state["workers"][str(r * W + w)]["graph"][Collate.SOURCE_KEY])
     skips = {int(a): int(b) - int(a) for a, b in state.get("skip_steps", [])}
     live, w, dropping = list(range(W)), int(state["next_worker"]) % W, 0
-    while live and step < steps.stop - 1:
-        if w not in live:
+    progress = Progress(  # the steps before the first shown, dropped unread
+        f"rank {r}: fast-forwarding from step {step} (the checkpoint's) to step {steps.start} "
+        f"(a checkpoint saved nearer step {steps.start} replays faster)", logger,
+        total=max(0, steps.start - 1 - step), unit="steps", level=logging.WARNING,
+    )  # fmt: skip
+    with progress:
+        while live and step < steps.stop - 1:
+            if w not in live:
+                w = (w + 1) % W
+                continue
+            if not dropping:  # the data of a skipped range is made and dropped, as the loader does
+                dropping = skips.pop(step + 1, 0)
+            show = not dropping and step + 1 >= steps.start
+            rows = _take(roots[w], cfg.batch_size, show)
+            if not rows:  # the worker's stream ended: the loader goes on with the next one
+                live.remove(w)
+                w = (w + 1) % W
+                continue
+            if dropping:
+                dropping -= 1
+            else:
+                step += 1
+                if step < steps.start:
+                    progress.update()
+                elif step == steps.start:
+                    progress.close()
+                if show:
+                    names = list(packs[w].dataset_names)
+                    for row in rows:
+                        row["_names"] = names
+                    yield step, w, rows
+                if weights.due_at(step + 1):  # the loader restarts its workers with the new weights
+                    for v in live:
+                        start(v, roots[v].state_dict())
             w = (w + 1) % W
-            continue
-        if not dropping:  # the data of a skipped range is made and dropped, as the loader does
-            dropping = skips.pop(step + 1, 0)
-        show = not dropping and step + 1 >= steps.start
-        rows = _take(roots[w], cfg.batch_size, show)
-        if not rows:  # the worker's stream ended: the loader goes on with the next one
-            live.remove(w)
-            w = (w + 1) % W
-            continue
-        if dropping:
-            dropping -= 1
-        else:
-            step += 1
-            if show:
-                names = list(packs[w].dataset_names)
-                for row in rows:
-                    row["_names"] = names
-                yield step, w, rows
-            if weights.due_at(step + 1):  # the loader restarts its workers with the new weights
-                for v in live:
-                    start(v, roots[v].state_dict())
-        w = (w + 1) % W
 
 
 def _take(root: BaseNode, n: int, show: bool) -> list[Any]:
@@ -259,6 +273,10 @@ def show_batches(
     key: str | None = None,
 ) -> list[dict[str, Any]]:
     """The batches the training loop received at ``steps``, replayed from ``checkpoint``.
+
+    The steps between the checkpoint's and the first shown are made and dropped (about as
+    fast as training reads them); one that lasts over 2 s is logged (WARNING) per rank with
+    the steps left and the time they will take: a checkpoint saved nearer replays faster.
 
     Args:
         checkpoint: a loader checkpoint taken before the first step shown (a folder written
