@@ -11,6 +11,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,10 @@ from test_disk_full import small_disk  # noqa: F401 - the fixture
 
 import torchdata_ext.prepare_data.tokenize_text as tokenize_text
 from torchdata_ext import prepare
+from torchdata_ext.audit import audit_checkpoint
+from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest
 from torchdata_ext.cli import main
+from torchdata_ext.forensics import show_batches
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -353,4 +357,43 @@ def test_a_skip_range_past_the_end_of_the_data_is_refused_and_its_drop_reported(
     assert lines[0] == (
         f"skip_steps: dropping the batches of steps 3..{10**12 - 1}: 2 of {10**12 - 3:,} batches "
         f"after 2 s, about {10**12 - 5} s left"
+    )
+
+
+# -- a file where a checkpoint folder goes (issue 44 item 9) -------------------------------------
+_FILE_ENTRY_POINTS: dict[str, Any] = {
+    "read_manifest": lambda ck, cfg: read_manifest(ck),
+    "load_checkpoint": lambda ck, cfg: load_checkpoint(
+        TokenLoader(functools.partial(build_pipeline, cfg)), ck
+    ),
+    "show_batches": lambda ck, cfg: show_batches(ck, cfg, 3),
+    "audit_checkpoint": lambda ck, cfg: audit_checkpoint(ck, cfg),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_FILE_ENTRY_POINTS))
+def test_a_file_given_as_the_checkpoint_folder_is_named(entry: str, tmp_path: Path) -> None:
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"data_path: {tmp_path}\n")
+    cfg = PipelineConfig(data_path=str(tmp_path))
+    with pytest.raises(NotADirectoryError) as e:
+        _FILE_ENTRY_POINTS[entry](str(config), cfg)
+    assert str(e.value) == (
+        f"checkpoint {config} is a file, not a checkpoint folder: pass the folder that "
+        "save_checkpoint or dcp.save wrote (a config file goes to config / --config)"
+    )
+
+
+@pytest.mark.parametrize("command", ["audit", "batches"])
+def test_the_cli_given_a_file_as_the_checkpoint_says_so_in_one_line(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"data_path: {tmp_path}\n")
+    extra = ["--steps", "3"] if command == "batches" else []
+    assert main([command, str(config), "--config", str(config), *extra]) == 2
+    assert capsys.readouterr().err == (
+        f"torchdata-ext {command}: error: checkpoint {config} is a file, not a checkpoint "
+        "folder: pass the folder that save_checkpoint or dcp.save wrote (a config file goes to "
+        "config / --config)\n"
     )

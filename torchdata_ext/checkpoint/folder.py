@@ -280,17 +280,23 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
 
     Raises:
         FileNotFoundError: no manifest (not a checkpoint, or its save did not finish).
+        NotADirectoryError: ``url`` is a file.
         ValueError: a checkpoint format this version does not read, a corrupt manifest, or a
             ``torch.distributed.checkpoint`` (DCP) folder (named, with the call that loads it).
     """
     try:
         manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         fs, path = filesystem(url, storage_options)
         if not fs.exists(path):
             raise FileNotFoundError(
                 f"checkpoint folder {url} does not exist (so no {_MANIFEST}): check the "
                 f"path{_beside(fs, path)}"
+            ) from None
+        if fs.isfile(path):
+            raise NotADirectoryError(
+                f"checkpoint {url} is a file, not a checkpoint folder: pass the folder that "
+                "save_checkpoint or dcp.save wrote (a config file goes to config / --config)"
             ) from None
         if is_dcp_checkpoint(url, storage_options):
             raise ValueError(
