@@ -306,11 +306,24 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
                 "checkpoint_id=...) inside your own dcp.load); audit_checkpoint and "
                 "torchdata-ext audit read it as it is"
             ) from None
+        if _holds_distcp(fs, path):
+            raise FileNotFoundError(
+                f"DCP checkpoint {url} has no .metadata (it holds .distcp data files): its save "
+                "did not finish or the file was removed; restore from another checkpoint"
+            ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
             "(a kill during save); restore from an earlier checkpoint"
         ) from None
     return checked_format(manifest, url)
+
+
+def _holds_distcp(fs: Any, path: str) -> bool:
+    """Whether folder ``path`` holds DCP data files (``*.distcp``)."""
+    try:
+        return any(str(p).endswith(".distcp") for p in fs.ls(path, detail=False))
+    except OSError:
+        return False
 
 
 def checked_format(manifest: dict[str, Any], where: str) -> dict[str, Any]:

@@ -104,15 +104,21 @@ def _load_dcp(
     """Restore ``loader`` from the loader state in DCP checkpoint ``url`` (this process
     alone, no collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from torchdata_ext.checkpoint.dcp import DCPLoaderState
-    from torchdata_ext.checkpoint.dcp_entries import reader_for
+    from torchdata_ext.checkpoint.dcp_entries import entry_files, read_metadata, reader_for
     from torchdata_ext.checkpoint.dcp_read import loader_key
+    from torchdata_ext.checkpoint.dcp_seal import damaged
 
     reader = reader_for(url, None, storage_options)
-    key = loader_key(reader.read_metadata(), key, url)
+    metadata = read_metadata(reader)
+    key = loader_key(metadata, key, url)
     state = DCPLoaderState(loader, storage_reader=reader, key=key)
-    dcp.load({key: state}, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load({key: state}, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:  # a truncated or damaged data file
+        raise damaged(url, exc, sorted(set(entry_files(metadata, key).values()))) from None
 
 
 def _manifest(
