@@ -399,3 +399,47 @@ def test_the_cli_given_a_file_as_the_checkpoint_says_so_in_one_line(
         "folder: pass the folder that save_checkpoint or dcp.save wrote (a config file goes to "
         "config / --config)\n"
     )
+
+
+# -- one-line errors and right answers for what used to fail (issue 44 items 14-16) --------------
+def test_rank_without_world_size_says_world_size_was_not_given(tmp_path: Path) -> None:
+    cfg = PipelineConfig(data_path=str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        TokenLoader(functools.partial(build_pipeline, cfg), rank=1)
+    assert str(e.value) == (
+        "rank=1 needs world_size, which was not given (and no torch.distributed process group "
+        "is initialised to give it, so it would be 1); pass world_size=... (> 1) as well"
+    )
+    assert TokenLoader(functools.partial(build_pipeline, cfg), rank=1, world_size=2).rank == 1
+
+
+@pytest.mark.parametrize("from_step", [5.5, "5", True, 5.0])
+def test_set_weights_from_a_step_that_is_no_whole_number_says_so(
+    from_step: Any, tmp_path: Path
+) -> None:
+    cfg = _tiny(tmp_path / "data")
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    with pytest.raises(ValueError) as e:
+        loader.set_weights({"web": 1.0, "code": 1.0}, from_step=from_step)
+    assert str(e.value) == (
+        f"set_weights(from_step={from_step!r}): from_step must be a whole number (the training "
+        "loop's step, counted from 1)"
+    )
+    assert loader.set_weights({"web": 1.0, "code": 1.0}, from_step=np.int64(3)) == 3
+
+
+def test_an_int64_special_id_beyond_int32_is_delivered(tmp_path: Path) -> None:
+    """eos_token=10**12 fits dtype int64: the batches are those of any other EOS id."""
+    cfg = _tiny(tmp_path / "data")
+    top = 2**31 - 1
+    want = list(
+        TokenLoader(functools.partial(build_pipeline, dataclasses.replace(cfg, eos_token=top)))
+    )
+    big = dataclasses.replace(cfg, eos_token=10**12)
+    got = list(TokenLoader(functools.partial(build_pipeline, big)))
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        for key in ("input_ids", "labels"):
+            assert g[key].dtype == w[key].dtype
+            assert g[key].tolist() == w[key].masked_fill(w[key] == top, 10**12).tolist()
+    assert sum(int((g["input_ids"] == 10**12).sum()) for g in got) > 10

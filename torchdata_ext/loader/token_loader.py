@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import logging
 import math
+import numbers
 import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -553,6 +554,13 @@ class TokenLoader:
                 with phases or ``pack_mode="best_fit"``, ``snapshot_every_n_steps > 1``, or
                 ranks that asked for different changes (named).
         """
+        if from_step is not None:
+            if isinstance(from_step, bool) or not isinstance(from_step, numbers.Integral):
+                raise ValueError(
+                    f"set_weights(from_step={from_step!r}): from_step must be a whole number "
+                    "(the training loop's step, counted from 1)"
+                )
+            from_step = int(from_step)
         # first, so that ranks making one bad call all refuse it rather than wait in the gather
         check_ranks_agree(
             self._step + 1 if from_step is None else from_step, weights, self.world_size
