@@ -339,6 +339,26 @@ def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
         batch_documents({"input_ids": recorded[(25, 1)]["input_ids"]}, cfg.datasets)
 
 
+@pytest.mark.parametrize("names", [["web"], []])
+def test_a_batch_log_given_too_few_names_says_so(run, tmp_path, names) -> None:
+    """Issue 44 item 18: a bare IndexError inside write before."""
+    from torchdata_ext.forensics import BatchLog
+
+    cfg, _, recorded, _, _ = run
+    batch = next(
+        recorded[(s, 0)] for s in STEPS if (recorded[(s, 0)]["provenance"][..., 0] == 1).any()
+    )
+    with BatchLog(str(tmp_path / "log.jsonl"), names) as log, pytest.raises(ValueError) as e:
+        log.write(25, batch)
+    assert str(e.value) == (
+        f"names={names} lists {len(names)} dataset(s), but the batch's provenance holds dataset "
+        "id 1: pass every dataset of the config, in its order (cfg.datasets)"
+    )
+    with BatchLog(str(tmp_path / "log2.jsonl"), "web,code") as log:  # as the config takes them
+        log.write(25, batch)
+    assert json.loads((tmp_path / "log2.jsonl").read_text())["rows"][0][0][0] in ("web", "code")
+
+
 def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
     """At step 40 of the run that skipped [30, 35): the documents all of whose tokens the
     trainer received are exactly those the audit calls delivered, and the skipped ones are
