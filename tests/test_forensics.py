@@ -420,3 +420,22 @@ def test_a_skip_with_batches_made_again_at_the_restore_is_refused(run) -> None:
         loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[30, 35]])
     loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[5, 10]])
     loader.close()
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [("a\nb", r"'a\nb'"), ("tab\there", r"'tab\there'"), ("it's", '"it\'s"'), ("é", "'é'"),
+     ("back\\slash", r"'back\\slash'")],
+)  # fmt: skip
+def test_batches_text_shows_each_character_escaped_once(text: str, shown: str) -> None:
+    """Issue 44 item 22: a newline printed as \\\\n (escaped twice)."""
+    from torchdata_ext.forensics.show import format_batches
+
+    piece = {"at": 0, "dataset": "web", "file": 0, "file_name": "t.jsonl", "doc": 3,
+             "start": 0, "stop": 3, "text": text}  # fmt: skip
+    out = format_batches([{"step": 5, "rank": 0, "worker": 1,
+                           "rows": [{"pieces": [piece], "specials": []}]}])  # fmt: skip
+    assert out.splitlines() == [
+        "step 5 rank 0 (worker 1)", "  row 0", "    [0] web t.jsonl doc 3 tokens 0..3",
+        f"      {shown}",
+    ]  # fmt: skip
