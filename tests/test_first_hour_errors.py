@@ -443,3 +443,23 @@ def test_an_int64_special_id_beyond_int32_is_delivered(tmp_path: Path) -> None:
             assert g[key].dtype == w[key].dtype
             assert g[key].tolist() == w[key].masked_fill(w[key] == top, 10**12).tolist()
     assert sum(int((g["input_ids"] == 10**12).sum()) for g in got) > 10
+
+
+# -- the config's num_workers (issue 44 item 20) ---------------------------------------------------
+@pytest.mark.parametrize(
+    "in_config, given, used", [(None, None, 0), (2, None, 2), (2, 0, 0), (None, 2, 2), (0, None, 0)]
+)
+def test_the_config_num_workers_is_used_unless_the_loader_is_given_one(
+    in_config: int | None, given: int | None, used: int, tmp_path: Path
+) -> None:
+    cfg = dataclasses.replace(_tiny(tmp_path / "data"), num_workers=in_config)
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=given)
+    assert loader.num_workers == used
+    want = list(TokenLoader(functools.partial(build_pipeline, cfg), num_workers=used))
+    got = list(loader)
+    assert [b["input_ids"].tolist() for b in got] == [b["input_ids"].tolist() for b in want]
+
+
+def test_a_bad_config_num_workers_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"^num_workers=-1 must be >= 0"):
+        PipelineConfig(data_path="/data", num_workers=-1)

@@ -303,7 +303,10 @@ class TokenLoader:
     Args:
         build: function from a :class:`World` to the graph's root node (picklable).
         num_workers: ``StatefulDataLoader`` worker processes; 0 runs the graph in this
-            process (in the background thread, see ``background``).
+            process (in the background thread, see ``background``). None (default): the
+            config's ``num_workers`` when ``build`` was given a config
+            (``functools.partial(build_pipeline, cfg)``) that sets it, else 0; a number
+            given here wins over the config's.
         rank / world_size: override ``torch.distributed`` (default: detected).
         snapshot_every_n_steps: 1 (default): ``state_dict()`` is exact at every step. ``n > 1``:
             it is the state of the last multiple of ``n`` steps plus the number of batches
@@ -349,7 +352,7 @@ class TokenLoader:
         self,
         build: BuildFn,
         *,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         snapshot_every_n_steps: int = 1,
@@ -362,6 +365,10 @@ class TokenLoader:
         shared_tokens: bool = True,
     ) -> None:
         check_build(build)
+        self.build = build
+        if num_workers is None:  # the config's, where the build function was given one
+            cfg = self.built_config()
+            num_workers = getattr(cfg, "num_workers", None) or 0
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{num_workers=} must be an integer >= 0")
         for name, value, extra in (
@@ -372,7 +379,6 @@ class TokenLoader:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1{extra}")
-        self.build = build
         self.num_workers = num_workers
         base = World.detect(rank, world_size)
         self.rank, self.world_size = base.rank, base.world_size

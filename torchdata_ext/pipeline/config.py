@@ -148,7 +148,10 @@ class PipelineConfig:
         strip_tokens: token ids stripped from both ends of every document before the above
             (list or comma-separated string, Bamba's format).
         logical_shards: logical shards per dataset (>= ranks x workers; e.g. 1024-30720).
-        num_workers: dataloader worker processes per rank (used by the loader helpers).
+        num_workers: dataloader worker processes per rank of a
+            :class:`~torchdata_ext.loader.token_loader.TokenLoader` built from this config
+            and not given ``num_workers`` (its argument wins); None: 0, the graph in the
+            training process.
         batch_size: sequences per batch.
         seed: seed of shuffling, interleaving and the shuffle buffer.
         tokenizer: None for tokenized data; ``"byte"`` for the byte tokenizer; or a path to a
@@ -261,7 +264,7 @@ class PipelineConfig:
     eol_token: int | None = None
     strip_tokens: list[int] | str = ""
     logical_shards: int = 1024
-    num_workers: int = 1
+    num_workers: int | None = None
     batch_size: int = 8
     seed: int = 42
     tokenizer: str | None = None
@@ -332,6 +335,8 @@ class PipelineConfig:
             raise ValueError(f"shuffle_fill={self.shuffle_fill!r} must be 'stream' or 'full'")
         self._check_eval_split()
         check_int("byte_offset", self.byte_offset, 0)
+        if self.num_workers is not None:
+            check_int("num_workers", self.num_workers, 0)
         if self.max_dropped_documents is not None:
             check_int("max_dropped_documents", self.max_dropped_documents, 1)
         if self.mix_quantum_tokens is not None:  # named here, not as Interleave's argument
