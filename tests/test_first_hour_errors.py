@@ -463,3 +463,27 @@ def test_the_config_num_workers_is_used_unless_the_loader_is_given_one(
 def test_a_bad_config_num_workers_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"^num_workers=-1 must be >= 0"):
         PipelineConfig(data_path="/data", num_workers=-1)
+
+
+# -- config errors with worker processes (issue 44 item 13) --------------------------------------
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seq_length": 10**9}, r"^seq_length=1000000000, shuffle_buffer=3 and batch_size=2 need "
+                                r"at least 72\.0 GB of memory per pipeline .*; lower seq_length, "
+                                r"shuffle_buffer or batch_size$"),
+        ({"logical_shards": 1}, r"^n_logical_shards=1 must be >= the number of global workers "
+                                r"\(ranks x dataloader workers = 2\); raise n_logical_shards$"),
+        ({"logical_shards": 10**6}, r"^n_logical_shards=1000000 must be <= the number of "
+                                    r"documents \(\d+\); lower n_logical_shards \(or add data\)$"),
+    ],
+)  # fmt: skip
+def test_config_errors_with_workers_are_the_one_line_of_the_training_process(
+    change: dict[str, int], message: str, tmp_path: Path
+) -> None:
+    cfg = dataclasses.replace(_tiny(tmp_path / "data"), **change)
+    loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=2)
+    with pytest.raises(ValueError, match=message) as e:
+        next(iter(loader))
+    assert "\n" not in str(e.value) and "worker process" not in str(e.value)
+    assert loader._messages is None  # no worker process was started

@@ -470,6 +470,7 @@ class TokenLoader:
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
+            self._check_before_workers()
             import_worker_modules()  # once here, not in every worker after the fork
             # collate_fn: messages as they are (the default converts every NumPy array in the
             # state deltas to a tensor, each then sent as its own shared-memory segment)
@@ -655,6 +656,21 @@ class TokenLoader:
         at ``iter()`` do not read the index files again)."""
         self._weights.original = change(self._weights.original)
         self.build = change(self.build)
+
+    def _check_before_workers(self) -> None:
+        """Build worker 0's graph here, before any worker process starts, so that a config
+        error comes as the one line the 0-worker loader gives (not as a worker's traceback):
+        the build's own checks (memory, tokenizer, special ids) and each reader's logical
+        shards against all ranks' workers. Nothing is read: the graph is not reset."""
+        from torchdata_ext.nodes.reader import ShardReader
+        from torchdata_ext.order.shards import check_shard_count
+
+        world = World(self.rank, self.world_size, 0, self.logical_workers)
+        for node in graph_nodes(self.build(world)):
+            if isinstance(node, ShardReader):
+                check_shard_count(
+                    node.n_logical_shards, node.dataset.total_docs, world.total_workers
+                )
 
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
