@@ -21,7 +21,7 @@ from test_disk_full import small_disk  # noqa: F401 - the fixture
 import torchdata_ext.prepare_data.tokenize_text as tokenize_text
 from torchdata_ext import prepare
 from torchdata_ext.audit import audit_checkpoint
-from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest
+from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest, save_checkpoint
 from torchdata_ext.cli import main
 from torchdata_ext.forensics import show_batches
 from torchdata_ext.loader.token_loader import TokenLoader
@@ -487,3 +487,36 @@ def test_config_errors_with_workers_are_the_one_line_of_the_training_process(
         next(iter(loader))
     assert "\n" not in str(e.value) and "worker process" not in str(e.value)
     assert loader._messages is None  # no worker process was started
+
+
+# -- a restore with the tokenizer changed (issue 44 item 17) -------------------------------------
+@pytest.mark.parametrize("saved, now", [("byte", None), (None, "byte")])
+def test_a_restore_with_the_tokenizer_added_or_removed_names_tokenizer(
+    saved: str | None, now: str | None, tmp_path: Path
+) -> None:
+    """Token data that prepare wrote with the byte tokenizer reads with tokenizer 'byte' or
+    None; a Tokenize node is in the graph only with one, so a checkpoint of the other is
+    refused, naming the field (before: the places of the readers, never the tokenizer)."""
+    for k in range(2):
+        write_jsonl(
+            str(tmp_path / "text" / f"t{k}.jsonl"), [f"text number {i} " * 5 for i in range(20)]
+        )
+    prepare(str(tmp_path / "text"), str(tmp_path / "tok" / "web"), tokenizer="byte", progress=False)
+    cfg = PipelineConfig(data_path=str(tmp_path / "tok"), datasets="web", seq_length=16,
+                         logical_shards=4, batch_size=2, shuffle_buffer=3, tokenizer=saved)  # fmt: skip
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    next(iter(loader))
+    save_checkpoint(loader, str(tmp_path / "ckpt"))
+    loader.close()
+    other = TokenLoader(functools.partial(build_pipeline, dataclasses.replace(cfg, tokenizer=now)))
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(other, str(tmp_path / "ckpt"))
+    n_then, n_now = (1, 0) if saved else (0, 1)
+    nodes = {0: "0 nodes", 1: "1 node"}
+    assert str(e.value) == (
+        f"cannot restore checkpoint {tmp_path / 'ckpt'}: the checkpoint's pipeline has other "
+        f"nodes than this one: tokenizer (Tokenize nodes) differs (checkpoint {nodes[n_then]}, "
+        f"now {nodes[n_now]}; a Tokenize node is in the graph for each dataset when tokenizer "
+        "is set, for token data too). A node cannot be added or removed across a checkpoint: "
+        "restore with the checkpoint's tokenizer, or start a new run"
+    )
