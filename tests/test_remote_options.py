@@ -150,16 +150,28 @@ def test_audit_reads_an_s3_config_with_the_given_options(s3, tmp_path, capsys) -
     assert sum(d["documents_delivered"] for d in expected["datasets"]) > 0
 
 
-def test_an_unknown_option_key_is_one_line_naming_it(s3, capsys) -> None:
-    bad = {**s3.storage_options, "endpint_url": s3.endpoint_url}
-    with pytest.raises(
-        ValueError, match=r"unknown option 'endpint_url' \(did you mean 'endpoint_url'\?\)"
-    ):
+@pytest.mark.parametrize("inside", [None, "client_kwargs"])
+def test_an_unknown_option_key_is_one_line_naming_it(s3, capsys, inside) -> None:
+    """At the top level or inside client_kwargs (issue 44 item 11: aiobotocore's TypeError)."""
+    if inside is None:
+        bad = {**s3.storage_options, "endpint_url": s3.endpoint_url}
+        what = "unknown option 'endpint_url' (did you mean 'endpoint_url'?)"
+    else:
+        client = {**s3.storage_options.get("client_kwargs", {}), "endpint_url": s3.endpoint_url}
+        bad = {**s3.storage_options, "client_kwargs": client}
+        what = (
+            "unknown client_kwargs option 'endpint_url' (did you mean 'endpoint_url'?); give "
+            "only arguments of botocore's Session.create_client (endpoint_url, region_name, "
+            "verify, use_ssl, ...)"
+        )
+    with pytest.raises(ValueError) as e:
         filesystem(s3.url("x"), bad)
-    assert main(["inspect", s3.url("data"), "--storage-options", json.dumps(bad)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "unknown option 'endpint_url'" in err and "Traceback" not in err
+    assert str(e.value).startswith(f"storage_options for {s3.url('x')}: {what}")
+    for argv in (["inspect", s3.url("data")], ["index", s3.url("data")]):
+        assert main([*argv, "--storage-options", json.dumps(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert what in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("where", ["python", "yaml", "index", "prepare"])
