@@ -22,6 +22,7 @@ its ``input_ids`` as the trainer received them (and ``labels`` with ``shift``), 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -41,6 +42,7 @@ from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig, as_config
 from torchdata_ext.progress import Progress
 from torchdata_ext.provenance import PAD, literal_owner
+from torchdata_ext.remote.urls import storage_options_of
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.world import World
 
@@ -295,8 +297,9 @@ def show_batches(
             per rank); default: the checkpoint's. Another topology replays the rescale the
             job made when it restored there.
         text: decode each piece through the config's ``tokenizer``.
-        storage_options: fsspec options of the checkpoint and of a config URL (the data's
-            are the config's).
+        storage_options: fsspec options of the checkpoint and of a config URL; the data's
+            are the config's, these when the config has none, and the config's serve the
+            checkpoint when these are not given (as for ``audit_checkpoint``).
         key: DCP checkpoint: the loader state's key, when it holds several.
 
     Returns:
@@ -308,6 +311,9 @@ def show_batches(
             without a tokenizer in the config.
     """
     cfg = as_config(config, storage_options, name="config")
+    if storage_options and not cfg.storage_options:  # given once, they reach every URL
+        cfg = dataclasses.replace(cfg, storage_options=storage_options_of(storage_options))
+    storage_options = storage_options_of(storage_options, cfg.storage_options)
     span = parse_steps(steps)
     manifest = _manifest(checkpoint, storage_options, key)
     R = int(manifest["world_size"]) if ranks is None else _positive("ranks", ranks)
