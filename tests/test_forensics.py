@@ -439,3 +439,33 @@ def test_batches_text_shows_each_character_escaped_once(text: str, shown: str) -
         "step 5 rank 0 (worker 1)", "  row 0", "    [0] web t.jsonl doc 3 tokens 0..3",
         f"      {shown}",
     ]  # fmt: skip
+
+
+def test_a_set_weights_after_the_checkpoint_replays_from_a_later_checkpoints_changes(
+    run, tmp_path
+) -> None:
+    """Issue 44 item 5: a checkpoint taken before a set_weights call replays the old weights;
+    ``changes_from`` (``--changes-from``) takes the calls from a later checkpoint."""
+    cfg, _, _, _, _ = run
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    recorded = {}
+    for step, batch in enumerate(loader, 1):
+        recorded[step] = batch
+        if step == 4:
+            save_checkpoint(loader, str(tmp_path / "before"))
+        if step == 6:
+            loader.set_weights({"web": 1.0, "code": 5.0}, from_step=8)
+        if step == 16:
+            save_checkpoint(loader, str(tmp_path / "after"))
+            break
+    loader.close()
+    want = _as_shown(cfg, {(s, 0): b for s, b in recorded.items()}, range(8, 17), 1)
+    old = show_batches(str(tmp_path / "before"), cfg, "8:17")
+    assert _without_worker(old) != want  # the replay cannot know the later call
+    later = str(tmp_path / "after")
+    assert (
+        _without_worker(show_batches(str(tmp_path / "before"), cfg, "8:17", changes_from=later))
+        == want
+    )
+    with pytest.raises(ValueError, match=r"saved after step 4, before checkpoint .* \(step 16\)"):
+        show_batches(str(tmp_path / "after"), cfg, 18, changes_from=str(tmp_path / "before"))

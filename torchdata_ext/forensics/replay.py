@@ -279,6 +279,7 @@ def show_batches(
     text: bool = False,
     storage_options: dict[str, Any] | None = None,
     key: str | None = None,
+    changes_from: str | None = None,
 ) -> list[dict[str, Any]]:
     """The batches the training loop received at ``steps``, replayed from ``checkpoint``.
 
@@ -301,6 +302,10 @@ def show_batches(
             are the config's, these when the config has none, and the config's serve the
             checkpoint when these are not given (as for ``audit_checkpoint``).
         key: DCP checkpoint: the loader state's key, when it holds several.
+        changes_from: a later checkpoint of the same run whose recorded weight changes
+            (the trainer's ``set_weights`` calls) replace ``checkpoint``'s. A checkpoint
+            knows only the calls made before it was saved, so without this the replay
+            assumes the trainer changed no weights after ``checkpoint``'s step.
 
     Returns:
         One dict per (step, rank), by step then rank: ``{"step", "rank", "worker", "rows"}``,
@@ -326,11 +331,23 @@ def show_batches(
         )
     if rank is not None and not 0 <= rank < R:
         raise ValueError(f"rank={rank} is not a rank of the {R} ranks; pass 0..{R - 1}")
+    changes = None
+    if changes_from is not None:
+        later = _manifest(changes_from, storage_options, key)
+        if int(later.get("step", 0)) < saved:
+            raise ValueError(
+                f"changes_from={changes_from!r} was saved after step {later.get('step', 0)}, "
+                f"before checkpoint {checkpoint} (step {saved}); pass a later checkpoint of "
+                "the run"
+            )
+        changes = later.get("weight_changes", [])
     tokenizer = _tokenizer(cfg) if text else None
     files = {name: index.file_names() for name, index in build_datasets(cfg).items()}
     out: list[dict[str, Any]] = []
     for r in range(R) if rank is None else [rank]:
         state = _restored(cfg, checkpoint, r, R, W, storage_options, key)
+        if changes is not None:
+            state["weight_changes"] = changes
         for step, w, rows in replay_rank(cfg, state, span):
             records = [row_record(row, row["_names"], files, tokenizer) for row in rows]
             out.append({"step": step, "rank": r, "worker": w, "rows": records})
