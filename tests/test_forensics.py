@@ -380,6 +380,18 @@ def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
         whole = sum(1 for k, n in covered.items() if k[0] == a.name and n == lengths[k])
         assert a.documents_delivered == whole
         assert a.step_skipped_documents == len({k for k in skipped_docs if k[0] == a.name}) > 0
+    # issue 44 item 3: the text audit and --list show them too
+    text = report.format_table()
+    line = next(x for x in text.splitlines() if x.startswith("skipped by skip_steps"))
+    assert line == "skipped by skip_steps (consumed, never delivered; --list: step_skipped): " + (
+        ", ".join(
+            f"{a.name} {a.step_skipped_documents:,} documents ({a.step_skipped_tokens:,} tokens)"
+            for a in report.datasets
+        )
+    )
+    table = report.documents().to_pylist()
+    marked = {(r["dataset"], r["file_index"], r["doc"]) for r in table if r["step_skipped"]}
+    assert marked == skipped_docs
 
 
 def test_replay_from_a_dcp_checkpoint(run, tmp_path) -> None:
