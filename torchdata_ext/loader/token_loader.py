@@ -409,6 +409,7 @@ class TokenLoader:
         self._mix = MixHistory()  # tokens per dataset at each weight change (mix_history.py)
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
+        self._checked = False  # the config was checked here before starting workers
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
         cfg = self.built_config()  # a weight_schedule's entries are changes the loader makes
@@ -470,7 +471,9 @@ class TokenLoader:
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            self._check_before_workers()
+            if not self._checked:  # once: a restart for new weights builds the same config
+                self._check_before_workers()
+                self._checked = True
             import_worker_modules()  # once here, not in every worker after the fork
             # collate_fn: messages as they are (the default converts every NumPy array in the
             # state deltas to a tensor, each then sent as its own shared-memory segment)
