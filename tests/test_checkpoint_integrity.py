@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from harness import item_key
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchdata_ext import DatasetIndex, ShardReader, World
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
@@ -132,3 +136,192 @@ def test_nothing_is_restored_from_a_corrupt_checkpoint(root: str, tmp_path: Path
     with pytest.raises(ValueError, match="corrupt"):
         load_checkpoint(loader, str(ckpt))
     assert [item_key(b) for b in take(iter(loader), 5)] == ref
+
+
+# -- DCP (issue 44 item 10) ----------------------------------------------------------------------
+def _dcp_cfg(root: Path) -> Any:
+    from harness import write_random_arrow_datasets
+
+    from torchdata_ext.pipeline.config import PipelineConfig
+
+    write_random_arrow_datasets(str(root), (("web", 30, 10), ("code", 20, 10)), seed=2)
+    return PipelineConfig(data_path=str(root), datasets="web,code", seq_length=16,
+                          logical_shards=4, batch_size=2, shuffle_buffer=3, epochs=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dcp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, list, list]:
+    """A DCP checkpoint after 3 batches (model and loader), the batches after it, and the
+    byte ranges of the loader's entries in its data file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+    from torchdata_ext.pipeline.build import build_pipeline
+
+    tmp = tmp_path_factory.mktemp("dcp_integrity")
+    cfg = _dcp_cfg(tmp / "data")
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    it = iter(loader)
+    take(it, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        dcp.save({"model": {"w": torch.arange(4.0)}, "data": DCPLoaderState(loader)},
+                 checkpoint_id=str(tmp / "good"))  # fmt: skip
+    after = [b["input_ids"].tolist() for b in it]
+    loader.close()
+    metadata = dcp.FileSystemReader(str(tmp / "good")).read_metadata()
+    spans = [(i.offset, i.offset + i.length) for k, i in metadata.storage_data.items()
+             if k.fqn.startswith("data.")]  # fmt: skip
+    return cfg, tmp / "good", after, spans
+
+
+def _dcp_load(cfg: Any, folder: Path) -> list:
+    """The batches a loader restored from DCP checkpoint ``folder`` delivers."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+    from torchdata_ext.pipeline.build import build_pipeline
+
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": {"w": torch.zeros(4)}, "data": DCPLoaderState(loader)},
+                 checkpoint_id=str(folder))  # fmt: skip
+    return [b["input_ids"].tolist() for b in loader]
+
+
+def _damaged_copy(good: Path, to: Path, how: str, at: int = 0) -> Path:
+    shutil.copytree(good, to)
+    (data,) = to.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    if how == "flip":
+        raw[at] ^= 0x10
+        data.write_bytes(bytes(raw))
+    elif how == "truncated .distcp":
+        data.write_bytes(bytes(raw[: len(raw) // 2]))
+    elif how == "truncated .metadata":
+        meta = to / ".metadata"
+        meta.write_bytes(meta.read_bytes()[:100])
+    elif how == "missing .metadata":
+        (to / ".metadata").unlink()
+    return to
+
+
+def _in_payload(good: Path, last: bool) -> int:
+    """A byte inside the first (manifest) or last (a worker's) sealed pickle of ``good``."""
+    (data,) = good.glob("*.distcp")
+    raw = data.read_bytes()
+    return (raw.rfind if last else raw.find)(b"TDXSEAL1") + 8 + 32 + 60
+
+
+def test_a_bit_flip_in_the_loader_entries_never_restores_another_position(
+    dcp_run: tuple[Any, Path, list, list], tmp_path: Path
+) -> None:
+    """Every 41st byte of the loader's entries flipped in turn: the load refuses or restores
+    exactly the same position (a flip in torch's own framing that changes nothing)."""
+    cfg, good, after, spans = dcp_run
+    assert _dcp_load(cfg, good) == after
+    wrong, refused = [], 0
+    for a, b in spans:
+        for at in range(a, b, 41):
+            folder = _damaged_copy(good, tmp_path / f"flip_{at}", "flip", at)
+            try:
+                got = _dcp_load(cfg, folder)
+            except (Exception, CheckpointException):
+                refused += 1
+                continue
+            finally:
+                shutil.rmtree(folder)
+            if got != after:
+                wrong.append(at)
+    assert not wrong, f"flips at {wrong} restored another position"
+    assert refused > 0
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated .distcp", "DCP checkpoint {d} is damaged: reading __0_0.distcp failed "
+                              "(RuntimeError: PytorchStreamReader failed reading zip archive: "
+                              "failed finding central directory); restore from another checkpoint"),
+        ("truncated .metadata", "DCP checkpoint {d} is damaged: its .metadata cannot be read "
+                                "(UnpicklingError: pickle data was truncated); restore from "
+                                "another checkpoint"),
+        ("missing .metadata", "DCP checkpoint {d} has no .metadata (it holds .distcp data files): "
+                              "its save did not finish or the file was removed; restore from "
+                              "another checkpoint"),
+        ("flip", "entry data.manifest (in __0_0.distcp) of DCP checkpoint {d} is damaged (its "
+                 "content does not match its sha256): restore from another checkpoint"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("tool", ["audit_checkpoint", "show_batches"])
+def test_a_damaged_dcp_checkpoint_is_named_with_its_file(
+    dcp_run: tuple[Any, Path, list, list], tmp_path: Path, how: str, message: str, tool: str
+) -> None:
+    from torchdata_ext.audit import audit_checkpoint
+    from torchdata_ext.forensics import show_batches
+
+    cfg, good, _, spans = dcp_run
+    folder = _damaged_copy(good, tmp_path / "damaged", how, _in_payload(good, last=False))
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        if tool == "audit_checkpoint":
+            audit_checkpoint(str(folder), cfg)
+        else:
+            show_batches(str(folder), cfg, 5)
+    assert str(e.value) == message.format(d=folder)
+
+
+def test_dcp_load_names_a_damaged_metadata_or_entry(
+    dcp_run: tuple[Any, Path, list, list], tmp_path: Path
+) -> None:
+    """The user's own dcp.load: what reaches DCPLoaderState is named (a damaged data file that
+    torch fails to read first stays torch's CheckpointException)."""
+    cfg, good, _, spans = dcp_run
+    cases = {
+        "truncated .metadata": "is damaged: its .metadata cannot be read (UnpicklingError: pickle "
+                               "data was truncated); restore from another checkpoint",
+        "missing .metadata": "has no .metadata: its save did not finish or the file was removed; "
+                             "restore from another checkpoint",
+    }  # fmt: skip
+    for how, tail in cases.items():
+        folder = _damaged_copy(good, tmp_path / how.replace(" ", "_"), how)
+        with pytest.raises((ValueError, FileNotFoundError)) as e:
+            _dcp_load(cfg, folder)
+        assert str(e.value) == f"DCP checkpoint {folder} {tail}"
+    folder = _damaged_copy(good, tmp_path / "flip", "flip", _in_payload(good, last=True))
+    with pytest.raises(ValueError) as e:
+        _dcp_load(cfg, folder)
+    assert str(e.value) == (
+        f"entry data.worker_000000 (in __0_0.distcp) of DCP checkpoint {folder} is damaged "
+        "(its content does not match its sha256): restore from another checkpoint"
+    )
+
+
+def test_a_dcp_checkpoint_saved_before_the_checksum_still_loads(
+    dcp_run: tuple[Any, Path, list, list], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import dcp as dcp_module
+    from torchdata_ext.checkpoint.dcp import DCPLoaderState
+    from torchdata_ext.pipeline.build import build_pipeline
+
+    cfg, _, after, _ = dcp_run
+    monkeypatch.setattr(dcp_module, "seal", lambda obj: io.BytesIO(pickle.dumps(obj)))
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    take(iter(loader), 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(4.0)}, "data": DCPLoaderState(loader)},
+                 checkpoint_id=str(tmp_path / "old"))  # fmt: skip
+    loader.close()
+    monkeypatch.undo()
+    raw = (tmp_path / "old" / "__0_0.distcp").read_bytes()
+    assert b"TDXSEAL1" not in raw
+    assert _dcp_load(cfg, tmp_path / "old") == after

@@ -105,6 +105,27 @@ def test_a_compression_suffix_that_lies_names_the_flag(tmp_path: Path, capsys) -
     assert "--compression none applies to JSONL files only" in err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-shards", "0"], "--num-shards 0 must be >= 1 (the number of parts the inputs are "
+                                "split into; 1: one)"),
+        (["--num-shards", "-2"], "--num-shards -2 must be >= 1 (the number of parts the inputs "
+                                 "are split into; 1: one)"),
+        (["--shard-id", "3", "--num-shards", "2"], "--shard-id 3 must be in 0..--num-shards 2-1"),
+        (["--shard-id", "-1", "--num-shards", "2"], "--shard-id -1 must be in 0..--num-shards 2-1"),
+    ],
+)  # fmt: skip
+def test_a_part_out_of_range_is_refused_naming_the_flag(
+    text_in: Path, tmp_path: Path, capsys, flags: list[str], message: str
+) -> None:
+    """Issue 44 item 21: --num-shards 0 was taken as 1."""
+    out = tmp_path / "out"
+    assert main(["prepare", str(text_in), "--out", str(out), "--tokenizer", "byte", *flags]) == 2
+    assert capsys.readouterr().err == f"torchdata-ext prepare: error: {message}\n"
+    assert not out.exists()
+
+
 def test_an_input_with_no_documents(tmp_path: Path, capsys) -> None:
     write_jsonl(str(tmp_path / "in" / "a.jsonl"), ["", ""])
     (tmp_path / "in" / "b.jsonl").write_text("")

@@ -251,7 +251,7 @@ def test_config_errors_name_the_field(cfg) -> None:
 
 def test_whole_batch_boundary_keys_are_refused(tmp_path):
     """cu_seqlens and max_seqlen describe a whole batch: an EvalLoader's padding rows would
-    make them wrong, so they are refused by name (seq_lens, per row, is padded with zeros)."""
+    make them wrong, so they are refused by name (seq_lens, per row, is padded)."""
     import dataclasses
 
     import pytest
@@ -263,3 +263,24 @@ def test_whole_batch_boundary_keys_are_refused(tmp_path):
         bad = dataclasses.replace(cfg, output_keys=("input_ids", key))
         with pytest.raises(ValueError, match=f"output_keys \\['{key}'\\].*use 'seq_lens'"):
             EvalLoader(bad)
+
+
+@pytest.mark.parametrize("batch_size", [7, 4])
+def test_a_padding_rows_seq_lens_is_one_segment_of_the_row(cfg, batch_size) -> None:
+    """Issue 44 item 4: padding rows had all-zero seq_lens (sum 0, not the row's length)."""
+    import dataclasses
+
+    from torchdata_ext import EvalLoader
+    from torchdata_ext.loader.evaluation import ROW_MASK
+
+    keys = "input_ids,labels,position_ids,seq_lens"
+    ev = dataclasses.replace(cfg, output_keys=keys, batch_size=batch_size)
+    batches = list(EvalLoader(ev))
+    padded = 0
+    for b in batches:
+        assert (b["seq_lens"].sum(dim=1) == cfg.seq_length).all()
+        for row, real in zip(b["seq_lens"].tolist(), b[ROW_MASK].tolist(), strict=True):
+            if not real:
+                padded += 1
+                assert row == [cfg.seq_length] + [0] * (len(row) - 1)
+    assert padded > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -114,6 +115,37 @@ def test_the_checkpoint_knows_its_step_across_a_restore(run) -> None:
     assert read_manifest(str(tmp / "step_30_1x3"))["step"] == 30
     got = show_batches(str(tmp / "step_30_1x3"), cfg, range(31, 36))
     assert _without_worker(got) == _as_shown(cfg, rescaled, range(31, 36), 1)
+
+
+class _Ticks:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:  # a second further on at each read
+        self.now += 1.0
+        return self.now
+
+
+def test_a_long_fast_forward_reports_progress_and_names_a_nearer_checkpoint(
+    run, monkeypatch, caplog
+) -> None:
+    """Issue 44 item 8: steps 11..24 before step 25 are made and dropped; once that has lasted
+    2 s it is logged (WARNING: heard without a logging setup), with the time left."""
+    from torchdata_ext import progress
+
+    cfg, tmp, recorded, _, _ = run
+    monkeypatch.setattr(progress, "_clock", _Ticks())
+    with caplog.at_level(logging.WARNING, logger="torchdata_ext.forensics"):
+        got = show_batches(str(tmp / "step_10"), cfg, 25, rank=1)
+    assert _without_worker(got) == [b for b in _as_shown(cfg, recorded, [25], 2) if b["rank"] == 1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchdata_ext.forensics.replay"]
+    what = ("rank 1: fast-forwarding from step 10 (the checkpoint's) to step 25 (a checkpoint "
+            "saved nearer step 25 replays faster)")  # fmt: skip
+    assert lines[0] == f"{what}: 2 of 14 steps after 2 s, about 12 s left"
+    assert all(line.startswith(what) for line in lines)
+    caplog.clear()
+    show_batches(str(tmp / "step_20"), cfg, 21, rank=1)  # nothing to fast-forward: silent
+    assert not [r for r in caplog.records if r.name == "torchdata_ext.forensics.replay"]
 
 
 def test_a_step_the_checkpoint_is_past_is_refused(run) -> None:
@@ -307,6 +339,26 @@ def test_batch_log_lines_are_the_documents_the_rows_held(run, tmp_path) -> None:
         batch_documents({"input_ids": recorded[(25, 1)]["input_ids"]}, cfg.datasets)
 
 
+@pytest.mark.parametrize("names", [["web"], []])
+def test_a_batch_log_given_too_few_names_says_so(run, tmp_path, names) -> None:
+    """Issue 44 item 18: a bare IndexError inside write before."""
+    from torchdata_ext.forensics import BatchLog
+
+    cfg, _, recorded, _, _ = run
+    batch = next(
+        recorded[(s, 0)] for s in STEPS if (recorded[(s, 0)]["provenance"][..., 0] == 1).any()
+    )
+    with BatchLog(str(tmp_path / "log.jsonl"), names) as log, pytest.raises(ValueError) as e:
+        log.write(25, batch)
+    assert str(e.value) == (
+        f"names={names} lists {len(names)} dataset(s), but the batch's provenance holds dataset "
+        "id 1: pass every dataset of the config, in its order (cfg.datasets)"
+    )
+    with BatchLog(str(tmp_path / "log2.jsonl"), "web,code") as log:  # as the config takes them
+        log.write(25, batch)
+    assert json.loads((tmp_path / "log2.jsonl").read_text())["rows"][0][0][0] in ("web", "code")
+
+
 def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
     """At step 40 of the run that skipped [30, 35): the documents all of whose tokens the
     trainer received are exactly those the audit calls delivered, and the skipped ones are
@@ -328,6 +380,18 @@ def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
         whole = sum(1 for k, n in covered.items() if k[0] == a.name and n == lengths[k])
         assert a.documents_delivered == whole
         assert a.step_skipped_documents == len({k for k in skipped_docs if k[0] == a.name}) > 0
+    # issue 44 item 3: the text audit and --list show them too
+    text = report.format_table()
+    line = next(x for x in text.splitlines() if x.startswith("skipped by skip_steps"))
+    assert line == "skipped by skip_steps (consumed, never delivered; --list: step_skipped): " + (
+        ", ".join(
+            f"{a.name} {a.step_skipped_documents:,} documents ({a.step_skipped_tokens:,} tokens)"
+            for a in report.datasets
+        )
+    )
+    table = report.documents().to_pylist()
+    marked = {(r["dataset"], r["file_index"], r["doc"]) for r in table if r["step_skipped"]}
+    assert marked == skipped_docs
 
 
 def test_replay_from_a_dcp_checkpoint(run, tmp_path) -> None:
@@ -368,3 +432,52 @@ def test_a_skip_with_batches_made_again_at_the_restore_is_refused(run) -> None:
         loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[30, 35]])
     loader.load_worker_states({}, step=20, skip_batches=3, skip_steps=[[5, 10]])
     loader.close()
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [("a\nb", r"'a\nb'"), ("tab\there", r"'tab\there'"), ("it's", '"it\'s"'), ("é", "'é'"),
+     ("back\\slash", r"'back\\slash'")],
+)  # fmt: skip
+def test_batches_text_shows_each_character_escaped_once(text: str, shown: str) -> None:
+    """Issue 44 item 22: a newline printed as \\\\n (escaped twice)."""
+    from torchdata_ext.forensics.show import format_batches
+
+    piece = {"at": 0, "dataset": "web", "file": 0, "file_name": "t.jsonl", "doc": 3,
+             "start": 0, "stop": 3, "text": text}  # fmt: skip
+    out = format_batches([{"step": 5, "rank": 0, "worker": 1,
+                           "rows": [{"pieces": [piece], "specials": []}]}])  # fmt: skip
+    assert out.splitlines() == [
+        "step 5 rank 0 (worker 1)", "  row 0", "    [0] web t.jsonl doc 3 tokens 0..3",
+        f"      {shown}",
+    ]  # fmt: skip
+
+
+def test_a_set_weights_after_the_checkpoint_replays_from_a_later_checkpoints_changes(
+    run, tmp_path
+) -> None:
+    """Issue 44 item 5: a checkpoint taken before a set_weights call replays the old weights;
+    ``changes_from`` (``--changes-from``) takes the calls from a later checkpoint."""
+    cfg, _, _, _, _ = run
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    recorded = {}
+    for step, batch in enumerate(loader, 1):
+        recorded[step] = batch
+        if step == 4:
+            save_checkpoint(loader, str(tmp_path / "before"))
+        if step == 6:
+            loader.set_weights({"web": 1.0, "code": 5.0}, from_step=8)
+        if step == 16:
+            save_checkpoint(loader, str(tmp_path / "after"))
+            break
+    loader.close()
+    want = _as_shown(cfg, {(s, 0): b for s, b in recorded.items()}, range(8, 17), 1)
+    old = show_batches(str(tmp_path / "before"), cfg, "8:17")
+    assert _without_worker(old) != want  # the replay cannot know the later call
+    later = str(tmp_path / "after")
+    assert (
+        _without_worker(show_batches(str(tmp_path / "before"), cfg, "8:17", changes_from=later))
+        == want
+    )
+    with pytest.raises(ValueError, match=r"saved after step 4, before checkpoint .* \(step 16\)"):
+        show_batches(str(tmp_path / "after"), cfg, 18, changes_from=str(tmp_path / "before"))

@@ -260,7 +260,7 @@ def test_memory_filesystem(tmp_path: Path) -> None:
     [
         ({"format": "csv"}, "format='csv' must be 'arrow', 'npy' or 'mds'"),
         ({"shard_id": 2, "num_shards": 2}, "shard_id=2 must be in 0..num_shards=2-1"),
-        ({"num_shards": 0}, "num_shards >= 1"),
+        ({"num_shards": 0}, r"num_shards=0 must be >= 1 \(the number of parts"),
         ({"max_tokens_per_file": 0}, "max_tokens_per_file=0 must be >= 1"),
         ({"num_proc": 0}, "num_proc=0 must be >= 1"),
     ],

@@ -21,6 +21,7 @@ from harness import item_key, run, write_random_arrow_datasets
 
 from torchdata_ext.checkpoint.folder import load_checkpoint, save_checkpoint
 from torchdata_ext.cli import main
+from torchdata_ext.forensics import show_batches
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
@@ -150,16 +151,51 @@ def test_audit_reads_an_s3_config_with_the_given_options(s3, tmp_path, capsys) -
     assert sum(d["documents_delivered"] for d in expected["datasets"]) > 0
 
 
-def test_an_unknown_option_key_is_one_line_naming_it(s3, capsys) -> None:
-    bad = {**s3.storage_options, "endpint_url": s3.endpoint_url}
-    with pytest.raises(
-        ValueError, match=r"unknown option 'endpint_url' \(did you mean 'endpoint_url'\?\)"
-    ):
+def test_batches_take_the_options_once_as_the_audit_does(s3, tmp_path, capsys) -> None:
+    """Issue 44 item 12: ``batches --storage-options`` with a config of none reaches the data,
+    and ``show_batches`` reads the checkpoint with the config's options when given none."""
+    cfg = _token_corpus(s3)
+    cfg.output_keys = ["input_ids", "provenance"]
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    save_checkpoint(loader, s3.url("ckpt"))
+    want = [b["input_ids"].tolist() for _, b in zip(range(2), it)]
+    loader.close()
+    shown = show_batches(s3.url("ckpt"), cfg, "3:5")  # the config's options for the checkpoint
+    assert [[r["input_ids"] for r in b["rows"]] for b in shown] == want
+    fields = {k: v for k, v in cfg.to_dict().items() if k != "storage_options"}
+    remote = _put(s3, "cfg.yaml", yaml.safe_dump(fields).encode())  # no storage_options
+    so = json.dumps(s3.storage_options)
+    argv = ["batches", s3.url("ckpt"), "--config", remote, "--steps", "3:5", "--json"]
+    assert main([*argv, "--storage-options", so]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [[r["input_ids"] for r in b["rows"]] for b in got] == want
+
+
+@pytest.mark.parametrize("inside", [None, "client_kwargs"])
+def test_an_unknown_option_key_is_one_line_naming_it(s3, capsys, inside) -> None:
+    """At the top level or inside client_kwargs (issue 44 item 11: aiobotocore's TypeError)."""
+    if inside is None:
+        bad = {**s3.storage_options, "endpint_url": s3.endpoint_url}
+        what = "unknown option 'endpint_url' (did you mean 'endpoint_url'?)"
+    else:
+        client = {**s3.storage_options.get("client_kwargs", {}), "endpint_url": s3.endpoint_url}
+        bad = {**s3.storage_options, "client_kwargs": client}
+        what = (
+            "unknown client_kwargs option 'endpint_url' (did you mean 'endpoint_url'?); give "
+            "only arguments of botocore's Session.create_client (endpoint_url, region_name, "
+            "verify, use_ssl, ...)"
+        )
+    with pytest.raises(ValueError) as e:
         filesystem(s3.url("x"), bad)
-    assert main(["inspect", s3.url("data"), "--storage-options", json.dumps(bad)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "unknown option 'endpint_url'" in err and "Traceback" not in err
+    assert str(e.value).startswith(f"storage_options for {s3.url('x')}: {what}")
+    for argv in (["inspect", s3.url("data")], ["index", s3.url("data")]):
+        assert main([*argv, "--storage-options", json.dumps(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert what in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("where", ["python", "yaml", "index", "prepare"])

@@ -275,6 +275,9 @@ def _add_batches_command(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--parquet", default=None, metavar="OUT.parquet",
                      help="write one row per piece and special to this Parquet file")  # fmt: skip
     bp.add_argument("--key", default=None, help="DCP checkpoint: the loader state's key")
+    bp.add_argument("--changes-from", default=None, metavar="LATER_CHECKPOINT",
+                    help="a later checkpoint whose set_weights calls the replay uses (default: "
+                         "none after the checkpoint's step)")  # fmt: skip
     bp.add_argument("--storage-options", type=_json_object, default=None, metavar="JSON",
                     help=_STORAGE_HELP)  # fmt: skip
 
@@ -287,6 +290,7 @@ def _batches(args: argparse.Namespace) -> None:
     batches = show_batches(
         args.checkpoint, args.config, args.steps, args.rank, args.ranks, args.workers,
         text=args.text, storage_options=args.storage_options, key=args.key,
+        changes_from=args.changes_from,
     )  # fmt: skip
     if args.parquet:
         n = write_pieces(batches, args.parquet, args.storage_options)
@@ -417,8 +421,8 @@ def _prepare(args: argparse.Namespace) -> None:
         eos_token=args.eos_token,
         max_tokens_per_file=args.max_tokens_per_file,
         num_proc=args.num_proc,
-        shard_id=shard_id or 0,
-        num_shards=num_shards or 1,
+        shard_id=0 if shard_id is None else shard_id,
+        num_shards=1 if num_shards is None else num_shards,
         encoding=args.encoding,
         compression=_compression(args),
         progress=args.progress,

@@ -61,6 +61,12 @@ class World:
                 rank = dist.get_rank() if rank is None else rank
                 world_size = dist.get_world_size() if world_size is None else world_size
             else:
+                if world_size is None and isinstance(rank, int) and rank >= 1:
+                    raise ValueError(
+                        f"rank={rank} needs world_size, which was not given (and no "
+                        "torch.distributed process group is initialised to give it, so it "
+                        f"would be 1); pass world_size=... (> {rank}) as well"
+                    )
                 rank = 0 if rank is None else rank
                 world_size = 1 if world_size is None else world_size
         info = get_worker_info()

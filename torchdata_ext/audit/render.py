@@ -86,6 +86,16 @@ def format_table(report: AuditReport) -> str:
         "back by a rescale); token share: of the tokens delivered (consumed - in flight, all "
         "epochs), against the target weight"
     )
+    step_skipped = [d for d in report.datasets if d.step_skipped_documents]
+    if step_skipped:
+        lines.append(
+            "skipped by skip_steps (consumed, never delivered; --list: step_skipped): "
+            + ", ".join(
+                f"{d.name} {d.step_skipped_documents:,} documents ({d.step_skipped_tokens:,} "
+                "tokens)"
+                for d in step_skipped
+            )
+        )
     if report.mix_note:
         lines.append(report.mix_note)
     mix = report.mix_segments

@@ -166,11 +166,15 @@ class AuditReport:
     mix_segments: MixSegments | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
     _storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # per dataset, the (file, doc) pairs with pieces skipped by skip_steps
+    _step_skipped: dict[str, set[tuple[int, int]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (what :meth:`to_json` writes)."""
         out = asdict(self)
-        del out["_cursors"], out["_storage_options"]
+        del out["_cursors"], out["_storage_options"], out["_step_skipped"]
         return out
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -183,7 +187,9 @@ class AuditReport:
         Columns: ``dataset`` and ``file`` (URL; dictionary-encoded strings), ``file_index``
         (the file's number in the dataset's sorted file list), ``doc`` (the document's index
         in its file), ``epoch``, ``in_flight`` (some of its tokens not yet delivered; on the
-        row of the latest epoch that consumed it). Rows are sorted by dataset (config order),
+        row of the latest epoch that consumed it), ``step_skipped`` (some of its tokens were
+        in the batches of steps ``skip_steps`` skipped; the checkpoint does not record in which
+        epoch, so every row of the document says so). Rows are sorted by dataset (config order),
         epoch, file and document. Computed from the cursors on each call (vectorised).
         """
         parts = [document_rows(c) for c in self._cursors.values()]
@@ -195,6 +201,25 @@ class AuditReport:
             file_ids.append(file.astype(np.int64) + len(urls))
             urls.extend(c.index.files)
         cols = [np.concatenate([p[k] for p in parts]) for k in range(4)]
+        skipped = (
+            np.concatenate(
+                [
+                    np.fromiter(
+                        (
+                            (f, d) in self._step_skipped.get(name, ())
+                            for f, d in zip(p[0].tolist(), p[1].tolist(), strict=True)
+                        ),
+                        bool,
+                        count=len(p[0]),
+                    )
+                    if self._step_skipped.get(name)
+                    else np.zeros(len(p[0]), bool)
+                    for name, p in zip(names, parts, strict=True)
+                ]
+            )
+            if parts
+            else np.zeros(0, bool)
+        )
         return pa.table(
             {
                 "dataset": pa.DictionaryArray.from_arrays(ds, pa.array(names, pa.string())),
@@ -205,6 +230,7 @@ class AuditReport:
                 "doc": pa.array(cols[1].astype(np.int64)),
                 "epoch": pa.array(cols[2].astype(np.int32)),
                 "in_flight": pa.array(cols[3].astype(bool)),
+                "step_skipped": pa.array(skipped),
             }
         )
 
@@ -348,6 +374,9 @@ def audit_checkpoint(
         mix_segments=segments,
         _cursors=cursors,
         _storage_options=storage_options,
+        _step_skipped={
+            name: {(int(p[1]), int(p[2])) for p in skipped if p[0] == name} for name in datasets
+        },
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 import time
 from typing import Any
 
@@ -19,7 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchdata_ext.checkpoint import dcp_entries
-from torchdata_ext.checkpoint.dcp_read import merged_shares, unpickled
+from torchdata_ext.checkpoint.dcp_read import entry_name, merged_shares
+from torchdata_ext.checkpoint.dcp_seal import seal, unseal
 from torchdata_ext.checkpoint.restore import (
     CHECKPOINT_FORMAT,
     loader_config,
@@ -100,6 +100,8 @@ class DCPLoaderState:
             else None
         )
         self._listed = False  # the last state_dict() listed the checkpoint's keys
+        # the checkpoint, key and data files the entries come from (errors name them)
+        self._source: tuple[str | None, str | None, dict[str, str]] = (None, None, {})
 
     def state_dict(self, owner: object | None = None) -> dict[str, Any]:
         """What DCP stores, or fills in, by who asks: the load template (:meth:`load_template`)
@@ -166,11 +168,11 @@ class DCPLoaderState:
             ),
         }
         out = {
-            dcp_entries.MANIFEST: _pickled(manifest),
-            dcp_entries.rank_key(loader.rank): _pickled(meta),
+            dcp_entries.MANIFEST: seal(manifest),
+            dcp_entries.rank_key(loader.rank): seal(meta),
         }
         for g, st in state["workers"].items():
-            out[dcp_entries.worker_key(int(g))] = _pickled(st)
+            out[dcp_entries.worker_key(int(g))] = seal(st)
         return out
 
     def load_template(self, reader: dcp.StorageReader, key: str | None) -> dict[str, Any]:
@@ -179,7 +181,7 @@ class DCPLoaderState:
         key holding a loader state): on the same topology its own, else the manifest, the old
         workers that owned its logical shards and the rank entries it checks."""
         loader = self.loader
-        metadata = reader.read_metadata()
+        metadata = dcp_entries.read_metadata(reader)
         if key is None:
             held = dcp_entries.loader_keys(metadata)
             if not held:
@@ -191,6 +193,8 @@ class DCPLoaderState:
                 )
             key = held[0]
         keys = dcp_entries.keys_under(metadata, key)
+        path = getattr(reader, "path", None)
+        self._source = (str(path) if path else None, key, dcp_entries.entry_files(metadata, key))
         if not any(k == dcp_entries.MANIFEST or dcp_entries.rank_of(k) is not None for k in keys):
             raise ValueError(dcp_entries.no_loader_state(metadata, key))
         old = dcp_entries.topology_of(keys)
@@ -238,7 +242,10 @@ class DCPLoaderState:
         if dcp_entries.MANIFEST not in state:
             self._load_single(state)
             return
-        entries = {k: unpickled(v) for k, v in state.items()}
+        entries = {
+            k: unseal(v, entry_name(*self._source[:2], k, self._source[2]))
+            for k, v in state.items()
+        }
         where = "the loader state in the DCP checkpoint"
         loader = self.loader
         manifest = entries[dcp_entries.MANIFEST]
@@ -296,7 +303,7 @@ class DCPLoaderState:
                 f"the checkpoint has no loader state for {key}; it was saved by an earlier "
                 "version with another number of ranks, which restores on its own topology only"
             ) from None
-        payload = unpickled(raw)
+        payload = unseal(raw, entry_name(*self._source[:2], key, self._source[2]))
         if "loader" not in payload:  # saved before fingerprints: the loader state alone
             payload = {"loader": payload, "file_fingerprints": None}
         loader = self.loader
@@ -310,7 +317,3 @@ class DCPLoaderState:
             listed_since=began,
         )
         loader.load_state_dict(payload["loader"])
-
-
-def _pickled(obj: Any) -> io.BytesIO:
-    return io.BytesIO(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

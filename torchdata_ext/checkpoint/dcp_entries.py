@@ -48,12 +48,15 @@ __all__ = [
     "MANIFEST",
     "LoadInProgress",
     "Topology",
+    "checkpoint_name",
     "dcp_loader_call",
     "entries_to_read",
+    "entry_files",
     "is_dcp_checkpoint",
     "keys_under",
     "loader_keys",
     "loading_from",
+    "read_metadata",
     "reader_for",
     "rank_key",
     "rank_of",
@@ -155,6 +158,44 @@ def reader_for(
     raise ValueError(
         f"no DCP storage reader reads {str(checkpoint_id)!r}: pass storage_reader=... instead"
     )
+
+
+def checkpoint_name(reader: dcp.StorageReader) -> str:
+    """The checkpoint ``reader`` reads, as errors name it (its path, where it has one)."""
+    path = getattr(reader, "path", None)
+    return f"DCP checkpoint {path}" if path else "the DCP checkpoint"
+
+
+def read_metadata(reader: dcp.StorageReader) -> Any:
+    """``reader.read_metadata()``, a missing or damaged ``.metadata`` named.
+
+    Raises:
+        FileNotFoundError: no ``.metadata`` (a save that did not finish, a file removed).
+        ValueError: a ``.metadata`` that cannot be read (truncated, damaged).
+    """
+    try:
+        return reader.read_metadata()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{checkpoint_name(reader)} has no {DCP_METADATA}: its save did not finish or the "
+            "file was removed; restore from another checkpoint"
+        ) from None
+    except Exception as exc:  # a damaged pickle fails in many ways
+        raise ValueError(
+            f"{checkpoint_name(reader)} is damaged: its {DCP_METADATA} cannot be read "
+            f"({type(exc).__name__}: {exc}); restore from another checkpoint"
+        ) from None
+
+
+def entry_files(metadata: Any, key: str) -> dict[str, str]:
+    """Per entry under ``key`` of a DCP ``Metadata``, the data file (``.distcp``) holding it,
+    where the metadata says."""
+    out = {}
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        fqn, path = str(getattr(index, "fqn", "")), getattr(info, "relative_path", None)
+        if fqn.startswith(key + ".") and path:
+            out[fqn[len(key) + 1 :]] = str(path)
+    return out
 
 
 def loader_keys(metadata: Any) -> list[str]:
@@ -262,7 +303,7 @@ def dcp_loader_call(url: str, storage_options: dict[str, Any] | None = None) -> 
     """The ``dcp.load`` call that restores a loader from DCP checkpoint ``url``, under the key
     its loader state has there (``"loader"`` when it cannot be listed; several are listed)."""
     try:
-        keys = loader_keys(reader_for(url, None, storage_options).read_metadata())
+        keys = loader_keys(read_metadata(reader_for(url, None, storage_options)))
     except Exception:  # an unreadable listing: the call is still the way out
         keys = []
     key = keys[0] if len(keys) == 1 else "loader"

@@ -14,30 +14,34 @@ not read: it is refused, saying so.
 from __future__ import annotations
 
 import io
-import pickle
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchdata_ext.checkpoint import dcp_entries
+from torchdata_ext.checkpoint.dcp_seal import damaged, unseal
 from torchdata_ext.checkpoint.folder import checked_format, worker_states
 from torchdata_ext.world import World
 
 __all__ = [
+    "entry_name",
     "loader_key",
     "merged_shares",
     "read_dcp_manifest",
     "read_dcp_worker_states",
-    "unpickled",
 ]
 
 
-def unpickled(raw: Any) -> Any:
-    """The object of an entry ``dcp.load`` filled in (a ``BytesIO`` of a pickle)."""
-    data = raw.getvalue() if isinstance(raw, io.BytesIO) else bytes(raw)
-    return pickle.loads(data)
+def entry_name(url: str | None, key: str | None, name: str, files: dict[str, str]) -> str:
+    """Entry ``name`` of the loader state under ``key`` as errors name it, with its data file
+    and checkpoint where known."""
+    out = f"entry {key}.{name}" if key else f"entry {name}"
+    if name in files:
+        out += f" (in {files[name]})"
+    return out + (f" of DCP checkpoint {url}" if url else " of the DCP checkpoint")
 
 
 def merged_shares(shares: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -85,9 +89,10 @@ class _Entries:
     def __init__(self, url: str, storage_options: dict[str, Any] | None, key: str | None):
         self.url = url
         self.storage_options = storage_options
-        metadata = dcp_entries.reader_for(url, None, storage_options).read_metadata()
+        metadata = dcp_entries.read_metadata(dcp_entries.reader_for(url, None, storage_options))
         self.key = loader_key(metadata, key, url)
         self.names = set(dcp_entries.keys_under(metadata, self.key))
+        self.files = dcp_entries.entry_files(metadata, self.key)
         self.where = f"the loader state under {self.key!r} in DCP checkpoint {url}"
 
     def read(self, names: list[str]) -> dict[str, Any]:
@@ -100,19 +105,16 @@ class _Entries:
             )
         state = {self.key: {n: io.BytesIO() for n in names}}
         reader = dcp_entries.reader_for(self.url, None, self.storage_options)
-        with warnings.catch_warnings():  # this process alone, as intended: not worth a warning
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-        out = {}
-        for name, raw in state[self.key].items():
-            try:
-                out[name] = unpickled(raw)
-            except Exception as exc:  # a damaged pickle fails in many ways
-                raise ValueError(
-                    f"entry {self.key}.{name} of DCP checkpoint {self.url} cannot be unpickled "
-                    f"({type(exc).__name__}: {exc}): it is corrupt; audit another checkpoint"
-                ) from exc
-        return out
+        try:
+            with warnings.catch_warnings():  # this process alone, as intended: no warning
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, storage_reader=reader, no_dist=True)
+        except CheckpointException as exc:  # a truncated or damaged data file
+            raise damaged(self.url, exc, sorted({self.files.get(n, n) for n in names})) from None
+        return {
+            name: unseal(raw, entry_name(self.url, self.key, name, self.files))
+            for name, raw in state[self.key].items()
+        }
 
     def manifest(self) -> dict[str, Any]:
         """The manifest, with every rank's share of file fingerprints merged in (None when a

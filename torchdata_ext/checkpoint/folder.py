@@ -280,17 +280,23 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
 
     Raises:
         FileNotFoundError: no manifest (not a checkpoint, or its save did not finish).
+        NotADirectoryError: ``url`` is a file.
         ValueError: a checkpoint format this version does not read, a corrupt manifest, or a
             ``torch.distributed.checkpoint`` (DCP) folder (named, with the call that loads it).
     """
     try:
         manifest = _read_json(posixpath.join(url, _MANIFEST), storage_options, checked=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         fs, path = filesystem(url, storage_options)
         if not fs.exists(path):
             raise FileNotFoundError(
                 f"checkpoint folder {url} does not exist (so no {_MANIFEST}): check the "
                 f"path{_beside(fs, path)}"
+            ) from None
+        if fs.isfile(path):
+            raise NotADirectoryError(
+                f"checkpoint {url} is a file, not a checkpoint folder: pass the folder that "
+                "save_checkpoint or dcp.save wrote (a config file goes to config / --config)"
             ) from None
         if is_dcp_checkpoint(url, storage_options):
             raise ValueError(
@@ -300,11 +306,24 @@ def read_manifest(url: str, storage_options: dict[str, Any] | None = None) -> di
                 "checkpoint_id=...) inside your own dcp.load); audit_checkpoint and "
                 "torchdata-ext audit read it as it is"
             ) from None
+        if _holds_distcp(fs, path):
+            raise FileNotFoundError(
+                f"DCP checkpoint {url} has no .metadata (it holds .distcp data files): its save "
+                "did not finish or the file was removed; restore from another checkpoint"
+            ) from None
         raise FileNotFoundError(
             f"{url} has no {_MANIFEST}: not a loader checkpoint, or one whose save did not finish "
             "(a kill during save); restore from an earlier checkpoint"
         ) from None
     return checked_format(manifest, url)
+
+
+def _holds_distcp(fs: Any, path: str) -> bool:
+    """Whether folder ``path`` holds DCP data files (``*.distcp``)."""
+    try:
+        return any(str(p).endswith(".distcp") for p in fs.ls(path, detail=False))
+    except OSError:
+        return False
 
 
 def checked_format(manifest: dict[str, Any], where: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from torchdata_ext.state.graph import (
     shuffle_states,
     walk_state,
 )
-from torchdata_ext.state.settings import check_graph_settings
+from torchdata_ext.state.settings import SETTINGS_KEY, check_graph_settings
 from torchdata_ext.world import World
 
 __all__ = [
@@ -371,8 +371,15 @@ def _shape(graph: dict[str, Any], skip: set[str]) -> dict[str, Any]:
         "transforms": len(
             kept(p for p, x in nodes if isinstance(x, dict) and set(x) >= {"source", "skip"})
         ),
+        "tokenizer (Tokenize nodes)": len(kept(p for p, x in nodes if _tokenizes(x))),
         "the pipeline's graph (the places of its readers)": kept(reader_states(graph)),
     }
+
+
+def _tokenizes(state: Any) -> bool:
+    """Whether ``state`` is a Tokenize node's (its settings name a tokenizer)."""
+    settings = state.get(SETTINGS_KEY) if isinstance(state, dict) else None
+    return isinstance(settings, dict) and "tokenizer" in settings
 
 
 _SHAPE_HINT = {
@@ -380,6 +387,8 @@ _SHAPE_HINT = {
     "max_tokens / max_documents (the budgets, by name)": "a budget (Take) is in the graph "
     "when max_tokens / max_documents (or a phase's) is set",
     "transforms": "a TransformDocuments node is in the graph for each dataset with transforms",
+    "tokenizer (Tokenize nodes)": "a Tokenize node is in the graph for each dataset when "
+    "tokenizer is set, for token data too",
     "the pipeline's graph (the places of its readers)": "the nodes between the loader and "
     "the readers differ",
 }

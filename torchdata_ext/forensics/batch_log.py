@@ -37,6 +37,7 @@ def batch_documents(batch: dict[str, Any], names: Sequence[str]) -> list[list[li
 
     Raises:
         KeyError: the batch has no ``provenance``: add it to the config's ``output_keys``.
+        ValueError: ``names`` lists fewer datasets than the provenance ids index.
     """
     if "provenance" not in batch:
         raise KeyError(
@@ -50,6 +51,12 @@ def batch_documents(batch: dict[str, Any], names: Sequence[str]) -> list[list[li
     keep = (prov[..., 0] >= 0) & (prov[..., 4] > 0)
     sel = prov[keep]  # the data pieces of all rows, row after row
     label = list(names)
+    if sel.size and int(sel[:, 0].max()) >= len(label):
+        raise ValueError(
+            f"names={label} lists {len(label)} dataset(s), but the batch's provenance holds "
+            f"dataset id {int(sel[:, 0].max())}: pass every dataset of the config, in its order "
+            "(cfg.datasets)"
+        )
     pieces = [[label[ds], f, d, s, s + n] for ds, f, d, s, n in sel.tolist()]
     ends = np.cumsum(keep.sum(axis=1)).tolist()
     return [pieces[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
@@ -69,6 +76,8 @@ class BatchLog:
     def __init__(self, path: str, names: Sequence[str], *, flush_every: int = 100) -> None:
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"{flush_every=} must be an integer >= 1")
+        if isinstance(names, str):  # "web,code", as the config takes them
+            names = [n.strip() for n in names.split(",") if n.strip()]
         self.names = list(names)
         self.flush_every = flush_every
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115

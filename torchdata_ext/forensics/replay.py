@@ -22,7 +22,9 @@ its ``input_ids`` as the trainer received them (and ``labels`` with ``shift``), 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -38,11 +40,15 @@ from torchdata_ext.nodes.collate import Collate
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig, as_config
+from torchdata_ext.progress import Progress
 from torchdata_ext.provenance import PAD, literal_owner
+from torchdata_ext.remote.urls import storage_options_of
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.world import World
 
 __all__ = ["parse_steps", "replay_rank", "row_record", "show_batches"]
+
+logger = logging.getLogger(__name__)
 
 
 def parse_steps(steps: str | int | range | Sequence[int]) -> range:
@@ -100,15 +106,21 @@ def _load_dcp(
     """Restore ``loader`` from the loader state in DCP checkpoint ``url`` (this process
     alone, no collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from torchdata_ext.checkpoint.dcp import DCPLoaderState
-    from torchdata_ext.checkpoint.dcp_entries import reader_for
+    from torchdata_ext.checkpoint.dcp_entries import entry_files, read_metadata, reader_for
     from torchdata_ext.checkpoint.dcp_read import loader_key
+    from torchdata_ext.checkpoint.dcp_seal import damaged
 
     reader = reader_for(url, None, storage_options)
-    key = loader_key(reader.read_metadata(), key, url)
+    metadata = read_metadata(reader)
+    key = loader_key(metadata, key, url)
     state = DCPLoaderState(loader, storage_reader=reader, key=key)
-    dcp.load({key: state}, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load({key: state}, storage_reader=reader, no_dist=True)
+    except CheckpointException as exc:  # a truncated or damaged data file
+        raise damaged(url, exc, sorted(set(entry_files(metadata, key).values()))) from None
 
 
 def _manifest(
@@ -145,31 +157,41 @@ def replay_rank(
         start(w, state["workers"][str(r * W + w)]["graph"][Collate.SOURCE_KEY])
     skips = {int(a): int(b) - int(a) for a, b in state.get("skip_steps", [])}
     live, w, dropping = list(range(W)), int(state["next_worker"]) % W, 0
-    while live and step < steps.stop - 1:
-        if w not in live:
+    progress = Progress(  # the steps before the first shown, dropped unread
+        f"rank {r}: fast-forwarding from step {step} (the checkpoint's) to step {steps.start} "
+        f"(a checkpoint saved nearer step {steps.start} replays faster)", logger,
+        total=max(0, steps.start - 1 - step), unit="steps", level=logging.WARNING,
+    )  # fmt: skip
+    with progress:
+        while live and step < steps.stop - 1:
+            if w not in live:
+                w = (w + 1) % W
+                continue
+            if not dropping:  # the data of a skipped range is made and dropped, as the loader does
+                dropping = skips.pop(step + 1, 0)
+            show = not dropping and step + 1 >= steps.start
+            rows = _take(roots[w], cfg.batch_size, show)
+            if not rows:  # the worker's stream ended: the loader goes on with the next one
+                live.remove(w)
+                w = (w + 1) % W
+                continue
+            if dropping:
+                dropping -= 1
+            else:
+                step += 1
+                if step < steps.start:
+                    progress.update()
+                elif step == steps.start:
+                    progress.close()
+                if show:
+                    names = list(packs[w].dataset_names)
+                    for row in rows:
+                        row["_names"] = names
+                    yield step, w, rows
+                if weights.due_at(step + 1):  # the loader restarts its workers with the new weights
+                    for v in live:
+                        start(v, roots[v].state_dict())
             w = (w + 1) % W
-            continue
-        if not dropping:  # the data of a skipped range is made and dropped, as the loader does
-            dropping = skips.pop(step + 1, 0)
-        show = not dropping and step + 1 >= steps.start
-        rows = _take(roots[w], cfg.batch_size, show)
-        if not rows:  # the worker's stream ended: the loader goes on with the next one
-            live.remove(w)
-            w = (w + 1) % W
-            continue
-        if dropping:
-            dropping -= 1
-        else:
-            step += 1
-            if show:
-                names = list(packs[w].dataset_names)
-                for row in rows:
-                    row["_names"] = names
-                yield step, w, rows
-            if weights.due_at(step + 1):  # the loader restarts its workers with the new weights
-                for v in live:
-                    start(v, roots[v].state_dict())
-        w = (w + 1) % W
 
 
 def _take(root: BaseNode, n: int, show: bool) -> list[Any]:
@@ -257,8 +279,13 @@ def show_batches(
     text: bool = False,
     storage_options: dict[str, Any] | None = None,
     key: str | None = None,
+    changes_from: str | None = None,
 ) -> list[dict[str, Any]]:
     """The batches the training loop received at ``steps``, replayed from ``checkpoint``.
+
+    The steps between the checkpoint's and the first shown are made and dropped (about as
+    fast as training reads them); one that lasts over 2 s is logged (WARNING) per rank with
+    the steps left and the time they will take: a checkpoint saved nearer replays faster.
 
     Args:
         checkpoint: a loader checkpoint taken before the first step shown (a folder written
@@ -271,9 +298,14 @@ def show_batches(
             per rank); default: the checkpoint's. Another topology replays the rescale the
             job made when it restored there.
         text: decode each piece through the config's ``tokenizer``.
-        storage_options: fsspec options of the checkpoint and of a config URL (the data's
-            are the config's).
+        storage_options: fsspec options of the checkpoint and of a config URL; the data's
+            are the config's, these when the config has none, and the config's serve the
+            checkpoint when these are not given (as for ``audit_checkpoint``).
         key: DCP checkpoint: the loader state's key, when it holds several.
+        changes_from: a later checkpoint of the same run whose recorded weight changes
+            (the trainer's ``set_weights`` calls) replace ``checkpoint``'s. A checkpoint
+            knows only the calls made before it was saved, so without this the replay
+            assumes the trainer changed no weights after ``checkpoint``'s step.
 
     Returns:
         One dict per (step, rank), by step then rank: ``{"step", "rank", "worker", "rows"}``,
@@ -284,6 +316,9 @@ def show_batches(
             without a tokenizer in the config.
     """
     cfg = as_config(config, storage_options, name="config")
+    if storage_options and not cfg.storage_options:  # given once, they reach every URL
+        cfg = dataclasses.replace(cfg, storage_options=storage_options_of(storage_options))
+    storage_options = storage_options_of(storage_options, cfg.storage_options)
     span = parse_steps(steps)
     manifest = _manifest(checkpoint, storage_options, key)
     R = int(manifest["world_size"]) if ranks is None else _positive("ranks", ranks)
@@ -296,11 +331,23 @@ def show_batches(
         )
     if rank is not None and not 0 <= rank < R:
         raise ValueError(f"rank={rank} is not a rank of the {R} ranks; pass 0..{R - 1}")
+    changes = None
+    if changes_from is not None:
+        later = _manifest(changes_from, storage_options, key)
+        if int(later.get("step", 0)) < saved:
+            raise ValueError(
+                f"changes_from={changes_from!r} was saved after step {later.get('step', 0)}, "
+                f"before checkpoint {checkpoint} (step {saved}); pass a later checkpoint of "
+                "the run"
+            )
+        changes = later.get("weight_changes", [])
     tokenizer = _tokenizer(cfg) if text else None
     files = {name: index.file_names() for name, index in build_datasets(cfg).items()}
     out: list[dict[str, Any]] = []
     for r in range(R) if rank is None else [rank]:
         state = _restored(cfg, checkpoint, r, R, W, storage_options, key)
+        if changes is not None:
+            state["weight_changes"] = changes
         for step, w, rows in replay_rank(cfg, state, span):
             records = [row_record(row, row["_names"], files, tokenizer) for row in rows]
             out.append({"step": step, "rank": r, "worker": w, "rows": records})

@@ -64,8 +64,8 @@ def format_batches(batches: Iterable[dict[str, Any]]) -> str:
                         f"tokens {e['start']}..{e['stop']}"
                     )
                     if "text" in e:
-                        text = e["text"][:_TEXT_CHARS].replace("\n", "\\n")
-                        lines.append(f"      {text!r}")
+                        # repr: a newline shows as \n, once (it escapes what it quotes)
+                        lines.append(f"      {e['text'][:_TEXT_CHARS]!r}")
                 else:
                     owner = f" ({e['dataset']} doc {e['doc']})" if "doc" in e else ""
                     lines.append(f"    [{e['at']}] {e['kind']} {e['token']} x{e['count']}{owner}")

@@ -15,6 +15,7 @@ Users add a format by subclassing :class:`FileHandler` and calling :func:`regist
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -157,10 +158,8 @@ def drop_resident_pages(buffer: Any) -> None:
             break
     advice = getattr(mmap, "MADV_DONTNEED", None)
     if isinstance(buffer, mmap.mmap) and advice is not None and not buffer.closed:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # e.g. an empty map: nothing resident
             buffer.madvise(advice)
-        except (OSError, ValueError):  # e.g. an empty or a closed map: nothing resident
-            pass
 
 
 # name -> "module:Class" (lazy) or a class

@@ -4,7 +4,8 @@ of one fixed shape.
 :class:`EvalLoader` runs :func:`~torchdata_ext.pipeline.build.build_eval_pipeline` (the documents
 ``eval_fraction`` holds out, one epoch, no shuffle buffer) through a
 :class:`~torchdata_ext.loader.token_loader.TokenLoader`. Every batch has ``batch_size`` rows: a last partial
-batch is completed with padding rows (pad tokens, ``loss_mask`` False) and a ``row_mask`` key
+batch is completed with padding rows (pad tokens, ``loss_mask`` False, ``seq_lens`` one segment of
+``seq_length`` tokens: the padding) and a ``row_mask`` key
 says which rows are real, so nothing is dropped or counted twice. With ``torch.distributed``
 initialised, every rank yields the same number of batches (ranks with fewer add batches of
 padding rows), so a model whose forward pass synchronises ranks does not hang on the last step.
@@ -165,7 +166,9 @@ class EvalLoader:
         """``batch`` completed to ``batch_size`` rows, with ``row_mask``."""
         size = self.cfg.batch_size
         rows = int(next(iter(batch.values())).shape[0])
-        out = {k: _grow(k, v, size, self.cfg.pad_token) for k, v in batch.items()}
+        out = {
+            k: _grow(k, v, size, self.cfg.pad_token, self.cfg.seq_length) for k, v in batch.items()
+        }
         mask = torch.zeros(size, dtype=torch.bool)
         mask[:rows] = True
         out[ROW_MASK] = mask
@@ -183,6 +186,8 @@ class EvalLoader:
                 empty[key] = torch.zeros(0, 1, 5, dtype=torch.int64)
             elif key == DATASET_KEY:
                 empty[key] = torch.zeros(0, cfg.seq_length, dtype=torch.int16)
+            elif key == "seq_lens":  # one segment a row (the padding), as _grow fills it
+                empty[key] = torch.zeros(0, 1, dtype=torch.int32)
             elif key != "labels" or cfg.shift:
                 empty[key] = torch.zeros(0, cfg.seq_length, dtype=dtype)
         out = self._padded(empty)
@@ -190,8 +195,11 @@ class EvalLoader:
         return out
 
 
-def _grow(key: str, value: torch.Tensor, size: int, pad_token: int) -> torch.Tensor:
-    """``value`` ([rows, ...]) with padding rows appended up to ``size`` rows."""
+def _grow(key: str, value: torch.Tensor, size: int, pad_token: int, length: int) -> torch.Tensor:
+    """``value`` ([rows, ...]) with padding rows appended up to ``size`` rows (``length``
+    tokens each: a padding row's ``seq_lens`` is one segment, the padding, of ``length``
+    tokens, as a training row's padding is a segment of its own and every row's lengths sum
+    to its length)."""
     rows = int(value.shape[0])
     if rows >= size:
         return value
@@ -199,6 +207,8 @@ def _grow(key: str, value: torch.Tensor, size: int, pad_token: int) -> torch.Ten
     extra = torch.full((size - rows, *value.shape[1:]), fill.get(key, 0), dtype=value.dtype)
     if key == "provenance":  # rows of length 0, as Collate fills short tables
         extra[..., 0] = LITERAL
+    if key == "seq_lens":
+        extra[:, 0] = length
     return torch.cat([value, extra])
 
 

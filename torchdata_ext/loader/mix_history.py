@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = ["DELIVERED_KEY", "MixHistory", "graph_totals"]
 
+SOURCE_KEY = "source"  # where a node wrapping another keeps its state (torchdata's)
 DELIVERED_KEY = "delivered"
 """The key of a worker graph's root state (``Collate``) that counts its tokens per dataset."""
 
@@ -44,13 +45,16 @@ def _add(a: Mapping[str, int] | None, b: Mapping[str, int] | None) -> dict[str, 
 
 def graph_totals(graphs: Iterable[Any]) -> dict[str, int] | None:
     """The tokens per dataset the worker graph states ``graphs`` (root states) counted,
-    summed. A state without the key counts 0 (restored from a state saved before the counts
+    summed: each ``Collate``'s, at the root or under the ``"source"`` of nodes wrapping it
+    (a build function that wraps the pipeline, as ``examples/train_tiny_lm.py`` does). A state without the key counts 0 (restored from a state saved before the counts
     existed, and no batch since); None when none has the key (a root other than
     ``Collate``) or a count stopped (None)."""
     total: dict[str, int] | None = {}
     seen = False
     for g in graphs:
-        if isinstance(g, dict) and DELIVERED_KEY in g:
+        while isinstance(g, dict) and DELIVERED_KEY not in g:  # a root wrapping Collate
+            g = g.get(SOURCE_KEY)
+        if isinstance(g, dict):
             seen = True
             total = _add(total, g[DELIVERED_KEY])
     return total if seen else None

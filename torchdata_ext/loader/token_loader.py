@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import logging
 import math
+import numbers
 import os
 import pickle
 import warnings
@@ -53,6 +54,7 @@ from torchdata_ext.loader.weights import (
     is_pipeline_config,
 )
 from torchdata_ext.pipeline.build import indexes_to_share, with_indexes
+from torchdata_ext.progress import Progress
 from torchdata_ext.state.delta import apply, diff
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.tokenizers.load import limit_tokenizer_threads
@@ -307,7 +309,10 @@ class TokenLoader:
     Args:
         build: function from a :class:`World` to the graph's root node (picklable).
         num_workers: ``StatefulDataLoader`` worker processes; 0 runs the graph in this
-            process (in the background thread, see ``background``).
+            process (in the background thread, see ``background``). None (default): the
+            config's ``num_workers`` when ``build`` was given a config
+            (``functools.partial(build_pipeline, cfg)``) that sets it, else 0; a number
+            given here wins over the config's.
         rank / world_size: override ``torch.distributed`` (default: detected).
         snapshot_every_n_steps: 1 (default): ``state_dict()`` is exact at every step. ``n > 1``:
             it is the state of the last multiple of ``n`` steps plus the number of batches
@@ -353,7 +358,7 @@ class TokenLoader:
         self,
         build: BuildFn,
         *,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         snapshot_every_n_steps: int = 1,
@@ -366,6 +371,10 @@ class TokenLoader:
         shared_tokens: bool = True,
     ) -> None:
         check_build(build)
+        self.build = build
+        if num_workers is None:  # the config's, where the build function was given one
+            cfg = self.built_config()
+            num_workers = getattr(cfg, "num_workers", None) or 0
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"{num_workers=} must be an integer >= 0")
         for name, value, extra in (
@@ -376,7 +385,6 @@ class TokenLoader:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1{extra}")
-        self.build = build
         self.num_workers = num_workers
         base = World.detect(rank, world_size)
         self.rank, self.world_size = base.rank, base.world_size
@@ -407,6 +415,7 @@ class TokenLoader:
         self._mix = MixHistory()  # tokens per dataset at each weight change (mix_history.py)
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
+        self._checked = False  # the config was checked here before starting workers
         self._messages: Any = None  # the dataloader's iterator (its workers), with workers
         self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
         cfg = self.built_config()  # a weight_schedule's entries are changes the loader makes
@@ -428,6 +437,7 @@ class TokenLoader:
         self._skipped = list(self._skipped0)
         self._dropping = 0  # batches of a skipped step range still to drop
         self._applied = 0  # the first step of the skipped range dropped last
+        self._skip_progress: Progress | None = None  # the range being dropped, reported
         self._snap = self._live_snapshot()
 
     @property
@@ -467,6 +477,9 @@ class TokenLoader:
         if self.num_workers > 0:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
+            if not self._checked:  # once: a restart for new weights builds the same config
+                self._check_before_workers()
+                self._checked = True
             import_worker_modules()  # once here, not in every worker after the fork
             # collate_fn: messages as they are (the default converts every NumPy array in the
             # state deltas to a tensor, each then sent as its own shared-memory segment)
@@ -557,6 +570,13 @@ class TokenLoader:
                 with phases or ``pack_mode="best_fit"``, ``snapshot_every_n_steps > 1``, or
                 ranks that asked for different changes (named).
         """
+        if from_step is not None:
+            if isinstance(from_step, bool) or not isinstance(from_step, numbers.Integral):
+                raise ValueError(
+                    f"set_weights(from_step={from_step!r}): from_step must be a whole number "
+                    "(the training loop's step, counted from 1)"
+                )
+            from_step = int(from_step)
         # first, so that ranks making one bad call all refuse it rather than wait in the gather
         check_ranks_agree(
             self._step + 1 if from_step is None else from_step, weights, self.world_size
@@ -646,6 +666,21 @@ class TokenLoader:
         self._weights.original = change(self._weights.original)
         self.build = change(self.build)
 
+    def _check_before_workers(self) -> None:
+        """Build worker 0's graph here, before any worker process starts, so that a config
+        error comes as the one line the 0-worker loader gives (not as a worker's traceback):
+        the build's own checks (memory, tokenizer, special ids) and each reader's logical
+        shards against all ranks' workers. Nothing is read: the graph is not reset."""
+        from torchdata_ext.nodes.reader import ShardReader
+        from torchdata_ext.order.shards import check_shard_count
+
+        world = World(self.rank, self.world_size, 0, self.logical_workers)
+        for node in graph_nodes(self.build(world)):
+            if isinstance(node, ShardReader):
+                check_shard_count(
+                    node.n_logical_shards, node.dataset.total_docs, world.total_workers
+                )
+
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
         graph root, as a restore reads them) are dropped when the run reaches them. A config
@@ -708,6 +743,7 @@ class TokenLoader:
                 if self._restart_due():
                     break
             else:
+                self._check_skip_ended()
                 return
             produced = self._restart()
 
@@ -726,7 +762,15 @@ class TokenLoader:
                 return False
             (a, b), self._applied = due[0], due[0][0]  # once: the step stays a - 1 meanwhile
             self._dropping = b - a
+            self._skip_progress = Progress(
+                f"skip_steps: dropping the batches of steps {a}..{b - 1}", logger,
+                total=b - a, unit="batches", bar=False, level=logging.WARNING,
+            )  # fmt: skip
         self._dropping -= 1
+        if self._skip_progress is not None:
+            self._skip_progress.update()
+            if not self._dropping:
+                self._skip_progress.close()
         prov = item.get("provenance") if isinstance(item, dict) else None
         if prov is not None:
             rows = prov.reshape(-1, 5).numpy() if hasattr(prov, "numpy") else prov.reshape(-1, 5)
@@ -734,6 +778,20 @@ class TokenLoader:
                 name = self._names[ds] if ds < len(self._names) else ds
                 self._skipped.append([name, f, d, start, n])
         return True
+
+    def _check_skip_ended(self) -> None:
+        """The stream ended inside a skipped step range: refuse the range (its data ran out;
+        the trainer would get no batch for step ``a`` however long the loader dropped)."""
+        progress, self._skip_progress = self._skip_progress, None
+        if progress is None or not self._dropping:
+            return
+        progress.close(ok=False)
+        a, b = self._applied, self._applied + int(progress.total or 0)
+        raise ValueError(
+            f"skip_steps: the range [{a}, {b}] runs past the end of the data: it ran out after "
+            f"{progress.done} of the range's {b - a} batches; end the range at step "
+            f"{a + progress.done} at most (B excluded) or remove it"
+        )
 
     def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
         """Batches one worker after the other (each worker's message holds several), each

@@ -430,9 +430,14 @@ def _pack(cfg: PipelineConfig, node: BaseNode, dataset_names: list[str]) -> Base
     """Documents packed into ``cfg.seq_length``-token sequences, the ``pack_mode`` way."""
     from torchdata_ext.nodes.pack import Pack
 
+    # int32 inside the pipeline (half the bytes), unless a special id of an int64 config
+    # needs more (the output tensors are cfg.dtype either way)
+    top = max((t for t in cfg.special_tokens.values() if t is not None), default=0)
+    wide = cfg.dtype == "int64" and top > np.iinfo(np.int32).max
     return Pack(
         node,
         cfg.seq_length,
+        dtype=np.int64 if wide else np.int32,
         mode=cfg.pack_mode,
         bos_token=cfg.bos_token,
         eos_token=cfg.eos_token,

@@ -39,7 +39,7 @@ from torchdata_ext.tokenizers.load import (
 )
 from torchdata_ext.transforms import On, Transform, from_spec
 
-__all__ = ["RESTORE_CONTRACT", "PipelineConfig", "as_config", "step_ranges"]
+__all__ = ["BEST_FIT_PIECE_BYTES", "RESTORE_CONTRACT", "PipelineConfig", "as_config", "step_ranges"]
 
 RESTORE_CONTRACT: dict[str, tuple[str, str]] = {
     # field: (class, why) -- "may_change": a restore with another value is exact;
@@ -148,7 +148,10 @@ class PipelineConfig:
         strip_tokens: token ids stripped from both ends of every document before the above
             (list or comma-separated string, Bamba's format).
         logical_shards: logical shards per dataset (>= ranks x workers; e.g. 1024-30720).
-        num_workers: dataloader worker processes per rank (used by the loader helpers).
+        num_workers: dataloader worker processes per rank of a
+            :class:`~torchdata_ext.loader.token_loader.TokenLoader` built from this config
+            and not given ``num_workers`` (its argument wins); None: 0, the graph in the
+            training process.
         batch_size: sequences per batch.
         seed: seed of shuffling, interleaving and the shuffle buffer.
         tokenizer: None for tokenized data; ``"byte"`` for the byte tokenizer; or a path to a
@@ -237,7 +240,9 @@ class PipelineConfig:
             (restored from a checkpoint taken before step ``A``, or started fresh): the
             trainer's step ``A`` receives what step ``B`` would have received. The skip is recorded in the loader state (later
             restores, rescales and ``show_batches`` know it); a range starting at or before
-            the checkpoint's step is refused. See ``docs/forensics.md``.
+            the checkpoint's step is refused, and so is a range the data runs out in (when
+            it does). Dropping a range that takes longer than 2 s is logged (WARNING) with
+            the batches left and the time they will take. See ``docs/forensics.md``.
         weight_schedule: ``{step: weights}``: the weights from that training step on
             (must match at a restore), see :mod:`~torchdata_ext.pipeline.schedule`.
         weight_schedule_unit: what the schedule's keys count: ``"steps"`` or ``"tokens"``
@@ -259,7 +264,7 @@ class PipelineConfig:
     eol_token: int | None = None
     strip_tokens: list[int] | str = ""
     logical_shards: int = 1024
-    num_workers: int = 1
+    num_workers: int | None = None
     batch_size: int = 8
     seed: int = 42
     tokenizer: str | None = None
@@ -320,7 +325,7 @@ class PipelineConfig:
             )
         if any(w <= 0 for w in self.weights):
             raise ValueError(f"weights={self.weights} must all be > 0")
-        for name in ("seq_length", "logical_shards", "batch_size", "block_docs"):
+        for name in ("seq_length", "logical_shards", "batch_size", "block_docs", "best_fit_window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -330,6 +335,8 @@ class PipelineConfig:
             raise ValueError(f"shuffle_fill={self.shuffle_fill!r} must be 'stream' or 'full'")
         self._check_eval_split()
         check_int("byte_offset", self.byte_offset, 0)
+        if self.num_workers is not None:
+            check_int("num_workers", self.num_workers, 0)
         if self.max_dropped_documents is not None:
             check_int("max_dropped_documents", self.max_dropped_documents, 1)
         if self.mix_quantum_tokens is not None:  # named here, not as Interleave's argument
@@ -392,7 +399,8 @@ class PipelineConfig:
         ``seq_length + shift`` tokens of ``dtype``) and a batch (``batch_size`` such
         sequences for each of the ``output_keys``); each dataloader worker holds its own
         pipeline. A config whose one pipeline needs more than the memory available is an
-        error (an out-of-memory kill with no message otherwise).
+        error (an out-of-memory kill with no message otherwise). In ``best_fit`` mode the
+        window adds at least :data:`BEST_FIT_PIECE_BYTES` a piece.
 
         Args:
             available_bytes: the memory available, in bytes (default: ``MemAvailable`` of
@@ -417,6 +425,16 @@ class PipelineConfig:
                 f"{self.dtype} tokens), more than the {_size(available)} available; lower "
                 "seq_length, shuffle_buffer or batch_size"
             )
+        if self.pack_mode == "best_fit":
+            window = self.best_fit_window * BEST_FIT_PIECE_BYTES
+            if buffer + batch + window > available:
+                raise ValueError(
+                    f"best_fit_window={self.best_fit_window} needs at least {_size(window)} of "
+                    f"memory per pipeline (at least {BEST_FIT_PIECE_BYTES} B a piece: its "
+                    f"place in a bin, its provenance row and a token), more than the "
+                    f"{_size(available - buffer - batch)} left after the shuffle buffer and a "
+                    "batch; lower best_fit_window (default 1000)"
+                )
 
     def transforms_for(self, dataset: str) -> list[Transform]:
         """The transform steps of ``dataset``, in order (bare callables work on text when
@@ -547,6 +565,11 @@ class PipelineConfig:
 
     def _single_name(self) -> str:
         return os.path.basename(str(self.data_path).rstrip("/")) or "data"
+
+
+BEST_FIT_PIECE_BYTES = 100
+"""A lower bound of the memory one piece of a ``best_fit`` window holds: its place in a bin
+(a 3-tuple, 64 B, and a list slot), its provenance row (5 x int64) and one token."""
 
 
 def _available_memory() -> int | None:

@@ -565,8 +565,12 @@ def _check_arguments(
     """Raise ``ValueError`` naming the first bad argument of :func:`prepare`."""
     if format not in output_files.SHARD_SUFFIXES:
         raise ValueError(f"{format=} must be 'arrow', 'npy' or 'mds'")
-    if num_shards < 1 or not 0 <= shard_id < num_shards:
-        raise ValueError(f"{shard_id=} must be in 0..{num_shards=}-1 and num_shards >= 1")
+    if num_shards < 1:
+        raise ValueError(
+            f"{num_shards=} must be >= 1 (the number of parts the inputs are split into; 1: one)"
+        )
+    if not 0 <= shard_id < num_shards:
+        raise ValueError(f"{shard_id=} must be in 0..{num_shards=}-1")
     if max_tokens_per_file < 1:
         raise ValueError(f"{max_tokens_per_file=} must be >= 1")
     if num_proc < 1:

@@ -122,6 +122,21 @@ def _check_option_keys(url: str, fs: Any, options: Mapping[str, Any]) -> None:
             f"{type(fs).__name__} (key, secret, token, anon, endpoint_url, client_kwargs, "
             "config_kwargs, ...)"
         )
+    client = options.get("client_kwargs")
+    if isinstance(client, Mapping):
+        known_client = _client_options()
+        unknown = sorted(set(client) - known_client)
+        if unknown:
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], sorted(known_client), n=1)
+            raise ValueError(
+                f"storage_options for {url}: unknown client_kwargs option "
+                f"{', '.join(map(repr, unknown))}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + "; give only arguments of botocore's Session.create_client (endpoint_url, "
+                "region_name, verify, use_ssl, ...)"
+            )
 
 
 @functools.cache
@@ -137,6 +152,15 @@ def _known_options(cls: type) -> frozenset[str]:
 
     known.update(_named_parameters(AioSession.__init__))
     return frozenset(known - {"self"})
+
+
+@functools.cache
+def _client_options() -> frozenset[str]:
+    """The keys of ``client_kwargs``: what s3fs hands to the client's creation (botocore's
+    ``Session.create_client``, whose signature aiobotocore keeps), the service name aside."""
+    from botocore.session import Session
+
+    return frozenset(_named_parameters(Session.create_client) - {"self", "service_name"})
 
 
 def _named_parameters(function: Any) -> set[str]:
