@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 1,050 lines: the worker side (the messages and their iterator) and the loader side
+This module is 1,114 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """

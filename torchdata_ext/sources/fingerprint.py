@@ -35,7 +35,7 @@ content version (ETag, generation: :func:`current_fingerprints`), so a restore o
 objects reads nothing; the other files are shared among the ranks, with or without a process
 group (:func:`check_data_files`). The request budget is in ``docs/object-storage-at-scale.md``.
 
-This module is 742 lines: the checkpoint and audit code import the stat, compare and check names
+This module is 819 lines: the checkpoint and audit code import the stat, compare and check names
 from here, and the sharing of checks among ranks reads the per-process digests it keeps.
 """
 
