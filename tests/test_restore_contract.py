@@ -52,20 +52,28 @@ def test_the_docs_table_is_the_contract() -> None:
 
 
 def test_the_docs_folder_example_says_where_its_checkpoint_was_saved(tmp_path, monkeypatch):
-    """The folder-checkpoint example of docs/checkpoint.md loads the checkpoint that
-    tests/test_readme.py's setup saves: its comment's topology and step are that one's."""
-    from test_readme import SETUPS, blocks
+    """The folder-checkpoint example of docs/checkpoint.md loads the checkpoint that the page's
+    blocks before it save (run in order from an empty folder, as a reader does): its comment's
+    topology and step are that one's."""
+    from test_readme import blocks
 
     from torchdata_ext.checkpoint.folder import read_manifest
 
-    (code,) = [c for _, c, setup, _ in blocks() if setup == "checkpoint" and "load_checkpoint" in c]
+    page = [b for b in blocks() if b[0].startswith("checkpoint.md:")]
+    (at,) = [i for i, (_, c, _, _) in enumerate(page) if 'load_checkpoint(loader, "ckpt/step_' in c]
+    code = page[at][1]
     said = re.search(r'load_checkpoint\(loader, "ckpt/step_(\d+)/loader"\)\s+# saved at '
                      r"(\d+) rank x (\d+) workers", code)  # fmt: skip
     assert said, code
     step, ranks, workers = map(int, said.groups())
     assert f"enumerate(loader, {step + 1})" in code  # the steps go on from the checkpoint's
     monkeypatch.chdir(tmp_path)
-    SETUPS["checkpoint"](tmp_path)
+    namespace: dict = {"__name__": "__readme__"}
+    for where, before, _, skip in page[:at]:
+        if skip is None:
+            exec(compile(before, where, "exec"), namespace)
+    if namespace.get("loader") is not None:
+        namespace["loader"].close()
     manifest = read_manifest(f"ckpt/step_{step}/loader")
     # 0 workers: the pipeline in a thread, one logical worker in the manifest
     assert (manifest["world_size"], manifest["num_workers"]) == (ranks, max(workers, 1))
