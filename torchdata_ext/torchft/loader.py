@@ -1,0 +1,291 @@
+"""The data loader of one torchft replica group: :class:`ElasticLoader`.
+
+Each step it follows the quorum the trainer started (``manager.start_quorum()``, or torchft's
+``Optimizer.zero_grad()``): the step's participants ``n`` (``num_participants()``) and this
+group's place among them (``participating_rank()``). The whole job's data state at the last
+committed step (:class:`~torchdata_ext.torchft.job.JobState`: one loader state per
+participant) is known to every participant: after taking its batch, each participant sends
+its loader state to all the others through torchft's fault-tolerant all-reduce
+(:func:`~torchdata_ext.torchft.exchange.allgather_bytes`; a few kilobytes each). At the next
+step the loader sees whether the step committed (``current_step()`` moved on):
+
+* committed: the exchanged states are the job's state at the new step;
+* not committed (``should_commit()`` was False): its batches count as not delivered; every
+  participant goes on from the job's state before it, and those batches come again to
+  whichever participant owns their data;
+* a new quorum with another number of participants: the job's state is re-split into ``n``
+  shares with the code a checkpoint restore at another world size runs
+  (:mod:`torchdata_ext.checkpoint.rescale`), in this process, each participant computing its
+  own share only.
+
+A replica group that joins (or falls behind) heals from a live peer through torchft's
+state-dict hooks: the job's data state travels with the model's
+(``register_state_dict_fn``), so it starts on its share of the right step.
+
+Guarantee: over an epoch, every token of every document is delivered exactly once in the
+steps that commit. One data-loading rank per replica group (a replica group's
+``group_world_size`` of 1, the data ranks of torchft's DDP/HSDP replica dimension).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from torchdata_ext.loader.token_loader import TokenLoader
+from torchdata_ext.torchft.exchange import allgather_bytes
+from torchdata_ext.torchft.job import JobState, LoaderFactory, restore_share
+
+__all__ = ["ElasticLoader", "ManagerLike", "share_of_global_batch"]
+
+STATE_KEY = "torchdata_ext"
+"""The key of the data state among the state dicts a healing replica receives."""
+
+
+class ManagerLike(Protocol):
+    """The part of ``torchft.Manager`` the loader uses (a test's simulated manager has it too)."""
+
+    def num_participants(self) -> int: ...
+    def participating_rank(self) -> int | None: ...
+    def is_participating(self) -> bool: ...
+    def current_step(self) -> int: ...
+    def errored(self) -> Any: ...
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = ..., reduce_op: Any = ...
+    ) -> Any: ...
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None: ...
+
+
+def share_of_global_batch(global_batches: int, participants: int, rank: int) -> int:
+    """Micro-batches participant ``rank`` of ``participants`` takes of a global batch of
+    ``global_batches`` micro-batches: ``global_batches // participants``, one more for the
+    first ``global_batches % participants`` participants (so the shares add up to it)."""
+    if not 0 <= rank < participants:
+        raise ValueError(f"{rank=} must be in 0..{participants - 1}")
+    return global_batches // participants + (1 if rank < global_batches % participants else 0)
+
+
+@dataclass
+class _Taken:
+    """The batches of the last step: its step, this group's share (None: none taken), the
+    job's shares, and what every participant sent after it, by participating rank (None: the
+    exchange failed)."""
+
+    step: int
+    share: int | None
+    shares: int
+    gathered: list[bytes | None] | None
+
+
+class ElasticLoader(Iterator[Any]):
+    """The data of one torchft replica group; ``next()`` once per training step, after
+    ``manager.start_quorum()`` and before the step's collectives.
+
+    Args:
+        manager: the replica group's ``torchft.Manager`` (anything with its interface).
+        make_loader: ``(share, shares) -> TokenLoader`` at ``rank=share`` of
+            ``world_size=shares`` (not iterating), the same pipeline on every replica group,
+            e.g. ``lambda r, n: TokenLoader(partial(build_pipeline, cfg), rank=r,
+            world_size=n, num_workers=2)``.
+        global_batches: None (default): a constant batch per replica group: each step yields
+            one batch of the loader (the global batch is that times the participants). An
+            integer ``G``: a constant global batch of ``G`` loader batches (micro-batches): each
+            step yields a list of this group's share of them (:func:`share_of_global_batch`:
+            ``G // n``, or one more), to accumulate gradients over; when ``n`` does not divide
+            ``G`` the shares differ by one, so weight each group's gradient by its tokens.
+        state_key: the key of the data state among the manager's state dicts.
+
+    Yields (per step): the batch, or None when this group's share of the epoch is finished
+    while others' are not (take no data this step); with ``global_batches`` a list of
+    batches (possibly empty). Raises ``StopIteration`` after every share is finished.
+    A batch taken in a step this group does not take part in (healing, a spare) is real
+    data but not delivered: its gradient is zeroed by torchft, and the data comes again.
+    """
+
+    def __init__(
+        self,
+        manager: ManagerLike,
+        make_loader: LoaderFactory,
+        *,
+        global_batches: int | None = None,
+        state_key: str = STATE_KEY,
+    ) -> None:
+        if global_batches is not None and (
+            isinstance(global_batches, bool)
+            or not isinstance(global_batches, int)
+            or global_batches < 1
+        ):
+            raise ValueError(f"{global_batches=} must be an integer >= 1, or None")
+        self.manager = manager
+        self.make_loader = make_loader
+        self.global_batches = global_batches
+        self._lock = threading.Lock()
+        self._job = JobState(0, (None,))  # a fresh run, one share: re-split at the first quorum
+        self._taken: _Taken | None = None
+        self._healed: JobState | None = None
+        self._loader: TokenLoader | None = None
+        self._it: Iterator[Any] | None = None
+        self._at: tuple[int, int, int] | None = None  # (share, shares, step) the loader is at
+        self._finished = False  # every share ended in the last committed step
+        self.resplits = 0  # re-splits made (quorum changes of the participant count)
+        manager.register_state_dict_fn(state_key, self.load_state_dict, self.state_dict)
+
+    # -- the step --------------------------------------------------------------------------------
+    def __iter__(self) -> ElasticLoader:
+        return self
+
+    def __next__(self) -> Any:
+        m = self.manager
+        n = m.num_participants()  # waits for the quorum
+        share = m.participating_rank()
+        taking = share is not None and m.is_participating()
+        step = m.current_step()
+        if n < 1:
+            raise RuntimeError("the torchft quorum has no participants; call start_quorum() first")
+        self._settle(step, check=taking)
+        if self._finished:
+            raise StopIteration
+        # the job's shares: one per participant (with a global batch of G micro-batches,
+        # at most G: participants past the G-th take none)
+        shares = n if self.global_batches is None else min(n, self.global_batches)
+        if self._job.shares != shares:
+            self._job = self._job.resplit(shares, self.make_loader)
+            self.resplits += 1
+        mine: bytes | None = None
+        if taking and share is not None and share < shares:
+            count = (
+                1
+                if self.global_batches is None
+                else share_of_global_batch(self.global_batches, shares, share)
+            )
+            items, done = self._take(share, shares, step, count)
+            assert self._loader is not None
+            mine = pickle.dumps(
+                {"state": self._loader.state_dict(), "done": done},
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
+        elif taking:  # a participant past the global batch's micro-batches
+            items = []
+        else:  # healing or a spare: real batches of the right shape, not delivered
+            items = self._throwaway(share or 0, 1)
+        gathered = allgather_bytes(m, mine, share if mine is not None else None, n)
+        self._taken = _Taken(step, share if mine is not None else None, shares, gathered)
+        if self.global_batches is None:
+            return items[0] if items else None
+        return items
+
+    def _take(self, share: int, shares: int, step: int, count: int) -> tuple[list[Any], bool]:
+        """``count`` batches of this group's share, from the job's state at ``step``."""
+        if self._at != (share, shares, step) or self._it is None:
+            self._close()
+            self._loader = restore_share(self._job, share, self.make_loader)
+            self._it = iter(self._loader)
+        items = []
+        done = False
+        for _ in range(count):
+            try:
+                items.append(next(self._it))
+            except StopIteration:
+                done = True
+                break
+        self._at = (share, shares, step + 1)
+        return items, done
+
+    def _throwaway(self, share: int, count: int) -> list[Any]:
+        self._close()
+        loader = restore_share(self._job, min(share, self._job.shares - 1), self.make_loader)
+        try:
+            it = iter(loader)
+            return [x for _, x in zip(range(count), it)]
+        finally:
+            loader.close()
+
+    def _settle(self, step: int, check: bool) -> None:
+        """Take in the outcome of the last step: committed (the states exchanged after it are
+        the job's), not committed (roll back), or healed (the job's state came with the
+        model's)."""
+        with self._lock:
+            taken, self._taken = self._taken, None
+            if self._healed is not None:
+                self._job, self._healed = self._healed, None
+                self._close()
+            job, outcome = _advanced(self._job, taken, step, self.make_loader)
+            self._job = job
+            if outcome == "rolled back":  # the last step did not commit: not delivered
+                self._close()
+            elif outcome == "committed":
+                assert taken is not None and taken.gathered is not None
+                self._finished = all(
+                    b is not None and pickle.loads(b)["done"]
+                    for b in taken.gathered[: taken.shares]
+                )
+                if taken.share is None:  # its batches were not this group's to deliver
+                    self._close()
+        if check and self._job.step != step:
+            raise RuntimeError(
+                f"the data state is at step {self._job.step} and the torchft manager at step "
+                f"{step}: a replica group that skips steps must heal (torchft does it when "
+                "it is behind) or load the loader's state_dict() of its step"
+            )
+
+    def _close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
+        self._loader, self._it, self._at = None, None, None
+
+    def close(self) -> None:
+        """Stop this group's loader (its worker processes)."""
+        self._close()
+
+    # -- state: what a healing replica group receives, and a checkpoint ----------------------------
+    def job_state(self) -> JobState:
+        """The job's data state at the last committed step this group knows."""
+        with self._lock:
+            job = self._healed if self._healed is not None else self._job
+            return _advanced(job, self._taken, self.manager.current_step(), self.make_loader)[0]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole job's data state at the last committed step, ``{"job": uint8 tensor}``:
+        what torchft sends a healing replica group with the model (and what a checkpoint
+        may store: it restores at any number of participants)."""
+        data = self.job_state().to_bytes()
+        return {"job": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the job's data state of :meth:`state_dict` (from a healthy peer, or a
+        checkpoint); the next step goes on from it."""
+        job = JobState.from_bytes(state["job"].numpy().tobytes())
+        with self._lock:
+            self._healed = job
+
+
+def _advanced(
+    job: JobState, taken: _Taken | None, step: int, make: LoaderFactory
+) -> tuple[JobState, str]:
+    """The job's state now that the manager is at ``step``, after the step ``taken`` from
+    ``job``: the states the participants exchanged after it if it committed (each share that
+    sent none as it was), ``"committed"``; ``job`` if it did not, ``"rolled back"``; ``job``
+    if no step of it was taken since, ``""``."""
+    if taken is None or taken.step != job.step or step not in (taken.step, taken.step + 1):
+        return job, ""
+    if step == taken.step:
+        return job, "rolled back"
+    if taken.gathered is None:
+        raise RuntimeError(
+            f"step {taken.step} committed although the data states were not exchanged in it; "
+            "call next(loader) before the step's collectives, once per step"
+        )
+    if taken.shares != job.shares:  # a state healed from a peer before it re-split
+        job = job.resplit(taken.shares, make)
+    states = tuple(
+        pickle.loads(b)["state"] if b is not None else job.states[i]
+        for i, b in enumerate(taken.gathered[: taken.shares])
+    )
+    return JobState(step, states, job.base if any(s is None for s in states) else None), "committed"
