@@ -97,8 +97,12 @@ def check(cfg, rows_by_group: dict[str, list[dict]]) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", [False, True], ids=["async_quorum", "sync_quorum"])
-def test_kill_join_and_failed_step_under_torchft(tmp_path, sync) -> None:
+def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
+    """With torchft's default asynchronous quorum (torchtitan's): a healing group takes a
+    batch it does not deliver. ``sync=True`` (``use_async_quorum=False``: it heals before the
+    step) passes too; it is left out of the suite for its ~30 s (the simulated manager heals
+    that way); all groups of a job must use the same mode (torchft counts participants
+    differently in each)."""
     from _torchft_replica import config
     from torchft.coordination import LighthouseServer
 
