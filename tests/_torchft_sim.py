@@ -19,6 +19,8 @@ import torch
 
 
 class _Work:
+    """A finished all-reduce (the simulated one is done when ``allreduce`` returns)."""
+
     def wait(self, timeout: Any = None) -> bool:
         return True
 

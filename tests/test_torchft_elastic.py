@@ -185,3 +185,27 @@ def test_random_histories_deliver_each_token_once(cfg, start, history, global_ba
     if global_batches is not None:
         assert max(per_step, default=0) <= global_batches
         assert not per_step or per_step[0] == global_batches
+
+
+def test_a_tensor_left_undefined_is_never_read_as_states() -> None:
+    """A failed all-reduce leaves its tensor undefined: a slot whose bytes do not match their
+    crc32 makes the whole exchange count as failed."""
+    from _torchft_sim import SimManager
+
+    from torchdata_ext.torchft.exchange import start_allgather
+
+    class One(SimManager):
+        def allreduce(self, tensor, should_quantize=False, reduce_op=None):
+            from _torchft_sim import _Work
+
+            return _Work()
+
+    m = One(None, 0)  # type: ignore[arg-type]
+    ok = start_allgather(m, b"state", 1, 2, 64)
+    assert ok.result() == [None, b"state"]
+    bad = start_allgather(m, b"state", 1, 2, 64)
+    assert bad.buf is not None
+    bad.buf[-60] += 1  # a byte of the data changed
+    assert bad.result() is None
+    with pytest.raises(ValueError, match="exchange_capacity=4"):
+        start_allgather(m, b"state", 0, 2, 4)

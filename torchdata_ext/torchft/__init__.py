@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from torchdata_ext.torchft.exchange import allgather_bytes
+from torchdata_ext.torchft.exchange import start_allgather
 from torchdata_ext.torchft.job import JobState, restore_share, share_state
 from torchdata_ext.torchft.loader import ElasticLoader, ManagerLike, share_of_global_batch
 
@@ -17,11 +17,11 @@ __all__ = [
     "ElasticLoader",
     "JobState",
     "ManagerLike",
-    "allgather_bytes",
     "require_torchft",
     "restore_share",
     "share_of_global_batch",
     "share_state",
+    "start_allgather",
 ]
 
 

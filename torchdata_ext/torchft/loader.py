@@ -6,7 +6,7 @@ group's place among them (``participating_rank()``). The whole job's data state 
 committed step (:class:`~torchdata_ext.torchft.job.JobState`: one loader state per
 participant) is known to every participant: after taking its batch, each participant sends
 its loader state to all the others through torchft's fault-tolerant all-reduce
-(:func:`~torchdata_ext.torchft.exchange.allgather_bytes`; a few kilobytes each). At the next
+(:func:`~torchdata_ext.torchft.exchange.start_allgather`; a few kilobytes each). At the next
 step the loader sees whether the step committed (``current_step()`` moved on):
 
 * committed: the exchanged states are the job's state at the new step;
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from torchdata_ext.loader.token_loader import TokenLoader
-from torchdata_ext.torchft.exchange import allgather_bytes
+from torchdata_ext.torchft.exchange import Gathering, start_allgather
 from torchdata_ext.torchft.job import JobState, LoaderFactory, restore_share
 
 __all__ = ["ElasticLoader", "ManagerLike", "share_of_global_batch"]
@@ -81,7 +81,11 @@ class _Taken:
     step: int
     share: int | None
     shares: int
-    gathered: list[bytes | None] | None
+    gathering: Gathering
+
+    @property
+    def gathered(self) -> list[bytes | None] | None:
+        return self.gathering.result()
 
 
 class ElasticLoader(Iterator[Any]):
@@ -101,6 +105,10 @@ class ElasticLoader(Iterator[Any]):
             ``G // n``, or one more), to accumulate gradients over; when ``n`` does not divide
             ``G`` the shares differ by one, so weight each group's gradient by its tokens.
         state_key: the key of the data state among the manager's state dicts.
+        exchange_capacity: bytes of one participant's state in the step's exchange (the same
+            on every replica group; a larger state stops the loader with an error naming this
+            argument): the all-reduce carries ``participants x (16 + exchange_capacity)``
+            bytes. Default 64 KiB (a state is ~2-8 KB per loader worker).
 
     Yields (per step): the batch, or None when this group's share of the epoch is finished
     while others' are not (take no data this step); with ``global_batches`` a list of
@@ -116,6 +124,7 @@ class ElasticLoader(Iterator[Any]):
         *,
         global_batches: int | None = None,
         state_key: str = STATE_KEY,
+        exchange_capacity: int = 65536,
     ) -> None:
         if global_batches is not None and (
             isinstance(global_batches, bool)
@@ -123,6 +132,13 @@ class ElasticLoader(Iterator[Any]):
             or global_batches < 1
         ):
             raise ValueError(f"{global_batches=} must be an integer >= 1, or None")
+        if (
+            isinstance(exchange_capacity, bool)
+            or not isinstance(exchange_capacity, int)
+            or exchange_capacity < 1
+        ):
+            raise ValueError(f"{exchange_capacity=} must be an integer >= 1")
+        self.exchange_capacity = exchange_capacity
         self.manager = manager
         self.make_loader = make_loader
         self.global_batches = global_batches
@@ -175,8 +191,11 @@ class ElasticLoader(Iterator[Any]):
             items = []
         else:  # healing or a spare: real batches of the right shape, not delivered
             items = self._throwaway(share or 0, 1)
-        gathered = allgather_bytes(m, mine, share if mine is not None else None, n)
-        self._taken = _Taken(step, share if mine is not None else None, shares, gathered)
+        gathering = start_allgather(
+            m, mine, share if mine is not None else None, n, self.exchange_capacity
+        )
+        gathering.result()  # waited for in its step (a failure is this step's)
+        self._taken = _Taken(step, share if mine is not None else None, shares, gathering)
         if self.global_batches is None:
             return items[0] if items else None
         return items
@@ -221,10 +240,10 @@ class ElasticLoader(Iterator[Any]):
             if outcome == "rolled back":  # the last step did not commit: not delivered
                 self._close()
             elif outcome == "committed":
-                assert taken is not None and taken.gathered is not None
+                assert taken is not None
+                gathered = taken.gathered or []
                 self._finished = all(
-                    b is not None and pickle.loads(b)["done"]
-                    for b in taken.gathered[: taken.shares]
+                    b is not None and pickle.loads(b)["done"] for b in gathered[: taken.shares]
                 )
                 if taken.share is None:  # its batches were not this group's to deliver
                     self._close()
@@ -277,7 +296,8 @@ def _advanced(
         return job, ""
     if step == taken.step:
         return job, "rolled back"
-    if taken.gathered is None:
+    gathered = taken.gathered
+    if gathered is None:
         raise RuntimeError(
             f"step {taken.step} committed although the data states were not exchanged in it; "
             "call next(loader) before the step's collectives, once per step"
@@ -286,6 +306,6 @@ def _advanced(
         job = job.resplit(taken.shares, make)
     states = tuple(
         pickle.loads(b)["state"] if b is not None else job.states[i]
-        for i, b in enumerate(taken.gathered[: taken.shares])
+        for i, b in enumerate(gathered[: taken.shares])
     )
     return JobState(step, states, job.base if any(s is None for s in states) else None), "committed"
