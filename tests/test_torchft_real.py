@@ -149,7 +149,8 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
                 p.wait()
         lighthouse.shutdown()
     records = {rid: _records(path) for rid, path in outs.items()}
-    assert any(not r["committed"] for r in records["a"]), "the kill failed no step"
+    # the job went on without c (a death between two steps fails no step; one in a step does)
+    assert any(r["participants"] == 2 for r in records["a"]), "the job never went on without c"
     assert records["d"][0]["step"] > 0, "the new group did not join the running job"
     assert any(r["participants"] == 3 and r["taking"] for r in records["d"]), "d never took part"
     assert any(not r["committed"] for r in records["b"] if r["step"] == 12)
