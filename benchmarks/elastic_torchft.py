@@ -133,6 +133,10 @@ def replica(lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic
                 break
             t_next = time.perf_counter() - t
             step, taking = manager.current_step(), manager.is_participating()
+            rows = [] if batch is None or not taking else np.asarray(batch["provenance"]).tolist()
+            # the attempt, before the gradient leaves (a group killed after it is still counted)
+            f.write(json.dumps({"step": step, "taking": taking, "rows": rows}) + "\n")
+            f.flush()
             grad = torch.ones(1024)
             t = time.perf_counter()
             manager.allreduce(grad).wait()
@@ -140,13 +144,11 @@ def replica(lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic
             time.sleep(0.005)  # the model's step
             committed = manager.should_commit()
             t_step = time.perf_counter() - t_start
-            rows = [] if batch is None or not taking else np.asarray(batch["provenance"]).tolist()
             f.write(json.dumps({
-                "step": step, "n": n, "committed": committed, "taking": taking, "rows": rows,
+                "step": step, "n": n, "committed": committed, "taking": taking,
                 "t_quorum": t_quorum, "t_next": t_next, "t_grad": t_grad, "t_step": t_step,
                 "t_exchange": exchange[-1] if exchange else 0.0, "sent": sent[-1] if sent else 0,
-                "state": state[-1] if state else 0,
-                "resplit": loader.resplits != resplits,
+                "state": state[-1] if state else 0, "resplit": loader.resplits != resplits,
             }) + "\n")  # fmt: skip
             f.flush()
     loader.close()
@@ -219,7 +221,7 @@ def run_job(tmp: str, data: str, mode: str = "elastic") -> dict[str, list[dict]]
             Path(f"{outs[rid]}.go").touch()
         total = None
         while mode == "fixed":
-            done = len(records(outs["a"])) - 1
+            done = (len(records(outs["a"])) - 1) // 2
             if done >= _batches(data) // 3:
                 for p in procs.values():
                     p.kill()
@@ -227,7 +229,7 @@ def run_job(tmp: str, data: str, mode: str = "elastic") -> dict[str, list[dict]]
                 break
             time.sleep(0.05)
         while mode == "elastic":  # kill c at 1/6 of the epoch, start d at 1/3
-            done = len(records(outs["a"])) - 1
+            done = (len(records(outs["a"])) - 1) // 2
             if total is None and done > 0:
                 total = _batches(data)
             if total and done >= total // 6 and procs["c"].poll() is None:
@@ -253,7 +255,7 @@ def delivered_tokens(recs: dict[str, list[dict]], lengths: dict) -> tuple[int, i
     count: dict = {k: np.zeros(n, np.int32) for k, n in lengths.items()}
     names = ["web", "code"]
     for rs in recs.values():
-        last = {r["step"]: r for r in rs if "step" in r}
+        last = {r["step"]: r for r in rs if "rows" in r}
         for s, r in last.items():
             if s in committed and r["taking"]:
                 for row in r["rows"]:
@@ -324,10 +326,9 @@ def main() -> None:
         Path(data, ".batches").write_text(str(n_rows // 3 // 4))  # a group's steps, about
         fixed = run_job(tmp, data, "fixed")
         recs = run_job(tmp, data)
-    steady = [
-        r for rs in recs.values() for r in rs if "step" in r and r["taking"] and not r["resplit"]
-    ]
-    changed = [r for rs in recs.values() for r in rs if "step" in r and r["resplit"]]
+    timed = [r for rs in recs.values() for r in rs if "t_next" in r]
+    steady = [r for r in timed if r["taking"] and not r["resplit"]]
+    changed = [r for r in timed if r["resplit"]]
     plain = np.mean([rs[0]["plain_next"] for rs in recs.values() if rs])
     n_state = np.median([r["state"] for r in steady if r["n"] == 3])
     print(f"epoch: {n_rows} rows, {sum(lengths.values())} tokens, {len(lengths)} documents")
@@ -338,13 +339,13 @@ def main() -> None:
         f"exchange's start {np.median([r['t_exchange'] for r in steady]) * 1e3:.3f} ms; added over "
         f"the plain next(): {(np.median([r['t_next'] for r in steady]) - plain) * 1e3:.3f} ms"
     )
-    print(f"state per participant: {n_state:.0f} bytes (pickled); all-reduced per step at 3 groups: "
+    print(f"state per participant: {n_state:.0f} bytes (pickled, zlib); all-reduced per step at 3 groups: "
           f"{np.median([r['sent'] for r in steady if r['n'] == 3]):.0f} bytes")  # fmt: skip
     print(
         "quorum change -> batch (re-split in next()): "
         + ", ".join(f"{r['t_next'] * 1e3:.1f} ms (n={r['n']})" for r in changed)
     )
-    ref = [r for rs in fixed.values() for r in rs if "step" in r and r["step"] > 2]
+    ref = [r for rs in fixed.values() for r in rs if "t_step" in r and r["step"] > 2]
     mine = [r for r in steady if r["n"] == 3 and r["step"] > 2]
     print(
         f"whole step at 3 groups, median: {np.median([r['t_step'] for r in mine]) * 1e3:.2f} ms "

@@ -1,6 +1,7 @@
 """One torchft replica group for ``test_torchft_real.py`` (run as a script): a Manager on
 gloo, an :class:`~torchdata_ext.torchft.ElasticLoader`, and a training step's shape (quorum,
-batch, an all-reduce, ``should_commit``), recording every step's rows as JSON lines.
+batch, an all-reduce, ``should_commit``), recording each step's rows (before its gradient
+all-reduce) and then whether it committed, as JSON lines.
 
 The replica writes ``OUT.ready`` once imported and starts when ``OUT.go`` exists.
 Usage: ``python _torchft_replica.py LIGHTHOUSE DATA_DIR OUT REPLICA_ID [--error-at STEP]
@@ -82,6 +83,14 @@ def main() -> None:
                 break
             step = manager.current_step()
             taking = manager.is_participating()
+            # the attempt, written before the gradient leaves: if the others commit this step
+            # with this group's gradient, its rows are on disk even if it is killed now
+            rows = [] if row is None or not taking else [np.asarray(row["provenance"]).tolist()]
+            attempt = {"step": step, "taking": taking, "rows": rows,
+                       "positions": [] if not rows else [np.asarray(row["position_ids"]).tolist()],
+                       "participants": manager.num_participants()}  # fmt: skip
+            out.write(json.dumps(attempt) + "\n")
+            out.flush()
             grad = torch.ones(4)
             manager.allreduce(grad).wait()
             if step == a.error_at:
@@ -90,11 +99,7 @@ def main() -> None:
             committed = manager.should_commit()
             if committed:
                 model["w"] += grad
-            rows = [] if row is None or not taking else [np.asarray(row["provenance"]).tolist()]
-            record = {"step": step, "committed": committed, "taking": taking, "rows": rows,
-                      "positions": [] if not rows else [np.asarray(row["position_ids"]).tolist()],
-                      "participants": manager.num_participants()}  # fmt: skip
-            out.write(json.dumps(record) + "\n")
+            out.write(json.dumps({"step": step, "committed": committed}) + "\n")
             out.flush()
     loader.close()
     manager.shutdown(wait=False)

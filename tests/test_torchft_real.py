@@ -63,12 +63,10 @@ def delivered(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """The rows of each group's last attempt at each step that committed in some group (a
     group that failed a step others committed contributed its gradient to the committed
     model: its rows were trained on; it heals past that step)."""
-    committed = {r["step"] for recs in records.values() for r in recs if r["committed"]}
+    committed = {r["step"] for recs in records.values() for r in recs if r.get("committed")}
     out: dict[str, list[dict]] = {}
     for rid, recs in records.items():
-        last = {}
-        for r in recs:
-            last[r["step"]] = r
+        last = {r["step"]: r for r in recs if "rows" in r}
         out[rid] = [
             {"provenance": np.asarray(p), "position_ids": np.asarray(pos)}
             for s in sorted(last)
@@ -129,7 +127,7 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
             Path(f"{outs[rid]}.go").touch()
 
         def wait_for(rid: str, steps: int) -> None:
-            while len(_records(outs[rid])) < steps:
+            while len(_records(outs[rid])) < 2 * steps:
                 assert procs[rid].poll() is None, (outs[rid].with_suffix(".jsonl.err")).read_text()
                 assert time.monotonic() < deadline, "the job is too slow"
                 time.sleep(0.02)
@@ -150,8 +148,9 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
         lighthouse.shutdown()
     records = {rid: _records(path) for rid, path in outs.items()}
     # the job went on without c (a death between two steps fails no step; one in a step does)
-    assert any(r["participants"] == 2 for r in records["a"]), "the job never went on without c"
-    assert records["d"][0]["step"] > 0, "the new group did not join the running job"
-    assert any(r["participants"] == 3 and r["taking"] for r in records["d"]), "d never took part"
-    assert any(not r["committed"] for r in records["b"] if r["step"] == 12)
+    attempts = {rid: [r for r in recs if "rows" in r] for rid, recs in records.items()}
+    assert any(r["participants"] == 2 for r in attempts["a"]), "the job never went on without c"
+    assert attempts["d"][0]["step"] > 0, "the new group did not join the running job"
+    assert any(r["participants"] == 3 and r["taking"] for r in attempts["d"]), "d never took part"
+    assert {"step": 12, "committed": False} in records["b"], "b's step 12 committed"
     check(config(str(data)), delivered(records))
