@@ -14,7 +14,7 @@ document, the same documents, 3 replica groups configured, the new group taking 
 ``replica_rank`` and starting its sampler over, as it does without a data checkpoint):
 samples and tokens it repeats or skips over the epoch.
 
-    python benchmarks/elastic_torchft.py [--docs 4000]
+    python benchmarks/elastic_torchft.py [--docs 4000] [--capacity none|BYTES]
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def write_corpus(root: str, docs: int) -> dict[tuple[str, int, int], int]:
 
 
 # -- one replica group ---------------------------------------------------------------------------
-def replica(lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic") -> None:
+def replica(
+    lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic", capacity: str = "none"
+) -> None:
     import torch
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
@@ -115,7 +117,11 @@ def replica(lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic
         replica_id=rid, hostname="localhost",
     )  # fmt: skip
     if mode == "elastic":
-        loader: Any = ElasticLoader(manager, lambda r, n: TokenLoader(build, rank=r, world_size=n))
+        loader: Any = ElasticLoader(
+            manager,
+            lambda r, n: TokenLoader(build, rank=r, world_size=n),
+            exchange_capacity=None if capacity == "none" else int(capacity),
+        )
     else:  # the reference: a fixed share per group, nothing followed or exchanged
         loader = _Fixed(TokenLoader(build, rank="abc".index(rid), world_size=3))
     with open(out, "a") as f:
@@ -135,7 +141,7 @@ def replica(lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic
             step, taking = manager.current_step(), manager.is_participating()
             rows = [] if batch is None or not taking else np.asarray(batch["provenance"]).tolist()
             # the attempt, before the gradient leaves (a group killed after it is still counted)
-            f.write(json.dumps({"step": step, "taking": taking, "rows": rows}) + "\n")
+            f.write(json.dumps({"step": step, "taking": taking, "rows": rows, "n": n}) + "\n")
             f.flush()
             grad = torch.ones(1024)
             t = time.perf_counter()
@@ -183,7 +189,9 @@ def records(path: Path) -> list[dict]:
     return out
 
 
-def run_job(tmp: str, data: str, mode: str = "elastic") -> dict[str, list[dict]]:
+def run_job(
+    tmp: str, data: str, mode: str = "elastic", capacity: str = "none"
+) -> dict[str, list[dict]]:
     """The job (``mode="elastic"``: the kill-and-join timeline; ``"fixed"``: 3 groups with
     plain loaders, nobody killed, for 1/3 of the epoch): each group's step records."""
     from torchft.coordination import LighthouseServer
@@ -207,6 +215,7 @@ def run_job(tmp: str, data: str, mode: str = "elastic") -> dict[str, list[dict]]
                 str(out),
                 rid,
                 mode,
+                capacity,
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -249,15 +258,30 @@ def run_job(tmp: str, data: str, mode: str = "elastic") -> dict[str, list[dict]]
     return {rid: records(out) for rid, out in outs.items()}
 
 
+def _committed_attempts(recs: dict[str, list[dict]]) -> set[tuple[int, int]]:
+    """The (step, participants) attempts that committed in some group (a failed step is tried
+    again, with other participants after a death: a killed group's rows of the failed attempt
+    are not delivered)."""
+    out = set()
+    for rs in recs.values():
+        attempt = None
+        for r in rs:
+            if "rows" in r:
+                attempt = (r["step"], r["n"])
+            elif r.get("committed") and attempt is not None and attempt[0] == r["step"]:
+                out.add(attempt)
+    return out
+
+
 def delivered_tokens(recs: dict[str, list[dict]], lengths: dict) -> tuple[int, int]:
     """(tokens delivered more than once, tokens never delivered) over the committed steps."""
-    committed = {r["step"] for rs in recs.values() for r in rs if r.get("committed")}
+    committed = _committed_attempts(recs)
     count: dict = {k: np.zeros(n, np.int32) for k, n in lengths.items()}
     names = ["web", "code"]
     for rs in recs.values():
-        last = {r["step"]: r for r in rs if "rows" in r}
-        for s, r in last.items():
-            if s in committed and r["taking"]:
+        last = {(r["step"], r["n"]): r for r in rs if "rows" in r}
+        for key, r in last.items():
+            if key in committed and r["taking"]:
                 for row in r["rows"]:
                     for ds, f, d, start, n in row:
                         if ds >= 0:
@@ -308,10 +332,11 @@ def sampler_side_by_side(lengths: dict, steps_per_epoch: int) -> dict[str, int]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replica":
-        replica(*sys.argv[2:7])
+        replica(*sys.argv[2:8])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, default=4000)
+    p.add_argument("--capacity", default="none", help="exchange_capacity (none: exact sizes)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
@@ -325,7 +350,7 @@ def main() -> None:
         )
         Path(data, ".batches").write_text(str(n_rows // 3 // 4))  # a group's steps, about
         fixed = run_job(tmp, data, "fixed")
-        recs = run_job(tmp, data)
+        recs = run_job(tmp, data, "elastic", a.capacity)
     timed = [r for rs in recs.values() for r in rs if "t_next" in r]
     steady = [r for r in timed if r["taking"] and not r["resplit"]]
     changed = [r for r in timed if r["resplit"]]

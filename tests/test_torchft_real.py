@@ -60,18 +60,27 @@ def _start(lighthouse: str, data: str, out: Path, rid: str, *extra: str) -> subp
 
 
 def delivered(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """The rows of each group's last attempt at each step that committed in some group (a
-    group that failed a step others committed contributed its gradient to the committed
-    model: its rows were trained on; it heals past that step)."""
-    committed = {r["step"] for recs in records.values() for r in recs if r.get("committed")}
+    """The rows of each group's attempts that committed in some group: an attempt is a step
+    and its participants (a step that fails is tried again, with other participants after a
+    death); a group that failed a step others committed in the same attempt contributed its
+    gradient to the committed model: its rows were trained on (it heals past that step). The
+    rows of a group killed in an attempt that did not commit come again to the others."""
+    committed = set()
+    for recs in records.values():
+        attempt = None
+        for r in recs:
+            if "rows" in r:
+                attempt = (r["step"], r["participants"])
+            elif r["committed"] and attempt is not None and attempt[0] == r["step"]:
+                committed.add(attempt)
     out: dict[str, list[dict]] = {}
     for rid, recs in records.items():
-        last = {r["step"]: r for r in recs if "rows" in r}
+        last = {(r["step"], r["participants"]): r for r in recs if "rows" in r}
         out[rid] = [
             {"provenance": np.asarray(p), "position_ids": np.asarray(pos)}
-            for s in sorted(last)
-            if s in committed and last[s]["taking"]
-            for p, pos in zip(last[s]["rows"], last[s]["positions"])
+            for key in sorted(last)
+            if key in committed and last[key]["taking"]
+            for p, pos in zip(last[key]["rows"], last[key]["positions"])
         ]
     return out
 

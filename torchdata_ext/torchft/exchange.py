@@ -4,8 +4,9 @@ torchft's ``Manager`` offers one collective across replica groups, ``allreduce``
 the quorum's process group, zeroes the tensor of a replica that does not take part in the step
 (one healing, a spare), and on any failure (a peer died) swallows the error, reports it to the
 manager (so the step does not commit: ``should_commit()`` is False) and leaves the tensor
-undefined. :func:`start_allgather` builds an all-gather on it, one all-reduce of a ``uint8``
-tensor of ``slots x (16 + capacity)`` bytes: each participant writes its bytes, after their
+undefined. :func:`start_allgather` builds an all-gather on it, an all-reduce of a ``uint8``
+tensor of ``slots x (16 + capacity)`` bytes (``capacity`` given, or the longest slot's, found
+by an all-reduce of the lengths first): each participant writes its bytes, after their
 length and crc32, into its own slot of a zero tensor, and the sum is everyone's bytes.
 :meth:`Gathering.result` waits for it; call it in the same step (torchft reports the
 collective's error to the manager when it is waited for, and a new quorum clears it).
@@ -78,7 +79,7 @@ class Gathering:
 
 
 def start_allgather(
-    manager: Collective, mine: bytes | None, slot: int | None, slots: int, capacity: int
+    manager: Collective, mine: bytes | None, slot: int | None, slots: int, capacity: int | None
 ) -> Gathering:
     """Start gathering every slot's bytes: ``mine`` at ``slot`` (None: this replica
     contributes nothing), the other participants' at theirs.
@@ -88,7 +89,9 @@ def start_allgather(
         mine: this replica's bytes, or None.
         slot: this replica's slot (its participating rank), or None.
         slots: the number of slots (the step's participants); the same on every replica.
-        capacity: bytes a slot holds; the same on every replica.
+        capacity: bytes a slot holds, the same on every replica; None: as many as the
+            longest slot's, found by a first all-reduce of the lengths (``slots`` int64s,
+            waited for here).
 
     Raises:
         ValueError: ``mine`` is longer than ``capacity`` (after the collective started, with
@@ -96,6 +99,13 @@ def start_allgather(
     """
     if slot is not None and not 0 <= slot < slots:
         raise ValueError(f"{slot=} must be in 0..{slots - 1}")
+    if capacity is None:
+        lengths = torch.zeros(slots, dtype=torch.int64)
+        if mine is not None and slot is not None:
+            lengths[slot] = len(mine)
+        if manager.errored() is None:
+            manager.allreduce(lengths, reduce_op=ReduceOp.SUM).wait()
+        capacity = max(0, int(lengths.max()))
     if manager.errored() is not None:
         return Gathering(manager, None, None, slots, capacity)
     buf = torch.zeros(slots * (_HEADER + capacity), dtype=torch.uint8)

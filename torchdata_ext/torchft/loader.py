@@ -106,11 +106,11 @@ class ElasticLoader(Iterator[Any]):
             ``G // n``, or one more), to accumulate gradients over; when ``n`` does not divide
             ``G`` the shares differ by one, so weight each group's gradient by its tokens.
         state_key: the key of the data state among the manager's state dicts.
-        exchange_capacity: bytes of one participant's state in the step's exchange (the same
-            on every replica group; a larger state stops the loader with an error naming this
-            argument): the all-reduce carries ``participants x (16 + exchange_capacity)``
-            bytes. Default 16 KiB (a state, pickled and compressed, is ~1-3 KB per loader
-            worker: raise it with many workers or shards).
+        exchange_capacity: None (default): each step's exchange is two all-reduces, the
+            states' lengths then ``participants x (16 + the longest)`` bytes (a state, pickled
+            and compressed, is ~1-3 KB per loader worker). An integer: one all-reduce of
+            ``participants x (16 + exchange_capacity)`` bytes, the same on every replica
+            group (a larger state stops the loader with an error naming this argument).
 
     Yields (per step): the batch, or None when this group's share of the epoch is finished
     while others' are not (take no data this step); with ``global_batches`` a list of
@@ -126,7 +126,7 @@ class ElasticLoader(Iterator[Any]):
         *,
         global_batches: int | None = None,
         state_key: str = STATE_KEY,
-        exchange_capacity: int = 16384,
+        exchange_capacity: int | None = None,
     ) -> None:
         if global_batches is not None and (
             isinstance(global_batches, bool)
@@ -134,12 +134,12 @@ class ElasticLoader(Iterator[Any]):
             or global_batches < 1
         ):
             raise ValueError(f"{global_batches=} must be an integer >= 1, or None")
-        if (
+        if exchange_capacity is not None and (
             isinstance(exchange_capacity, bool)
             or not isinstance(exchange_capacity, int)
             or exchange_capacity < 1
         ):
-            raise ValueError(f"{exchange_capacity=} must be an integer >= 1")
+            raise ValueError(f"{exchange_capacity=} must be an integer >= 1, or None")
         self.exchange_capacity = exchange_capacity
         self.manager = manager
         self.make_loader = make_loader
