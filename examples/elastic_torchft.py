@@ -42,14 +42,18 @@ def config(data: str):
 
 
 def write_corpus(root: str) -> dict[tuple[str, int, int], int]:
-    """Two small datasets of random token documents; their lengths by (dataset, file, doc)."""
+    """Two small datasets of counting documents (each token the one before + 1, from a random
+    start: a pattern the tiny LM learns); their lengths by (dataset, file, doc)."""
     from torchdata_ext.testing import write_arrow_batches
 
     rng = np.random.default_rng(0)
     lengths = {}
     for name, n in (("web", 300), ("code", 150)):
         docs = [
-            rng.integers(2, VOCAB, 1 + int(rng.exponential(60))).astype(np.uint32) for _ in range(n)
+            (
+                (rng.integers(0, VOCAB) + np.arange(1 + int(rng.exponential(60)))) % (VOCAB - 2) + 2
+            ).astype(np.uint32)
+            for _ in range(n)
         ]
         for f in range(2):
             write_arrow_batches(f"{root}/{name}/p{f}.arrow", docs[f::2])
@@ -69,7 +73,7 @@ def replica(lighthouse: str, data: str, out: str, rid: str) -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB))
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
 
     def load(sd):
         model.load_state_dict(sd["model"])
@@ -122,7 +126,8 @@ def replica(lighthouse: str, data: str, out: str, rid: str) -> None:
             committed = manager.should_commit()
             if committed:
                 opt.step()
-            f.write(json.dumps({"step": step, "committed": committed, "loss": float(loss)}))
+            seen = None if batch is None else float(loss)
+            f.write(json.dumps({"step": step, "committed": committed, "loss": seen}))
             f.write("\n")
             f.flush()
     loader.close()
@@ -145,6 +150,7 @@ def main() -> None:
     from torchdata_ext.torchft import require_torchft
 
     require_torchft()
+    os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse's log of every quorum: quiet
     from torchft.coordination import LighthouseServer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,7 +213,7 @@ def main() -> None:
                         if ds not in (LITERAL, PAD):
                             count[(names[ds], f, d)][start : start + n] += 1
     sizes = {rid: sorted({r["n"] for r in rs if "n" in r}) for rid, rs in records.items()}
-    losses = [r["loss"] for r in records["a"] if r.get("committed")]
+    losses = [r["loss"] for r in records["a"] if r.get("committed") and r["loss"] is not None]
     print(
         f"steps committed: {len({s for s, _ in committed})}; participants seen by each group: {sizes}"
     )
