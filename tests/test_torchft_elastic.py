@@ -5,6 +5,7 @@ uninterrupted run could have made. The real torchft run is ``test_torchft_real.p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -79,7 +80,9 @@ def run(job: SimJob, events: list[str], global_batches: int | None = None, limit
     raise AssertionError(f"the epoch did not end in {limit} steps")
 
 
-def check(cfg: PipelineConfig, committed: dict[int, list]) -> None:
+def check(cfg: PipelineConfig, committed: dict[int, list], budget: bool = False) -> int:
+    """Each token once (all of the epoch's, or with ``budget`` a prefix of each document
+    reached) and the row checks; returns the document tokens delivered."""
     coverage: dict = {}
     streams = []
     for rows in committed.values():
@@ -95,8 +98,10 @@ def check(cfg: PipelineConfig, committed: dict[int, list]) -> None:
                 {"provenance": prov, "_names": NAMES, "seq_lens": seq_lens["seq_lens"][0]}
             )
         streams.append(stream)
-    check_exactly_once(coverage, document_lengths(cfg))
-    check_rows(streams, document_lengths(cfg), cfg)
+    if not budget:
+        check_exactly_once(coverage, document_lengths(cfg))
+    check_rows(streams, document_lengths(cfg), cfg, budget=budget)
+    return sum(b - a for ranges in coverage.values() for a, b in ranges)
 
 
 def test_kill_and_join_mid_run_delivers_each_token_once(cfg) -> None:
@@ -110,6 +115,17 @@ def test_kill_and_join_mid_run_delivers_each_token_once(cfg) -> None:
     check(cfg, committed)
     assert per_step[:4] == [3] * 4 and per_step[4:8] == [2] * 4 and per_step[8] == 3
     assert len(committed) == 4  # the dead group's committed rows count too
+
+
+def test_a_token_budget_holds_through_deaths_and_joins(cfg) -> None:
+    """``max_tokens`` is the whole run's: split among the shares at every re-split, it ends
+    the run after exactly that many document tokens, none twice, the rows as a run's."""
+    job = SimJob(elastic(dataclasses.replace(cfg, max_tokens=1500)))
+    for _ in range(3):
+        job.join()
+    events = [""] * 3 + ["die"] + [""] * 3 + ["join"] + ["fail"] + ["join"]
+    committed, _ = run(job, events)
+    assert check(cfg, committed, budget=True) == 1500
 
 
 def test_uncommitted_batch_comes_again(cfg) -> None:
