@@ -128,6 +128,50 @@ def test_a_token_budget_holds_through_deaths_and_joins(cfg) -> None:
     assert check(cfg, committed, budget=True) == 1500
 
 
+def _code_share(rows: list) -> float:
+    tokens = [0, 0]
+    for row in rows:
+        for ds, _, _, _, length in np.asarray(row["provenance"]).tolist():
+            if ds in (0, 1):
+                tokens[ds] += length
+    return tokens[1] / sum(tokens)
+
+
+def test_set_weights_holds_through_deaths_and_joins(cfg) -> None:
+    """Every group calls ``set_weights`` after step 4 (code 2:1 -> 1:4 of web), and that step
+    fails (the states it rolls back to are from before the call); a group dies in the next
+    attempt but one, and a new group joins (it receives the change with the state): the change
+    holds on every share, and each token still comes once."""
+    job = SimJob(elastic(cfg))
+    for _ in range(3):
+        job.join()
+    committed: dict[int, list] = {}
+    by_step: list[list] = []
+    for k in range(200):
+        if k == 4:
+            for loader in job.loaders.values():
+                assert loader.set_weights({"web": 1.0, "code": 4.0}) == 5
+        if k == 9:
+            job.join()
+        ok, out = job.step("after" if k in (4, 6) else None)
+        if k == 6:
+            job.leave(min(job.managers))
+        if any(isinstance(v, StopIteration) for v in out.values()):
+            break
+        if ok:
+            rows = [v for v in out.values() if v is not None]
+            by_step.append(rows)
+            for rid, v in out.items():
+                if v is not None:
+                    committed.setdefault(rid, []).append(v)
+    check(cfg, committed)
+    before = _code_share([r for rows in by_step[:4] for r in rows])
+    after = _code_share([r for rows in by_step[8:16] for r in rows])
+    assert before < 0.5 < after, (before, after)
+    for loader in job.loaders.values():  # the joiner too: the change came with the state
+        assert loader._changes == [(5, {"web": 1.0, "code": 4.0})]
+
+
 def test_uncommitted_batch_comes_again(cfg) -> None:
     """The rows of a failed step are delivered again, by the group that owns them."""
     job = SimJob(elastic(cfg))

@@ -29,6 +29,7 @@ steps that commit. One data-loading rank per replica group (a replica group's
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 import zlib
@@ -153,6 +154,7 @@ class ElasticLoader(Iterator[Any]):
         self._at: tuple[int, int, int] | None = None  # (share, shares, step) the loader is at
         self._finished = False  # every share ended in the last committed step
         self.resplits = 0  # re-splits made (quorum changes of the participant count)
+        self._changes: list[tuple[int, dict[str, float]]] = []  # set_weights calls
         manager.register_state_dict_fn(state_key, self.load_state_dict, self.state_dict)
 
     # -- the step --------------------------------------------------------------------------------
@@ -203,7 +205,7 @@ class ElasticLoader(Iterator[Any]):
         """``count`` batches of this group's share, from the job's state at ``step``."""
         if self._at != (share, shares, step) or self._it is None:
             self._close()
-            self._loader = restore_share(self._job, share, self.make_loader)
+            self._loader = self._restored(share)
             self._it = iter(self._loader)
         items = []
         done = False
@@ -216,9 +218,43 @@ class ElasticLoader(Iterator[Any]):
         self._at = (share, shares, step + 1)
         return items, done
 
+    def _restored(self, share: int) -> TokenLoader:
+        """Share ``share``'s loader at the job's state, with the trainer's weight changes the
+        state was taken before (they take effect at later steps)."""
+        loader = restore_share(self._job, share, self.make_loader)
+        known = {int(p[0]) for p in loader.weight_points() if p[2] == "trainer"}
+        for step, weights in self._changes:
+            if step not in known:
+                loader.set_weights(weights, from_step=step)
+        return loader
+
+    def set_weights(self, weights: dict[str, float], from_step: int | None = None) -> int:
+        """Change the datasets' weights from batch ``from_step`` on (counted from 1 as the
+        loader's ``step``: with one batch per step, torchft's committed steps + 1; default:
+        the next step's), on every share, through every quorum change: call it on every
+        replica group at the same point of the loop (e.g. weights from an all-reduced loss),
+        between steps. See :meth:`TokenLoader.set_weights`.
+
+        Raises:
+            ValueError: ``from_step`` before the next step, or what ``TokenLoader.set_weights``
+                refuses.
+        """
+        step = self.manager.current_step() + 1 if from_step is None else int(from_step)
+        if step <= self._job.step:
+            raise ValueError(
+                f"set_weights(from_step={from_step!r}): the job has committed {self._job.step} "
+                f"steps; the earliest step a change can take effect is {self._job.step + 1}"
+            )
+        live = self._loader is not None and self._at is not None
+        if live and self._at is not None and self._at[2] == self.manager.current_step():
+            assert self._loader is not None
+            self._loader.set_weights(weights, from_step=step)
+        self._changes.append((step, dict(weights)))
+        return step
+
     def _throwaway(self, share: int, count: int) -> list[Any]:
         self._close()
-        loader = restore_share(self._job, min(share, self._job.shares - 1), self.make_loader)
+        loader = self._restored(min(share, self._job.shares - 1))
         try:
             it = iter(loader)
             return [x for _, x in zip(range(count), it)]
@@ -272,16 +308,23 @@ class ElasticLoader(Iterator[Any]):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole job's data state at the last committed step, ``{"job": uint8 tensor}``:
         what torchft sends a healing replica group with the model (and what a checkpoint
-        may store: it restores at any number of participants)."""
+        may store: it restores at any number of participants), and the trainer's
+        :meth:`set_weights` calls, ``{"job", "weight_changes"}`` (uint8 tensors)."""
         data = self.job_state().to_bytes()
-        return {"job": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+        changes = json.dumps(self._changes).encode()
+        return {
+            "job": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+            "weight_changes": torch.frombuffer(bytearray(changes), dtype=torch.uint8),
+        }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Take the job's data state of :meth:`state_dict` (from a healthy peer, or a
         checkpoint); the next step goes on from it."""
         job = JobState.from_bytes(state["job"].numpy().tobytes())
+        changes = json.loads(state["weight_changes"].numpy().tobytes())
         with self._lock:
             self._healed = job
+            self._changes = [(int(step), dict(weights)) for step, weights in changes]
 
 
 def _packed(message: dict[str, Any]) -> bytes:
