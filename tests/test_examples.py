@@ -67,3 +67,12 @@ def test_document_transforms() -> None:
     assert "documents kept, exactly the reference set" in out
     assert "rescaled 2 -> 3 ranks: every kept document's tokens delivered once, 0 repeated" in out
     assert "OK: document transforms exact under resume and rescale" in out
+
+
+@pytest.mark.multiprocess
+def test_elastic_torchft_example() -> None:
+    """3 torchft replica groups train the tiny LM, one is killed, one joins: every token once."""
+    pytest.importorskip("torchft", reason="torchft is not installed (the [torchft] extra)")
+    out = _run(str(EXAMPLES / "elastic_torchft.py"))
+    assert "each delivered exactly once over the committed steps: True" in out
+    assert "'c': [3]" in out and "'d': [2, 3]" in out
