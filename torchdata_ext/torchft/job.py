@@ -189,7 +189,7 @@ def restore_from_states(
         f"the job's data state at step {step}",
         rank_meta=lambda r: _needed(states, r),
         worker=worker,
-        check_files=lambda datasets: None,  # the same files, read by the same job
+        check_files=lambda *_: None,  # the same files, read by the same job
         allow_weight_changes=False,
         allow_new_datasets=False,
     )
