@@ -1,5 +1,5 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, CBOR,
-and in-memory documents (``memory``).
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, Megatron indexed
+datasets, JSON Lines, MDS, CBOR, and in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
 add a format with :func:`register_handler`. Handler modules are imported lazily by the
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torchdata_ext.handlers.cbor import CborHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
     from torchdata_ext.handlers.mds import MdsHandler
+    from torchdata_ext.handlers.megatron import MegatronHandler
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
@@ -41,6 +42,7 @@ __all__ = [
     "FlatTokenHandler",
     "JsonlHandler",
     "MdsHandler",
+    "MegatronHandler",
     "MemoryHandler",
     "MemorySource",
     "NpyHandler",
@@ -61,6 +63,7 @@ _LAZY = {
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
     "MdsHandler": "torchdata_ext.handlers.mds",
+    "MegatronHandler": "torchdata_ext.handlers.megatron",
     "MemoryHandler": "torchdata_ext.handlers.memory",
     "MemorySource": "torchdata_ext.handlers.memory",
     "ParquetHandler": "torchdata_ext.handlers.parquet",

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
+from torchdata_ext.handlers.ranged import RangedTokens
 from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
@@ -245,15 +246,18 @@ class TokenArrayReader:
 
     Attributes:
         url: the file.
-        tokens: the token array (a zero-copy view of the memory map or of the fetched bytes).
+        tokens: the token array (a zero-copy view of the memory map or of the fetched bytes),
+            or a :class:`~torchdata_ext.handlers.ranged.RangedTokens` read by range when sliced.
         offsets: int64 document boundaries, ``length + 1`` values.
-        kind: ``"ceped"`` or ``"flat"``.
+        kind: ``"ceped"``, ``"flat"`` or ``"megatron"``.
         produces: always ``"tokens"``.
     """
 
     produces = "tokens"
 
-    def __init__(self, url: str, tokens: np.ndarray, offsets: np.ndarray, kind: str) -> None:
+    def __init__(
+        self, url: str, tokens: np.ndarray | RangedTokens, offsets: np.ndarray, kind: str
+    ) -> None:
         self.url = url
         self.tokens = tokens
         self.offsets = offsets

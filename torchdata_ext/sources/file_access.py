@@ -38,7 +38,13 @@ from typing import Any, TypeAlias
 import numpy as np
 from fsspec.core import split_protocol
 
-from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
+from torchdata_ext.handlers.base import (
+    DataFileError,
+    DocData,
+    FileHandler,
+    get_handler,
+    get_handler_class,
+)
 from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
 from torchdata_ext.sources.index import DatasetIndex
 
@@ -231,11 +237,17 @@ class FileAccess:
 
     # -- opening: local, remote through the cache, or remote by range requests -----------------
     def _range_reads(self) -> bool:
-        """Whether remote files are read with range requests (nothing to prefetch)."""
-        return (
-            self.cache is not None
-            and self.cache.range_reads
-            and self.dataset.file_type in _RANGE_FORMATS
+        """Whether remote files are read with range requests (nothing to prefetch): always for
+        formats that say so (``range_reads_always``), else with ``ShardCache(range_reads=True)``
+        for Arrow IPC, Parquet and the formats that implement ``open_ranged``."""
+        if self.cache is None:
+            return False
+        cls = get_handler_class(self.dataset.file_type)
+        if cls.range_reads_always:
+            return True
+        return self.cache.range_reads and (
+            self.dataset.file_type in _RANGE_FORMATS
+            or cls.open_ranged is not FileHandler.open_ranged
         )
 
     def _open_handle(self, file: int) -> Any:
@@ -252,7 +264,10 @@ class FileAccess:
                     return handle
                 return with_retries(lambda: handler.open(url), url, what="open")
             if self._range_reads():
-                handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
+                if self.dataset.file_type in _RANGE_FORMATS:
+                    handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
+                else:
+                    handle = self._open_ranged(handler, url)
                 if handle is not None:
                     return handle
             local = self.cache.acquire(url, so, self._companions, self._listed_size(url))
@@ -278,6 +293,21 @@ class FileAccess:
         finally:
             self._io["files_opened"] += 1
             self._io["open_seconds"] += time.perf_counter() - t0
+
+    def _open_ranged(self, handler: FileHandler, url: str) -> Any:
+        """Open ``url`` with the handler's own range reads through the cache's range files
+        (retries, counters); None when the handler cannot (the file is downloaded instead)."""
+        cache = self.cache
+        if cache is None:  # (only called with range reads, which need a cache)
+            return None
+        so = self.dataset.storage_options
+        size = self._listed_size(url)
+        handle = handler.open_ranged(
+            url, lambda u: cache.open_range(u, so, size if u == url else None)
+        )
+        if handle is not None:
+            handle._range_read = True  # nothing of the cache to release when closed
+        return handle
 
     def _open_prefetching(self, file: int, upcoming: list[str]) -> Any:
         """Open ``file`` and hold ``upcoming`` as prefetched, in the order :meth:`open` says."""
