@@ -21,8 +21,8 @@ document. A document's tokens are its sequences' tokens in order, one zero-copy 
 not contiguous is refused).
 
 A dataset lists a pair by either file (``corpus_text_document.idx`` or ``.bin``; listing a
-folder lists each pair once, by its ``.idx``). Local files are memory-mapped. Remote files are
-read by range, never whole: the ``.idx`` header and arrays when the file is opened (two
+folder lists each pair once, by its ``.idx``). Local files are memory-mapped (``memory://``
+ones read whole). Files on object stores are read by range, never whole: the ``.idx`` header and arrays when the file is opened (two
 requests), then each document's bytes when it is read
 (:attr:`~torchdata_ext.handlers.base.FileHandler.range_reads_always`).
 """
@@ -37,8 +37,14 @@ import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError
 from torchdata_ext.handlers.numpy_tokens import TokenArrayReader, _TokenArrayHandler, read_source
-from torchdata_ext.handlers.ranged import FsRanges, OpenRanges, RangedTokens, read_exact
-from torchdata_ext.remote.urls import filesystem, is_local
+from torchdata_ext.handlers.ranged import (
+    FsRanges,
+    OpenRanges,
+    RangedTokens,
+    read_exact,
+    reads_by_range,
+)
+from torchdata_ext.remote.urls import filesystem
 
 __all__ = ["INDEX_MAGIC", "MegatronHandler", "megatron_pair"]
 
@@ -166,7 +172,7 @@ class MegatronHandler(_TokenArrayHandler):
     def open(self, url: str) -> TokenArrayReader:
         idx_url, bin_url = megatron_pair(url)
         fs, _ = filesystem(idx_url, self.storage_options)
-        if not is_local(fs):
+        if reads_by_range(fs):
             return self.open_ranged(url, lambda u: FsRanges(u, self.storage_options))
         idx = read_source(idx_url, self.storage_options)
         header = _parse_header(idx_url, bytes(idx[: _HEADER.size]))

@@ -15,15 +15,35 @@ reads what the documents it is asked for hold, plus the index that says where th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError
-from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.remote.urls import filesystem, is_local, protocol_of
 
-__all__ = ["ByteRanges", "FsRanges", "OpenRanges", "RangedTokens", "read_exact"]
+__all__ = [
+    "READ_THREADS",
+    "ByteRanges",
+    "FsRanges",
+    "OpenRanges",
+    "RangedTokens",
+    "read_exact",
+    "reads_by_range",
+]
+
+READ_THREADS = 8
+"""Range requests a :class:`RangedTokens` sends at once for the documents of one ``get_many``
+(a block of documents the walk visits in random order: one request each, overlapped)."""
+
+
+def reads_by_range(fs: Any) -> bool:
+    """Whether token files on ``fs`` are opened by range rather than read whole: any filesystem
+    but the local one (memory-mapped) and ``memory://`` (already in this process's memory)."""
+    return not is_local(fs) and protocol_of(fs) != "memory"
 
 
 class ByteRanges(Protocol):
@@ -106,16 +126,45 @@ class RangedTokens:
 
     Only slices with step 1 are supported (``tokens[a:b]``, what the token handlers take);
     each returns a read-only NumPy array of ``b - a`` tokens read with one request.
+    :meth:`take` reads many slices, :data:`READ_THREADS` requests at a time; :meth:`close`
+    stops its threads.
     """
+
+    ndim = 1
 
     def __init__(self, source: ByteRanges, dtype: np.dtype, offset: int, size: int) -> None:
         self.source = source
         self.dtype = np.dtype(dtype)
         self.offset = int(offset)
         self.size = int(size)
+        self._pool: ThreadPoolExecutor | None = None
+        self._mu = threading.Lock()
+
+    def take(self, starts: Sequence[int], ends: Sequence[int]) -> list[np.ndarray]:
+        """``[self[s:e] for s, e in zip(starts, ends)]``, up to :data:`READ_THREADS` requests
+        at a time (an empty slice sends none)."""
+        if len(starts) <= 1:
+            return [self[s:e] for s, e in zip(starts, ends, strict=True)]
+        with self._mu:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="range-read")
+            pool = self._pool
+        return list(pool.map(lambda se: self[se[0] : se[1]], zip(starts, ends, strict=True)))
+
+    def close(self) -> None:
+        """Stop the threads of :meth:`take` (it starts them again if called after)."""
+        with self._mu:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def shape(self) -> tuple[int]:
+        """``(size,)``, as a 1-D array's."""
+        return (self.size,)
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):

@@ -3,7 +3,8 @@
 :class:`FileAccess` owns everything between a file number and its documents' data: the
 dataset's :class:`~torchdata_ext.handlers.base.FileHandler`; opening a file in place (local),
 from a :class:`~torchdata_ext.remote.ShardCache` (remote, downloaded whole) or by range requests
-(remote Arrow IPC and Parquet with ``ShardCache(range_reads=True)``); the cache holds that keep
+(remote Megatron pairs always; remote Arrow IPC, Parquet and token files with
+``ShardCache(range_reads=True)``; token files from ``range_reads_above`` bytes); the cache holds that keep
 the next files prefetched while the current one is read; a few more files kept open for
 :meth:`FileAccess.fetch_document`, and local files the walk read last (a walk over logical
 shards comes back to another shard's file at almost every block: reopening it and parsing its
@@ -236,19 +237,36 @@ class FileAccess:
         return out
 
     # -- opening: local, remote through the cache, or remote by range requests -----------------
-    def _range_reads(self) -> bool:
-        """Whether remote files are read with range requests (nothing to prefetch): always for
-        formats that say so (``range_reads_always``), else with ``ShardCache(range_reads=True)``
-        for Arrow IPC, Parquet and the formats that implement ``open_ranged``."""
-        if self.cache is None:
+    def _all_by_range(self) -> bool:
+        """Whether every remote file of the dataset is read by range, whatever its size."""
+        cache = self.cache
+        if cache is None:
             return False
         cls = get_handler_class(self.dataset.file_type)
         if cls.range_reads_always:
             return True
-        return self.cache.range_reads and (
-            self.dataset.file_type in _RANGE_FORMATS
-            or cls.open_ranged is not FileHandler.open_ranged
+        ranged = self.dataset.file_type in _RANGE_FORMATS or (
+            cls.open_ranged is not FileHandler.open_ranged
         )
+        return cache.range_reads and ranged
+
+    def _range_reads(self, url: str) -> bool:
+        """Whether remote file ``url`` is read with range requests (nothing to prefetch):
+        always for formats that say so (``range_reads_always``: Megatron); with
+        ``ShardCache(range_reads=True)`` for Arrow IPC, Parquet and the formats that implement
+        ``open_ranged``; for those too when the file is at least the cache's
+        ``range_reads_above`` bytes."""
+        cache = self.cache
+        if cache is None:
+            return False
+        if self._all_by_range():
+            return True
+        cls = get_handler_class(self.dataset.file_type)
+        if self.dataset.file_type in _RANGE_FORMATS or cls.open_ranged is FileHandler.open_ranged:
+            return False
+        size = self._listed_size(url)
+        above = cache.range_reads_above
+        return above is not None and size is not None and size >= above
 
     def _open_handle(self, file: int) -> Any:
         """Open file number ``file``: in place, from the cache, or by range requests."""
@@ -263,7 +281,7 @@ class FileAccess:
                     self._stamps[file] = self._stamp(file)
                     return handle
                 return with_retries(lambda: handler.open(url), url, what="open")
-            if self._range_reads():
+            if self._range_reads(url):
                 if self.dataset.file_type in _RANGE_FORMATS:
                     handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
                 else:
@@ -330,7 +348,7 @@ class FileAccess:
         not ``file``; none when nothing is prefetched (``upcoming`` is then not read)."""
         n = self.prefetch
         cache = self.cache
-        if n == 0 or cache is None or self._range_reads():
+        if n == 0 or cache is None or self._all_by_range():
             return []
         out: list[str] = []
         seen = {file}
@@ -338,7 +356,7 @@ class FileAccess:
             if other not in seen:
                 seen.add(other)
                 url = self.dataset.files[other]
-                if cache.is_cached(url):
+                if cache.is_cached(url) and not self._range_reads(url):
                     out.append(url)
                     if len(out) >= n:
                         break
