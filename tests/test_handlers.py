@@ -33,6 +33,7 @@ from torchdata_ext.handlers import (
     JsonlHandler,
     MdsHandler,
     MegatronHandler,
+    NanoGptHandler,
     NpyHandler,
     ParquetHandler,
     format_for_url,
@@ -169,6 +170,12 @@ CASES = [
         "tok.npy",
         lambda u, d: T.write_flat_tokens(u, d, offsets=True),
         NpyHandler,
+    ),
+    Case(
+        "nanogpt",  # headerless uint16, EOT after every document
+        "train.bin",
+        lambda u, d: T.write_flat_tokens(u, d, eos_token=EOS, dtype=np.uint16),
+        lambda: NanoGptHandler(eos_token=EOS),
     ),
     Case(
         "megatron-sentences",  # documents of several sequences, as --split-sentences writes

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
+    from torchdata_ext.handlers.token_shards import LlmcHandler, NanoGptHandler
 
 __all__ = [
     "ArrowHandler",
@@ -41,10 +42,12 @@ __all__ = [
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",
+    "LlmcHandler",
     "MdsHandler",
     "MegatronHandler",
     "MemoryHandler",
     "MemorySource",
+    "NanoGptHandler",
     "NpyHandler",
     "ParquetHandler",
     "format_for_url",
@@ -62,6 +65,8 @@ _LAZY = {
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "LlmcHandler": "torchdata_ext.handlers.token_shards",
+    "NanoGptHandler": "torchdata_ext.handlers.token_shards",
     "MdsHandler": "torchdata_ext.handlers.mds",
     "MegatronHandler": "torchdata_ext.handlers.megatron",
     "MemoryHandler": "torchdata_ext.handlers.memory",

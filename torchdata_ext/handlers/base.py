@@ -158,6 +158,8 @@ _REGISTRY: dict[str, str | type[FileHandler]] = {
     "mds": "torchdata_ext.handlers.mds:MdsHandler",
     "cbor": "torchdata_ext.handlers.cbor:CborHandler",
     "megatron": "torchdata_ext.handlers.megatron:MegatronHandler",
+    "llmc": "torchdata_ext.handlers.token_shards:LlmcHandler",
+    "nanogpt": "torchdata_ext.handlers.token_shards:NanoGptHandler",
 }
 # suffix (lower case, longest match wins) -> name
 _SUFFIXES: dict[str, str] = {

@@ -277,7 +277,7 @@ class TokenArrayReader:
         tokens: the token array (a zero-copy view of the memory map or of the fetched bytes),
             or a :class:`~torchdata_ext.handlers.ranged.RangedTokens` read by range when sliced.
         offsets: int64 document boundaries, ``length + 1`` values.
-        kind: ``"ceped"``, ``"flat"`` or ``"megatron"``.
+        kind: ``"ceped"``, ``"flat"``, ``"llmc"`` or ``"megatron"``.
         produces: always ``"tokens"``.
     """
 
@@ -416,6 +416,34 @@ class _TokenArrayHandler(FileHandler):
         return eos_offsets(tokens, eos_token)
 
 
+LLMC_HEADER_BYTES = 256 * 4
+LLMC_VERSIONS: dict[tuple[int, int], np.dtype] = {
+    (20240520, 1): np.dtype("<u2"),
+    (20240801, 7): np.dtype("<u4"),
+}
+"""llm.c token shards' ``(magic, version)`` -> token dtype (its ``HEADERS_INFO``)."""
+
+
+def llmc_layout(buf: Source) -> tuple[np.dtype, int] | str:
+    """``(token dtype, token count)`` of the llm.c shard held in ``buf`` (a 256-int32 header:
+    magic, version, token count; then the tokens), or the reason it is not one (the header is
+    missing or unknown, or its count does not match the size)."""
+    size = len(buf)
+    if size < LLMC_HEADER_BYTES:
+        return f"{size} bytes, shorter than llm.c's {LLMC_HEADER_BYTES}-byte header"
+    magic, version, count = (int(x) for x in np.frombuffer(buf, "<i4", count=3))
+    dtype = LLMC_VERSIONS.get((magic, version))
+    if dtype is None:
+        return f"header magic {magic} version {version}, not one of {sorted(LLMC_VERSIONS)}"
+    need = LLMC_HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size != need:
+        return (
+            f"the header says {count} {dtype} tokens ({need} bytes with the header) but the "
+            f"file holds {size} bytes"
+        )
+    return dtype, count
+
+
 def _check_token_array(url: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
     if len(shape) != 1 or dtype.kind not in "iu":
         raise DataFileError(
@@ -526,15 +554,35 @@ class FlatTokenHandler(_TokenArrayHandler):
         if remote is not None:
             return remote
         buf = read_source(url, self.storage_options)
+        if bytes(buf[:6]) != NPY_MAGIC:  # an llm.c shard (its header checks out) is read so
+            layout = llmc_layout(buf)
+            if not isinstance(layout, str):
+                return self.llmc_reader(url, buf, layout)
         tokens = self._token_array(url, buf, self.dtype)
         offsets = self._flat_offsets(url, tokens, self.eos_token)
         return TokenArrayReader(url, tokens, offsets, "flat")
+
+    def llmc_reader(self, url: str, buf: Source, layout: tuple[np.dtype, int]) -> TokenArrayReader:
+        """The reader of the llm.c shard in ``buf`` (``layout`` from :func:`llmc_layout`): its
+        tokens after the header, split by the sidecar, else at ``eos_token`` past the EOT that
+        starts the file (llm.c writes one before every document)."""
+        dtype, count = layout
+        tokens = np.frombuffer(buf, dtype=dtype, count=count, offset=LLMC_HEADER_BYTES)
+        eos = self.eos_token
+        sidecar = source_exists(url + OFFSETS_SUFFIX, self.storage_options)
+        if not sidecar and eos is not None and tokens.size and int(tokens[0]) == eos:
+            tokens = tokens[1:]
+        return TokenArrayReader(url, tokens, self._flat_offsets(url, tokens, eos), "llmc")
 
     def open_ranged(self, url: str, open_ranges: OpenRanges) -> TokenArrayReader | None:
         """Open by range when an offsets sidecar gives the boundaries (the header and the
         sidecar are read, then each document when asked for); None without one (splitting on
         ``eos_token`` reads every token: the file is read whole)."""
-        tokens = self._ranged_tokens(url, open_ranges(url), self.dtype)
+        source = open_ranges(url)
+        head = read_exact(source, 0, min(source.size, 12), "the file's first bytes")
+        if len(head) == 12 and tuple(np.frombuffer(head, "<i4", count=2)) in LLMC_VERSIONS:
+            return None  # an llm.c shard: read whole (its header and tokens, see open)
+        tokens = self._ranged_tokens(url, source, self.dtype)
         offsets = self._ranged_sidecar(url, open_ranges, tokens.size)
         if offsets is None:
             tokens.close()
