@@ -75,10 +75,10 @@ def test_open_ranged_reads_the_index_then_only_the_documents_read(
     assert reader is not None and handler.length(reader) == 40
     data_file = name.replace(".idx", ".bin")
     # opening read no token of the data file past its header (a CEPED file: its n and its
-    # lengths; a raw .bin: the 6 bytes that tell it from a .npy)
+    # lengths; a raw .bin: the 12 bytes that tell it from a .npy and an llm.c shard)
     n_lengths = 41 if "c" in name else 0
     item = expected[0].dtype.itemsize
-    limit = max(header + n_lengths * item, 6)
+    limit = max(header + n_lengths * item, 12)
     assert all(end <= limit for f, _, end in opened if f == data_file), opened
     CountingRanges.reads = []
     picks = [3, 17, 3, 39]
@@ -130,9 +130,9 @@ def test_big_files_are_read_by_range_through_the_cache(s3: S3Endpoint, tmp_path:
         finally:
             cache.close()
         assert [len(d) for d in docs] == [2500] * 3
-        if by_range:  # 6 bytes (not a .npy), the sidecar (201 offsets), three documents
+        if by_range:  # 12 bytes (no .npy, no llm.c), the sidecar (201 offsets), 3 documents
             assert stats["downloads"] == 0
-            assert stats["bytes_downloaded"] == 6 + 128 + 201 * 8 + 3 * 2500 * 4
+            assert stats["bytes_downloaded"] == 12 + 128 + 201 * 8 + 3 * 2500 * 4
         else:  # as before: the file (and the next one, prefetched) downloaded whole
             assert stats["downloads"] >= 1 and stats["bytes_downloaded"] >= size
 

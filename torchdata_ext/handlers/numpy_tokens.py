@@ -366,11 +366,13 @@ class _TokenArrayHandler(FileHandler):
         return reader
 
     def _ranged_tokens(
-        self, url: str, source: ByteRanges, raw_dtype: np.dtype | None
+        self, url: str, source: ByteRanges, raw_dtype: np.dtype | None, head: bytes = b""
     ) -> RangedTokens:
-        """The token array of a remote ``.npy`` (its header read by range) or raw file."""
-        magic = read_exact(source, 0, min(source.size, 6), "the file's first bytes")
-        if magic == NPY_MAGIC or raw_dtype is None:
+        """The token array of a remote ``.npy`` (its header read by range) or raw file;
+        ``head``: the file's first bytes if already read (spares a request)."""
+        if len(head) < min(source.size, 6):
+            head = read_exact(source, 0, min(source.size, 6), "the file's first bytes")
+        if head[:6] == NPY_MAGIC or raw_dtype is None:
             dtype, shape, _, offset = npy_layout(
                 url, lambda a, b: read_exact(source, a, b, "the .npy header"), source.size
             )
@@ -582,7 +584,7 @@ class FlatTokenHandler(_TokenArrayHandler):
         head = read_exact(source, 0, min(source.size, 12), "the file's first bytes")
         if len(head) == 12 and tuple(np.frombuffer(head, "<i4", count=2)) in LLMC_VERSIONS:
             return None  # an llm.c shard: read whole (its header and tokens, see open)
-        tokens = self._ranged_tokens(url, source, self.dtype)
+        tokens = self._ranged_tokens(url, source, self.dtype, head)
         offsets = self._ranged_sidecar(url, open_ranges, tokens.size)
         if offsets is None:
             tokens.close()
