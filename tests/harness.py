@@ -8,6 +8,7 @@ checks the rest of the stream is identical to the uninterrupted run. States go t
 
 from __future__ import annotations
 
+import collections
 import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +19,7 @@ from torchdata.nodes import BaseNode, Loader
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.pipeline.build import build_datasets
 from torchdata_ext.pipeline.config import PipelineConfig
+from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_arrow_batches, write_jsonl
 
 
@@ -256,3 +258,22 @@ def dataset_share(batches: list[Any], dataset: int = 1) -> float:
     """Dataset number ``dataset``'s share of the data tokens of ``batches`` (``dataset_ids``)."""
     ids = np.concatenate([x["dataset_ids"].numpy().ravel() for x in batches])
     return float((ids == dataset).sum() / (ids >= 0).sum())
+
+
+def delivered_documents(node: BaseNode) -> dict[str, collections.Counter]:
+    """Each dataset's documents as the packed sequences of ``node`` (a pipeline built with
+    ``collate=False`` and ``shuffle_buffer=1``: the packer last) hold them, pieces joined by
+    start, as a multiset of token tuples per dataset name."""
+    pieces: dict[tuple, dict[int, np.ndarray]] = collections.defaultdict(dict)
+    for seq in run(node):
+        full = np.concatenate([seq["input_ids"], seq["labels"][-1:]])
+        pos = 0
+        for ds, f, d, start, length in seq["provenance"].tolist():
+            if ds not in (LITERAL, PAD):
+                pieces[(node.dataset_names[ds], f, d)][start] = full[pos : pos + length]
+            pos += length
+    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for (name, _, _), parts in pieces.items():
+        doc = np.concatenate([parts[s] for s in sorted(parts)])
+        out[name][tuple(doc.tolist())] += 1
+    return out

@@ -32,6 +32,8 @@ from torchdata_ext.handlers import (
     FlatTokenHandler,
     JsonlHandler,
     MdsHandler,
+    MegatronHandler,
+    NanoGptHandler,
     NpyHandler,
     ParquetHandler,
     format_for_url,
@@ -168,6 +170,18 @@ CASES = [
         "tok.npy",
         lambda u, d: T.write_flat_tokens(u, d, offsets=True),
         NpyHandler,
+    ),
+    Case(
+        "nanogpt",  # headerless uint16, EOT after every document
+        "train.bin",
+        lambda u, d: T.write_flat_tokens(u, d, eos_token=EOS, dtype=np.uint16),
+        lambda: NanoGptHandler(eos_token=EOS),
+    ),
+    Case(
+        "megatron-sentences",  # documents of several sequences, as --split-sentences writes
+        "corpus_text_document.idx",
+        lambda u, d: T.write_megatron(u, d, dtype=np.uint16, sentences=3),
+        MegatronHandler,
     ),
     Case("jsonl", "docs.jsonl", T.write_jsonl, JsonlHandler, kind="text", expect_doc_lengths=False),
     Case(
@@ -347,6 +361,7 @@ TRUNCATABLE = [
         "ceped-sniffed",
         "flat-bin-eos",
         "flat-npy-eos",
+        "megatron-sentences",
         "jsonl",
         "jsonl-gz",
         "json-zst",
@@ -401,6 +416,7 @@ def test_unknown_suffix() -> None:
         ("a.json", JsonlHandler),
         ("a.jsonl.gz", JsonlHandler),
         ("a.json.zst", JsonlHandler),
+        ("corpus_text_document.idx", MegatronHandler),
     ],
 )
 def test_handler_for_url(name: str, cls: type) -> None:

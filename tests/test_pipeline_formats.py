@@ -8,9 +8,8 @@ import collections
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-from harness import check_restore_at_every_step, run
+from harness import check_restore_at_every_step, delivered_documents, run
 
 import torchdata_ext
 from torchdata_ext import DatasetIndex, World
@@ -18,7 +17,6 @@ from torchdata_ext.handlers import ArrowHandler, CepedHandler, FlatTokenHandler,
 from torchdata_ext.handlers.base import handler_accepts
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
-from torchdata_ext.provenance import LITERAL, PAD
 from torchdata_ext.testing import write_jsonl
 
 WEB = [f"web page {i}: " + "spam " * (i % 5) for i in range(30)]
@@ -54,24 +52,6 @@ def _config(data_path: Path, **kw) -> PipelineConfig:
     return PipelineConfig(**base)
 
 
-def _delivered(node) -> dict[str, collections.Counter]:
-    """Each dataset's documents as the packed sequences hold them (pieces joined by start)."""
-    pieces: dict[tuple, dict[int, np.ndarray]] = collections.defaultdict(dict)
-    pack = node  # shuffle_buffer=1: the packer is the last node
-    for seq in run(node):
-        full = np.concatenate([seq["input_ids"], seq["labels"][-1:]])
-        pos = 0
-        for ds, f, d, start, length in seq["provenance"].tolist():
-            if ds not in (LITERAL, PAD):
-                pieces[(pack.dataset_names[ds], f, d)][start] = full[pos : pos + length]
-            pos += length
-    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for (name, _, _), parts in pieces.items():
-        doc = np.concatenate([parts[s] for s in sorted(parts)])
-        out[name][tuple(doc.tolist())] += 1
-    return out
-
-
 def test_arrow_and_flat_npy_prepared_datasets_load_in_one_pipeline(data_path: Path) -> None:
     cfg = _config(data_path)
     datasets = build_datasets(cfg)
@@ -80,7 +60,7 @@ def test_arrow_and_flat_npy_prepared_datasets_load_in_one_pipeline(data_path: Pa
     assert datasets["books"].handler_options["eos_token"] == 0
     assert "eos_token" not in datasets["web"].handler_options
     assert datasets["books"].total_docs == len(BOOKS) and len(datasets["books"].files) > 1
-    got = _delivered(build_pipeline(cfg, World(), datasets, collate=False))
+    got = delivered_documents(build_pipeline(cfg, World(), datasets, collate=False))
     # Arrow documents as prepared; .npy documents end with the EOS prepare wrote after each
     assert got["web"] == collections.Counter(_ids(t) for t in WEB)
     assert got["books"] == collections.Counter((*_ids(t), 0) for t in BOOKS)

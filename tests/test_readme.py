@@ -60,8 +60,30 @@ def _text_corpus(tmp: Path) -> dict[str, Any]:
     return {}
 
 
+def _megatron_data(tmp: Path) -> dict[str, Any]:
+    """docs/comparison.md: two Megatron pairs, as preprocess_data.py names them."""
+    from torchdata_ext.testing import write_megatron
+
+    rng = np.random.default_rng(0)
+    for name in ("wiki", "code"):
+        docs = [rng.integers(1, 50000, size=30 + k) for k in range(20)]
+        write_megatron(str(tmp / "data" / f"{name}_text_document.idx"), docs, np.uint16, 2)
+    return {}
+
+
+def _nanogpt_data(tmp: Path) -> dict[str, Any]:
+    """docs/comparison.md: nanoGPT's openwebtext train.bin (uint16, EOT after each document)."""
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.append(rng.integers(0, 50256, 40 + k), 50256) for k in range(30)])
+    (tmp / "data" / "openwebtext").mkdir(parents=True)
+    ids.astype(np.uint16).tofile(tmp / "data" / "openwebtext" / "train.bin")
+    return {}
+
+
 SETUPS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "text_corpus": _text_corpus,
+    "megatron_data": _megatron_data,
+    "nanogpt_data": _nanogpt_data,
 }
 
 IN_ORDER = ("audit.md", "checkpoint.md", "formats.md", "forensics.md")

@@ -89,14 +89,21 @@ def _manager(folder: str, dataloader: TokenDataLoader) -> CheckpointManager:
 
 def _rank_main(
     rank: int, dp: int, port: int, root: str, workers: int, load: int | None, steps: int | None,
-    save: int | None, folder: str, out: str,
+    save: int | None, budget: int | None, folder: str, out: str,
 ) -> None:  # fmt: skip
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp)
     try:
-        loader = _loader_config(root, workers).build(
-            dp_world_size=dp, dp_rank=rank, tokenizer=None, seq_len=16, local_batch_size=2
-        )
+        config = _loader_config(root, workers)
+        if budget:  # the keywords torchtitan main's trainer passes (trainer.py, build dataloader)
+            loader = config.build(
+                dp_world_size=dp, dp_rank=rank, tokenizer=None, max_context_length=64,
+                num_tokens_per_batch=budget,
+            )  # fmt: skip
+        else:  # torchtitan 0.3's
+            loader = config.build(
+                dp_world_size=dp, dp_rank=rank, tokenizer=None, seq_len=16, local_batch_size=2
+            )
         manager = _manager(folder, loader)
         if load is not None:
             assert manager.load(step=load)
@@ -104,6 +111,8 @@ def _rank_main(
         shapes = set()
         for n, (inputs, labels) in enumerate(loader):
             shapes.add((tuple(inputs["input"].shape), tuple(inputs["positions"].shape)))
+            if budget:  # a TrainerBatch row: no batch dimension
+                inputs, labels = {"input": inputs["input"][None]}, labels[None]
             for x, y in zip(inputs["input"].tolist(), labels.tolist(), strict=True):
                 assert x[1:] == y[:-1]  # labels are the inputs shifted by one
                 rows.append([*x, y[-1]])
@@ -125,7 +134,8 @@ def _phase(tmp: Path, name: str, dp: int, workers: int, root: str, **kw: Any) ->
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = (dp, port, root, workers, kw.get("load"), kw.get("steps"), kw.get("save"))
+    args = (dp, port, root, workers, kw.get("load"), kw.get("steps"), kw.get("save"),
+            kw.get("budget"))  # fmt: skip
     mp.spawn(_rank_main, args=(*args, str(tmp / "run"), str(out)), nprocs=dp)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp)]
 
@@ -204,6 +214,29 @@ def test_torchtitans_varlen_boundaries_from_positions_are_the_packers(tmp_path: 
         assert inputs["seq_lens"].sum(1).tolist() == [16] * len(labels)
         n += 1
     assert n > 20
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchtitan_mains_token_budget_rows_restore_at_another_dp_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """Built as torchtitan main's trainer builds its data loader (``num_tokens_per_batch``,
+    ``max_context_length``): TrainerBatch rows of 48 tokens; a dp 2 checkpoint restores at dp 3,
+    every token once, where main's ``GrainDataLoader`` refuses another dp degree."""
+    root = str(tmp_path / "data")
+    tokens = _write_corpus(root)
+    saved = _phase(tmp_path, "dp2", 2, 0, root, steps=3, save=3, budget=48)
+    assert all(g["shapes"] == [[[48], [48]]] for g in saved)
+    at3 = _phase(tmp_path, "dp3", 3, 0, root, load=3, budget=48)
+    assert _delivered(saved, at3) == tokens
+    try:  # torchtitan main (not on PyPI: CI has 0.3.0): its own loader refuses the same change
+        from torchtitan.components.data.loader import GrainDataLoader
+    except ImportError:
+        return
+    at_dp3 = type("Rank0AtDp3", (), {"_dp_world_size": 3, "_rank_id": "dp_rank_0"})()
+    with pytest.raises(ValueError, match="changing the effective data-parallel degree"):
+        GrainDataLoader.load_state_dict(at_dp3, {"version": 1, "dp_world_size": 2})  # type: ignore[arg-type]
 
 
 def test_token_budget_mode_yields_one_row_of_t_tokens(tmp_path: Path) -> None:

@@ -11,6 +11,10 @@ runs it under ``StatefulDataLoader`` workers, and :mod:`torchdata_ext.checkpoint
 restores and rescales it. :func:`prepare` tokenizes text files into token shards and
 :func:`inspect_dataset` summarizes a dataset and :func:`audit_checkpoint` says what a checkpoint
 consumed (the ``torchdata-ext`` command calls all three).
+
+The exceptions the docs tell users to catch are importable from here too:
+:class:`ChangedFilesError`, :class:`DataFileError`, :class:`NothingKeptError`,
+:class:`RemoteError`, :class:`StaleIndexError` and :class:`TransformError`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them; at run time, 
     from torchdata_ext.audit.report import AuditReport, audit_checkpoint
     from torchdata_ext.document import Document, DocumentBlock
     from torchdata_ext.forensics.replay import show_batches
+    from torchdata_ext.handlers.base import DataFileError
     from torchdata_ext.loader.evaluation import EvalLoader
     from torchdata_ext.loader.token_loader import PipelineDataset, TokenLoader
     from torchdata_ext.nodes import (
@@ -39,15 +44,19 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them; at run time, 
         TransformDocuments,
         merge_reader_states,
     )
+    from torchdata_ext.nodes.drops import NothingKeptError
     from torchdata_ext.order.split import EvalSplit
     from torchdata_ext.order.walk import RandomWalk, mix_seed
     from torchdata_ext.pipeline.build import build_datasets, build_eval_pipeline, build_pipeline
     from torchdata_ext.pipeline.config import PipelineConfig
     from torchdata_ext.prepare_data.tokenize_text import prepare
     from torchdata_ext.remote import RemoteError, RetryPolicy, ShardCache
+    from torchdata_ext.sources.fingerprint import ChangedFilesError
     from torchdata_ext.sources.index import DatasetIndex
+    from torchdata_ext.sources.index_file import StaleIndexError
     from torchdata_ext.state.reader_state import ReaderCursors, reader_cursors
     from torchdata_ext.tokenizers.load import ByteTokenizer
+    from torchdata_ext.transforms import TransformError
     from torchdata_ext.world import World
 
 # public name -> the module defining it, imported on first use (PEP 562): `import torchdata_ext`
@@ -55,8 +64,10 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them; at run time, 
 _MODULE_OF = {
     "AuditReport": "torchdata_ext.audit.report",
     "ByteTokenizer": "torchdata_ext.tokenizers.load",
+    "ChangedFilesError": "torchdata_ext.sources.fingerprint",
     "Collate": "torchdata_ext.nodes",
     "Concat": "torchdata_ext.nodes",
+    "DataFileError": "torchdata_ext.handlers.base",
     "DatasetIndex": "torchdata_ext.sources.index",
     "Document": "torchdata_ext.document",
     "DocumentBlock": "torchdata_ext.document",
@@ -65,6 +76,7 @@ _MODULE_OF = {
     "FilterDocuments": "torchdata_ext.nodes",
     "Interleave": "torchdata_ext.nodes",
     "MapDocuments": "torchdata_ext.nodes",
+    "NothingKeptError": "torchdata_ext.nodes.drops",
     "Pack": "torchdata_ext.nodes",
     "PipelineConfig": "torchdata_ext.pipeline.config",
     "PipelineDataset": "torchdata_ext.loader.token_loader",
@@ -75,10 +87,12 @@ _MODULE_OF = {
     "ShardCache": "torchdata_ext.remote",
     "ShardReader": "torchdata_ext.nodes",
     "ShuffleBuffer": "torchdata_ext.nodes",
+    "StaleIndexError": "torchdata_ext.sources.index_file",
     "Take": "torchdata_ext.nodes",
     "TokenLoader": "torchdata_ext.loader.token_loader",
     "Tokenize": "torchdata_ext.nodes",
     "TransformDocuments": "torchdata_ext.nodes",
+    "TransformError": "torchdata_ext.transforms",
     "World": "torchdata_ext.world",
     "audit_checkpoint": "torchdata_ext.audit.report",
     "build_datasets": "torchdata_ext.pipeline.build",
@@ -93,11 +107,12 @@ _MODULE_OF = {
 }
 
 __all__ = [
-    "ReaderCursors",
     "AuditReport",
     "ByteTokenizer",
+    "ChangedFilesError",
     "Collate",
     "Concat",
+    "DataFileError",
     "DatasetIndex",
     "Document",
     "DocumentBlock",
@@ -106,19 +121,23 @@ __all__ = [
     "FilterDocuments",
     "Interleave",
     "MapDocuments",
+    "NothingKeptError",
     "Pack",
     "PipelineConfig",
     "PipelineDataset",
     "RandomWalk",
+    "ReaderCursors",
     "RemoteError",
     "RetryPolicy",
     "ShardCache",
     "ShardReader",
     "ShuffleBuffer",
+    "StaleIndexError",
     "Take",
-    "Tokenize",
     "TokenLoader",
+    "Tokenize",
     "TransformDocuments",
+    "TransformError",
     "World",
     "audit_checkpoint",
     "build_datasets",

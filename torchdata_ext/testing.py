@@ -21,6 +21,7 @@ import gzip
 import io
 import json
 import posixpath
+import struct
 from collections.abc import Mapping, Sequence
 from functools import reduce
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "write_flat_tokens",
     "write_jsonl",
     "write_mds",
+    "write_megatron",
     "write_parquet",
 ]
 
@@ -332,6 +334,54 @@ def write_flat_tokens(
         bounds = np.zeros(len(arrays) + 1, dtype=np.int64)
         np.cumsum([a.size for a in arrays], out=bounds[1:])
         _write_bytes(url + ".offsets.npy", _npy_bytes(bounds), storage_options)
+    return arrays
+
+
+def write_megatron(
+    url: str,
+    docs: Docs,
+    dtype: Any = np.int32,
+    sentences: int = 1,
+    storage_options: dict[str, Any] | None = None,
+) -> list[np.ndarray]:
+    """Write a Megatron indexed dataset pair, ``<prefix>.bin`` + ``<prefix>.idx``, in the layout
+    megatron-core's ``IndexedDatasetBuilder`` writes (see :mod:`torchdata_ext.handlers.megatron`).
+
+    Args:
+        url: ``<prefix>.idx`` or ``<prefix>.bin`` (both files are written; a bare prefix too).
+        docs: token documents.
+        dtype: token dtype: ``uint8``, ``int8``, ``int16``, ``int32``, ``int64`` or ``uint16``.
+        sentences: each document is stored as up to this many sequences of near-equal length
+            (``preprocess_data.py --split-sentences`` writes one per sentence); an empty
+            document as none. Its tokens read back the same.
+        storage_options: fsspec keyword arguments.
+
+    Returns:
+        The documents as ``MegatronHandler`` reads them (in ``dtype``).
+    """
+    codes = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "uint16": 8}
+    dt = np.dtype(dtype)
+    if dt.name not in codes:
+        raise ValueError(f"{dtype=} must be one of {sorted(codes)} (Megatron's integer dtypes)")
+    if sentences < 1:
+        raise ValueError(f"{sentences=} must be >= 1")
+    arrays, _ = _token_arrays(docs)
+    arrays = [a.astype(dt) for a in arrays]
+    seqs: list[np.ndarray] = []
+    doc_idx = [0]
+    for arr in arrays:
+        if arr.size:
+            seqs.extend(np.array_split(arr, min(sentences, arr.size)))
+        doc_idx.append(len(seqs))
+    lengths = np.array([len(s) for s in seqs], "<i4")
+    pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * dt.itemsize
+    prefix = url[:-4] if url.endswith((".idx", ".bin")) else url
+    _write_bytes(prefix + ".bin", b"".join(s.tobytes() for s in seqs), storage_options)
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, codes[dt.name], len(seqs), len(doc_idx))
+    body = lengths.tobytes() + pointers.astype("<i8").tobytes()
+    _write_bytes(
+        prefix + ".idx", header + body + np.array(doc_idx, "<i8").tobytes(), storage_options
+    )
     return arrays
 
 

@@ -26,6 +26,13 @@ attention find the documents (``positions == 0``): its masks are exactly the bou
 to the input dict for trainers that take them (torchtitan 0.3's passes every key but ``input``
 to the model's ``forward``, so leave it empty there).
 
+torchtitan's main branch (its Grain-based data API: ``GrainDataLoader.Config``,
+``TrainerBatch``, ``BaseDataLoader`` in ``torchtitan.components.data.loader``) builds the data
+loader with ``dp_world_size``, ``dp_rank``, ``tokenizer``, ``max_context_length`` and
+``num_tokens_per_batch``: the same ``TokenDataLoader.Config`` goes in its
+``config.dataloader``, and runs in token-budget mode. Where ``GrainDataLoader`` refuses a
+checkpoint of another dp degree, this loader restores it exactly.
+
 Token-budget mode (the shape of torchtitan's next, Grain-based data API): with
 ``num_tokens_per_batch=T`` (the keyword ``build`` passes, or the config's ``token_budget``)
 each batch is one row of ``T`` tokens without a batch dimension,
@@ -45,13 +52,19 @@ from typing import Any
 
 import torch
 
+# torchtitan 0.3's BaseDataLoader, or main's (its Grain-based data API moved it, with
+# GrainDataLoader and TrainerBatch, to torchtitan.components.data.loader); the one place that
+# knows both layouts
 try:
-    from torchtitan.components.dataloader import BaseDataLoader
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "torchdata_ext.torchtitan needs torchtitan: pip install 'torchdata-ext[torchtitan]' "
-        "(torchtitan>=0.3, Python >= 3.11)"
-    ) from exc
+    from torchtitan.components.data.loader import BaseDataLoader
+except ImportError:
+    try:
+        from torchtitan.components.dataloader import BaseDataLoader
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "torchdata_ext.torchtitan needs torchtitan: pip install 'torchdata-ext[torchtitan]' "
+            "(torchtitan>=0.3, Python >= 3.11)"
+        ) from exc
 
 from torchdata_ext.batch import BOUNDARY_KEYS
 from torchdata_ext.checkpoint.dcp import DCPLoaderState
@@ -194,8 +207,9 @@ class TokenDataLoader(BaseDataLoader):
                 "tokens per batch"
             )
         fields = dict(config.fields)
-        if config.dataset_path:
-            fields.setdefault("data_path", config.dataset_path)
+        dataset_path = getattr(config, "dataset_path", "")  # 0.3's Config field; not main's
+        if dataset_path:
+            fields.setdefault("data_path", dataset_path)
         self.pipeline = pipeline_config(
             config.pipeline,
             fields,

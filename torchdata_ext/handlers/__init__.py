@@ -1,5 +1,5 @@
-"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, JSON Lines, MDS, CBOR,
-and in-memory documents (``memory``).
+"""File-format handlers: Arrow, Parquet, CEPED / flat token NumPy files, Megatron indexed
+datasets, JSON Lines, MDS, CBOR, and in-memory documents (``memory``).
 
 Pick a handler by name with :func:`get_handler` or by file suffix with :func:`handler_for_url`;
 add a format with :func:`register_handler`. Handler modules are imported lazily by the
@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from torchdata_ext.handlers.cbor import CborHandler
     from torchdata_ext.handlers.jsonl import JsonlHandler
     from torchdata_ext.handlers.mds import MdsHandler
+    from torchdata_ext.handlers.megatron import MegatronHandler
     from torchdata_ext.handlers.memory import MemoryHandler, MemorySource
     from torchdata_ext.handlers.numpy_tokens import CepedHandler, FlatTokenHandler, NpyHandler
     from torchdata_ext.handlers.parquet import ParquetHandler
+    from torchdata_ext.handlers.token_shards import LlmcHandler, NanoGptHandler
 
 __all__ = [
     "ArrowHandler",
@@ -40,9 +42,12 @@ __all__ = [
     "FileHandler",
     "FlatTokenHandler",
     "JsonlHandler",
+    "LlmcHandler",
     "MdsHandler",
+    "MegatronHandler",
     "MemoryHandler",
     "MemorySource",
+    "NanoGptHandler",
     "NpyHandler",
     "ParquetHandler",
     "format_for_url",
@@ -60,7 +65,10 @@ _LAZY = {
     "FlatTokenHandler": "torchdata_ext.handlers.numpy_tokens",
     "NpyHandler": "torchdata_ext.handlers.numpy_tokens",
     "JsonlHandler": "torchdata_ext.handlers.jsonl",
+    "LlmcHandler": "torchdata_ext.handlers.token_shards",
+    "NanoGptHandler": "torchdata_ext.handlers.token_shards",
     "MdsHandler": "torchdata_ext.handlers.mds",
+    "MegatronHandler": "torchdata_ext.handlers.megatron",
     "MemoryHandler": "torchdata_ext.handlers.memory",
     "MemorySource": "torchdata_ext.handlers.memory",
     "ParquetHandler": "torchdata_ext.handlers.parquet",

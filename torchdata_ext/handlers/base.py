@@ -21,10 +21,13 @@ import inspect
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from torchdata_ext.handlers.ranged import OpenRanges
 
 __all__ = [
     "READ_ERRORS",
@@ -85,6 +88,9 @@ class FileHandler(ABC):
     name: ClassVar[str] = ""
     suffixes: ClassVar[tuple[str, ...]] = ()
     produces: ClassVar[str] = "tokens"  # "tokens" or "text"
+    range_reads_always: ClassVar[bool] = False
+    """True: a remote file of this format is always opened by :meth:`open_ranged`, never
+    downloaded whole into a cache (its files may be far larger than any cache)."""
 
     def __init__(
         self, col_name: str = "tokens", storage_options: dict[str, Any] | None = None
@@ -108,6 +114,16 @@ class FileHandler(ABC):
     @abstractmethod
     def get(self, reader: Any, index: int) -> DocData:
         """Document ``index`` (0-based) of the opened file."""
+
+    def open_ranged(self, url: str, open_ranges: OpenRanges) -> Any | None:
+        """Open the remote file ``url`` reading only the byte ranges it needs, through
+        ``open_ranges(u)`` (``u``: ``url`` or a side file next to it), instead of fetching it.
+
+        Used for remote files when the format sets :attr:`range_reads_always`, or when the
+        reader's cache is a ``ShardCache(range_reads=True)``. Returns None when this file
+        cannot be read by range (it is then downloaded whole); the default does so.
+        """
+        return None
 
     def slice(self, doc: DocData, start: int, n: int) -> DocData:
         """Tokens (or characters) ``start .. start + n`` of ``doc``."""
@@ -173,6 +189,9 @@ _REGISTRY: dict[str, str | type[FileHandler]] = {
     "memory": "torchdata_ext.handlers.memory:MemoryHandler",
     "mds": "torchdata_ext.handlers.mds:MdsHandler",
     "cbor": "torchdata_ext.handlers.cbor:CborHandler",
+    "megatron": "torchdata_ext.handlers.megatron:MegatronHandler",
+    "llmc": "torchdata_ext.handlers.token_shards:LlmcHandler",
+    "nanogpt": "torchdata_ext.handlers.token_shards:NanoGptHandler",
 }
 # suffix (lower case, longest match wins) -> name
 _SUFFIXES: dict[str, str] = {
@@ -196,6 +215,7 @@ _SUFFIXES: dict[str, str] = {
     ".cbor": "cbor",
     ".cbor.gz": "cbor",
     ".cbor.zst": "cbor",
+    ".idx": "megatron",
 }
 
 

@@ -16,9 +16,12 @@ Three formats live here:
   ``[2, 1, 0, 7]``), so write an offsets sidecar or pass ``file_type="flat"``/``"ceped"`` when
   the format is known.
 
-Local files are memory-mapped and every document is a read-only zero-copy view of the map;
-files on other filesystems are read once with ``fs.cat_file`` and viewed with
-``np.frombuffer``.
+Local files are memory-mapped and every document is a read-only zero-copy view of the map.
+Files on object stores are read by range when their layout says where documents are without
+reading the tokens (a CEPED header, an offsets sidecar): the header and the index when opened,
+then each document's bytes when it is read (``open_ranged``; a 10 GB shard gives its first
+documents after a few requests). A flat file split on ``eos_token`` has to be read whole, as
+are ``memory://`` files (viewed with ``np.frombuffer``).
 
 This module also holds the small helpers the other handlers share (:func:`read_source`,
 :func:`check_index`, :func:`check_indices`).
@@ -30,12 +33,20 @@ import io
 import mmap
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError, FileHandler
+from torchdata_ext.handlers.ranged import (
+    ByteRanges,
+    FsRanges,
+    OpenRanges,
+    RangedTokens,
+    read_exact,
+    reads_by_range,
+)
 from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = [
@@ -112,20 +123,24 @@ def check_indices(url: str, indices: Sequence[int] | np.ndarray, n: int) -> np.n
     return arr
 
 
-def parse_npy(url: str, buf: Source) -> np.ndarray:
-    """View the ``.npy`` file held in ``buf`` as an array, zero-copy.
+def npy_layout(
+    url: str, read: Callable[[int, int], bytes], size: int
+) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """``(dtype, shape, fortran_order, data_offset)`` of the ``.npy`` file of ``size`` bytes
+    whose bytes ``read(start, end)`` returns (a buffer's slice, or a range request).
 
     Raises:
-        DataFileError: not a ``.npy`` file, a corrupt header, object dtype, or truncated data.
+        DataFileError: not a ``.npy`` file, a corrupt or truncated header, object dtype, or
+            fewer data bytes than the header declares.
     """
-    size = len(buf)
-    if bytes(buf[:6]) != NPY_MAGIC:
+    head = read(0, min(size, 12))
+    if head[:6] != NPY_MAGIC:
         raise DataFileError(
             url,
             "not a NumPy .npy file (no \\x93NUMPY magic at the start); check the file, or for a "
             "raw token stream use file_type='flat' with a .bin name and dtype=...",
         )
-    major = buf[6] if size > 6 else 0
+    major = head[6] if size > 6 else 0
     if major == 1:
         len_size = 2
     elif major in (2, 3):
@@ -137,11 +152,11 @@ def parse_npy(url: str, buf: Source) -> np.ndarray:
         )
     if size < 8 + len_size:
         raise DataFileError(url, "the .npy header is truncated; re-create or re-download the file")
-    header_len = int.from_bytes(bytes(buf[8 : 8 + len_size]), "little")
+    header_len = int.from_bytes(head[8 : 8 + len_size], "little")
     data_offset = 8 + len_size + header_len
     if data_offset > size:
         raise DataFileError(url, "the .npy header is truncated; re-create or re-download the file")
-    header = io.BytesIO(bytes(buf[:data_offset]))
+    header = io.BytesIO(read(0, data_offset))
     try:
         np.lib.format.read_magic(header)
         if major == 1:
@@ -164,6 +179,19 @@ def parse_npy(url: str, buf: Source) -> np.ndarray:
             f"truncated: the .npy header declares {count} items of {dtype} ({need} bytes) but "
             f"only {size - data_offset} bytes follow; re-create or re-download the file",
         )
+    return dtype, tuple(shape), bool(fortran_order), data_offset
+
+
+def parse_npy(url: str, buf: Source) -> np.ndarray:
+    """View the ``.npy`` file held in ``buf`` as an array, zero-copy.
+
+    Raises:
+        DataFileError: not a ``.npy`` file, a corrupt header, object dtype, or truncated data.
+    """
+    dtype, shape, fortran_order, data_offset = npy_layout(
+        url, lambda a, b: bytes(buf[a:b]), len(buf)
+    )
+    count = int(np.prod(shape, dtype=np.int64))
     arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_offset)
     if fortran_order and len(shape) > 1:
         return arr.reshape(shape[::-1]).T
@@ -193,19 +221,20 @@ def _load_offsets(url: str, buf: Source, n_tokens: int) -> np.ndarray:
     return offsets
 
 
-def ceped_offsets(arr: np.ndarray) -> np.ndarray | str:
+def ceped_offsets(arr: np.ndarray | RangedTokens) -> np.ndarray | str:
     """Document offsets of a CEPED array, or the reason it is not one.
 
     A CEPED array is 1-D integer ``[n] [len(d1) .. len(dn)] [d1] .. [dn]`` with ``n >= 0``,
     non-negative lengths and ``1 + n + sum(lengths) == arr.size``. The returned offsets
-    (int64, ``n + 1`` values) index into ``arr`` itself.
+    (int64, ``n + 1`` values) index into ``arr`` itself. Reads ``arr[:1 + n]`` only (two range
+    requests for a :class:`~torchdata_ext.handlers.ranged.RangedTokens`).
     """
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         return f"not a 1-D integer array (shape {arr.shape}, dtype {arr.dtype})"
     size = int(arr.size)
     if size == 0:
         return "the array is empty (a CEPED array starts with the document count n)"
-    n = int(arr[0])
+    n = int(arr[:1][0])
     if n < 0 or 1 + n > size:
         return f"the first value n={n} is not a valid document count for an array of {size} values"
     lengths = np.array(arr[1 : 1 + n], dtype=np.int64)
@@ -245,15 +274,18 @@ class TokenArrayReader:
 
     Attributes:
         url: the file.
-        tokens: the token array (a zero-copy view of the memory map or of the fetched bytes).
+        tokens: the token array (a zero-copy view of the memory map or of the fetched bytes),
+            or a :class:`~torchdata_ext.handlers.ranged.RangedTokens` read by range when sliced.
         offsets: int64 document boundaries, ``length + 1`` values.
-        kind: ``"ceped"`` or ``"flat"``.
+        kind: ``"ceped"``, ``"flat"``, ``"llmc"`` or ``"megatron"``.
         produces: always ``"tokens"``.
     """
 
     produces = "tokens"
 
-    def __init__(self, url: str, tokens: np.ndarray, offsets: np.ndarray, kind: str) -> None:
+    def __init__(
+        self, url: str, tokens: np.ndarray | RangedTokens, offsets: np.ndarray, kind: str
+    ) -> None:
         self.url = url
         self.tokens = tokens
         self.offsets = offsets
@@ -263,7 +295,10 @@ class TokenArrayReader:
         return int(self.offsets.size) - 1
 
     def close(self) -> None:
-        """Drop the references to the file's memory (views already handed out stay valid)."""
+        """Drop the references to the file's memory (views already handed out stay valid), and
+        stop the range-read threads of a remote file."""
+        if isinstance(self.tokens, RangedTokens):
+            self.tokens.close()
         self.tokens = np.zeros(0, dtype=self.tokens.dtype)
         self.offsets = np.zeros(1, dtype=np.int64)
 
@@ -299,6 +334,8 @@ class _TokenArrayHandler(FileHandler):
         tokens = reader.tokens
         starts = reader.offsets[idx].tolist()
         ends = reader.offsets[idx + 1].tolist()
+        if isinstance(tokens, RangedTokens):  # range requests, several at once
+            return tokens.take(starts, ends)
         return [tokens[s:e] for s, e in zip(starts, ends, strict=True)]
 
     def doc_lengths(self, reader: TokenArrayReader) -> np.ndarray:
@@ -312,21 +349,49 @@ class _TokenArrayHandler(FileHandler):
         """The 1-D integer token array of a ``.npy`` file or (``raw_dtype``) a raw file."""
         if bytes(buf[:6]) == NPY_MAGIC or raw_dtype is None:
             arr = parse_npy(url, buf)
-            if arr.ndim != 1 or arr.dtype.kind not in "iu":
-                raise DataFileError(
-                    url,
-                    f"token arrays must be 1-D integer, got shape {arr.shape} dtype {arr.dtype}; "
-                    "re-save the tokens as a 1-D integer array",
-                )
+            _check_token_array(url, arr.shape, arr.dtype)
             return arr
-        itemsize = raw_dtype.itemsize
-        if len(buf) % itemsize:
-            raise DataFileError(
-                url,
-                f"the file holds {len(buf)} bytes, not a multiple of the {raw_dtype} item size "
-                f"{itemsize}: it is truncated or the dtype is wrong; pass dtype=... or re-create it",
-            )
+        _check_raw_size(url, len(buf), raw_dtype)
         return np.frombuffer(buf, dtype=raw_dtype)
+
+    def _open_remote(self, url: str) -> TokenArrayReader | None:
+        """``url`` opened by range when it is on an object store (and its layout allows), else
+        None (read whole, or memory-mapped when local)."""
+        fs, _ = filesystem(url, self.storage_options)
+        if not reads_by_range(fs):
+            return None
+        reader: TokenArrayReader | None = self.open_ranged(
+            url, lambda u: FsRanges(u, self.storage_options)
+        )
+        return reader
+
+    def _ranged_tokens(
+        self, url: str, source: ByteRanges, raw_dtype: np.dtype | None, head: bytes = b""
+    ) -> RangedTokens:
+        """The token array of a remote ``.npy`` (its header read by range) or raw file;
+        ``head``: the file's first bytes if already read (spares a request)."""
+        if len(head) < min(source.size, 6):
+            head = read_exact(source, 0, min(source.size, 6), "the file's first bytes")
+        if head[:6] == NPY_MAGIC or raw_dtype is None:
+            dtype, shape, _, offset = npy_layout(
+                url, lambda a, b: read_exact(source, a, b, "the .npy header"), source.size
+            )
+            _check_token_array(url, shape, dtype)
+            return RangedTokens(source, dtype, offset, shape[0])
+        _check_raw_size(url, source.size, raw_dtype)
+        return RangedTokens(source, raw_dtype, 0, source.size // raw_dtype.itemsize)
+
+    def _ranged_sidecar(
+        self, url: str, open_ranges: OpenRanges, n_tokens: int
+    ) -> np.ndarray | None:
+        """The offsets of the sidecar ``<url>.offsets.npy`` (read whole: 8 bytes a document),
+        or None when there is none."""
+        sidecar = url + OFFSETS_SUFFIX
+        try:
+            source = open_ranges(sidecar)
+        except (FileNotFoundError, DataFileError):
+            return None
+        return _load_offsets(sidecar, read_exact(source, 0, source.size, "the offsets"), n_tokens)
 
     def _flat_offsets(
         self, url: str, tokens: np.ndarray, eos_token: int | None, reason: str = ""
@@ -351,6 +416,61 @@ class _TokenArrayHandler(FileHandler):
                 "pass the right eos_token (or dtype=... for raw files)",
             )
         return eos_offsets(tokens, eos_token)
+
+
+LLMC_HEADER_BYTES = 256 * 4
+LLMC_VERSIONS: dict[tuple[int, int], np.dtype] = {
+    (20240520, 1): np.dtype("<u2"),
+    (20240801, 7): np.dtype("<u4"),
+}
+"""llm.c token shards' ``(magic, version)`` -> token dtype (its ``HEADERS_INFO``)."""
+
+
+def llmc_layout(buf: Source) -> tuple[np.dtype, int] | str:
+    """``(token dtype, token count)`` of the llm.c shard held in ``buf`` (a 256-int32 header:
+    magic, version, token count; then the tokens), or the reason it is not one (the header is
+    missing or unknown, or its count does not match the size)."""
+    size = len(buf)
+    if size < LLMC_HEADER_BYTES:
+        return f"{size} bytes, shorter than llm.c's {LLMC_HEADER_BYTES}-byte header"
+    magic, version, count = (int(x) for x in np.frombuffer(buf, "<i4", count=3))
+    dtype = LLMC_VERSIONS.get((magic, version))
+    if dtype is None:
+        return f"header magic {magic} version {version}, not one of {sorted(LLMC_VERSIONS)}"
+    need = LLMC_HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size != need:
+        return (
+            f"the header says {count} {dtype} tokens ({need} bytes with the header) but the "
+            f"file holds {size} bytes"
+        )
+    return dtype, count
+
+
+def _check_token_array(url: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    if len(shape) != 1 or dtype.kind not in "iu":
+        raise DataFileError(
+            url,
+            f"token arrays must be 1-D integer, got shape {shape} dtype {dtype}; "
+            "re-save the tokens as a 1-D integer array",
+        )
+
+
+def _check_raw_size(url: str, nbytes: int, dtype: np.dtype) -> None:
+    if nbytes % dtype.itemsize:
+        raise DataFileError(
+            url,
+            f"the file holds {nbytes} bytes, not a multiple of the {dtype} item size "
+            f"{dtype.itemsize}: it is truncated or the dtype is wrong; pass dtype=... or re-create it",
+        )
+
+
+def _not_ceped(url: str, reason: str) -> DataFileError:
+    return DataFileError(
+        url,
+        f"not a CEPED .npy file, or truncated: {reason}; CEPED files hold "
+        "[n][len(d1)..len(dn)][d1]..[dn] - re-create the file, or for a flat token "
+        "array use file_type='flat' with eos_token=...",
+    )
 
 
 def _integer_dtype(dtype: Any, what: str) -> np.dtype:
@@ -380,17 +500,24 @@ class CepedHandler(_TokenArrayHandler):
         super().__init__(col_name, storage_options)
 
     def open(self, url: str) -> TokenArrayReader:
+        remote = self._open_remote(url)
+        if remote is not None:
+            return remote
         buf = read_source(url, self.storage_options)
         arr = parse_npy(url, buf)
         offsets = ceped_offsets(arr)
         if isinstance(offsets, str):
-            raise DataFileError(
-                url,
-                f"not a CEPED .npy file, or truncated: {offsets}; CEPED files hold "
-                "[n][len(d1)..len(dn)][d1]..[dn] - re-create the file, or for a flat token "
-                "array use file_type='flat' with eos_token=...",
-            )
+            raise _not_ceped(url, offsets)
         return TokenArrayReader(url, arr, offsets, "ceped")
+
+    def open_ranged(self, url: str, open_ranges: OpenRanges) -> TokenArrayReader:
+        """Open by range: the header, ``n`` and the lengths (three requests, plus the size)."""
+        tokens = self._ranged_tokens(url, open_ranges(url), None)
+        offsets = ceped_offsets(tokens)
+        if isinstance(offsets, str):
+            tokens.close()
+            raise _not_ceped(url, offsets)
+        return TokenArrayReader(url, tokens, offsets, "ceped")
 
 
 class FlatTokenHandler(_TokenArrayHandler):
@@ -425,9 +552,43 @@ class FlatTokenHandler(_TokenArrayHandler):
         self.dtype = _integer_dtype(dtype, "dtype")
 
     def open(self, url: str) -> TokenArrayReader:
+        remote = self._open_remote(url)
+        if remote is not None:
+            return remote
         buf = read_source(url, self.storage_options)
+        if bytes(buf[:6]) != NPY_MAGIC:  # an llm.c shard (its header checks out) is read so
+            layout = llmc_layout(buf)
+            if not isinstance(layout, str):
+                return self.llmc_reader(url, buf, layout)
         tokens = self._token_array(url, buf, self.dtype)
         offsets = self._flat_offsets(url, tokens, self.eos_token)
+        return TokenArrayReader(url, tokens, offsets, "flat")
+
+    def llmc_reader(self, url: str, buf: Source, layout: tuple[np.dtype, int]) -> TokenArrayReader:
+        """The reader of the llm.c shard in ``buf`` (``layout`` from :func:`llmc_layout`): its
+        tokens after the header, split by the sidecar, else at ``eos_token`` past the EOT that
+        starts the file (llm.c writes one before every document)."""
+        dtype, count = layout
+        tokens = np.frombuffer(buf, dtype=dtype, count=count, offset=LLMC_HEADER_BYTES)
+        eos = self.eos_token
+        sidecar = source_exists(url + OFFSETS_SUFFIX, self.storage_options)
+        if not sidecar and eos is not None and tokens.size and int(tokens[0]) == eos:
+            tokens = tokens[1:]
+        return TokenArrayReader(url, tokens, self._flat_offsets(url, tokens, eos), "llmc")
+
+    def open_ranged(self, url: str, open_ranges: OpenRanges) -> TokenArrayReader | None:
+        """Open by range when an offsets sidecar gives the boundaries (the header and the
+        sidecar are read, then each document when asked for); None without one (splitting on
+        ``eos_token`` reads every token: the file is read whole)."""
+        source = open_ranges(url)
+        head = read_exact(source, 0, min(source.size, 12), "the file's first bytes")
+        if len(head) == 12 and tuple(np.frombuffer(head, "<i4", count=2)) in LLMC_VERSIONS:
+            return None  # an llm.c shard: read whole (its header and tokens, see open)
+        tokens = self._ranged_tokens(url, source, self.dtype, head)
+        offsets = self._ranged_sidecar(url, open_ranges, tokens.size)
+        if offsets is None:
+            tokens.close()
+            return None
         return TokenArrayReader(url, tokens, offsets, "flat")
 
     def __repr__(self) -> str:
@@ -461,6 +622,9 @@ class NpyHandler(_TokenArrayHandler):
         self.eos_token = None if eos_token is None else operator.index(eos_token)
 
     def open(self, url: str) -> TokenArrayReader:
+        remote = self._open_remote(url)
+        if remote is not None:
+            return remote
         buf = read_source(url, self.storage_options)
         tokens = self._token_array(url, buf, None)
         if not source_exists(url + OFFSETS_SUFFIX, self.storage_options):
@@ -473,6 +637,20 @@ class NpyHandler(_TokenArrayHandler):
         return TokenArrayReader(
             url, tokens, self._flat_offsets(url, tokens, self.eos_token, reason), "flat"
         )
+
+    def open_ranged(self, url: str, open_ranges: OpenRanges) -> TokenArrayReader | None:
+        """Open by range, sniffing as :meth:`open` does: flat with an offsets sidecar, else
+        CEPED when ``n`` and the lengths check out; None for a flat file split on
+        ``eos_token`` (read whole)."""
+        tokens = self._ranged_tokens(url, open_ranges(url), None)
+        offsets = self._ranged_sidecar(url, open_ranges, tokens.size)
+        if offsets is not None:
+            return TokenArrayReader(url, tokens, offsets, "flat")
+        ceped = ceped_offsets(tokens)
+        if not isinstance(ceped, str):
+            return TokenArrayReader(url, tokens, ceped, "ceped")
+        tokens.close()
+        return None
 
     def __repr__(self) -> str:
         return f"NpyHandler(eos_token={self.eos_token!r})"

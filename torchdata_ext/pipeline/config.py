@@ -498,6 +498,38 @@ class PipelineConfig:
         return cls(**dict(d))
 
     @classmethod
+    def from_megatron(
+        cls,
+        data_path: str | Sequence[str | float],
+        storage_options: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> PipelineConfig:
+        """A config reading the Megatron indexed datasets of Megatron-LM's ``--data-path``.
+
+        Args:
+            data_path: the ``--data-path`` value (``"0.3 /d/wiki_text_document 0.7
+                /d/code_text_document"``, its list, or prefixes without weights); see
+                :mod:`torchdata_ext.pipeline.megatron_blend` for the mapping.
+            storage_options: fsspec options for remote prefixes.
+            **fields: any other config field (``seq_length``, ``batch_size``...). ``eos_token``
+                defaults to None: ``preprocess_data.py --append-eod`` already ended every
+                document with the tokenizer's EOD.
+
+        Returns:
+            A config whose ``data_path``, ``datasets``, ``weights`` and ``file_type`` come
+            from the blend.
+        """
+        from torchdata_ext.pipeline.megatron_blend import megatron_blend
+
+        given = sorted({"data_path", "datasets", "weights", "file_type"} & set(fields))
+        if given:
+            raise ValueError(f"{given} come from the Megatron data_path; do not pass them too")
+        fields.setdefault("eos_token", None)
+        if storage_options is not None:
+            fields["storage_options"] = storage_options
+        return cls(**megatron_blend(data_path, storage_options), **fields)
+
+    @classmethod
     def from_file(cls, url: str, storage_options: dict[str, Any] | None = None) -> PipelineConfig:
         """Load a ``.yaml``/``.yml`` or ``.json`` config (any fsspec URL).
 

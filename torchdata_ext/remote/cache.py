@@ -107,9 +107,15 @@ class ShardCache:
         storage_options: fsspec options used when a call passes none (credentials, endpoint).
         retry: the :class:`RetryPolicy` for every request.
         prefetch_threads: background download threads (per process).
-        range_reads: read Arrow IPC files (one document per record batch) and Parquet files with
-            range requests instead of downloading them (see :meth:`open_range`); other formats
-            are still downloaded.
+        range_reads: read Arrow IPC files (one document per record batch), Parquet files and
+            the token formats that can be read by range (CEPED ``.npy``, flat ``.bin``/``.npy``
+            with an offsets sidecar) with range requests instead of downloading them (see
+            :meth:`open_range`); other formats are still downloaded. Megatron pairs are always
+            read by range.
+        range_reads_above: files of a token format that can be read by range are, from this
+            many bytes (as the dataset index lists them), even without ``range_reads``: the
+            first batch then waits for a few requests, not for the whole download (a 10 GB
+            shard). ``None``: never by size.
         block_size: bytes per range request, with ``range_reads``.
         own_retries: turn off the S3 client's own retries (``s3fs`` and ``botocore``) for the
             requests this cache makes, unless ``storage_options`` or ``AWS_MAX_ATTEMPTS`` set
@@ -128,6 +134,7 @@ class ShardCache:
         retry: RetryPolicy | None = None,
         prefetch_threads: int = 2,
         range_reads: bool = False,
+        range_reads_above: int | None = 1 << 30,
         block_size: int = 8 << 20,
         own_retries: bool = True,
     ) -> None:
@@ -151,6 +158,13 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         self.prefetch_threads = prefetch_threads
         self.range_reads = bool(range_reads)
+        if range_reads_above is not None and (
+            isinstance(range_reads_above, bool)
+            or not isinstance(range_reads_above, int)
+            or range_reads_above < 0
+        ):
+            raise ValueError(f"{range_reads_above=} must be an integer >= 0 or None")
+        self.range_reads_above = range_reads_above
         self.block_size = block_size
         self.own_retries = own_retries
         self._rt = _Runtime()

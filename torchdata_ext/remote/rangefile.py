@@ -105,6 +105,13 @@ class RangeFile(io.RawIOBase):
             "the index was made (rebuild it with `torchdata-ext index`)",
         )
 
+    def pread(self, start: int, end: int) -> bytes:
+        """Bytes ``start .. end`` (end excluded, clipped to the size) with one range request of
+        exactly those bytes, whatever ``block_size``: what a token handler reads a document
+        with. The position is left unchanged."""
+        end = min(end, self.size)
+        return self._get(start, end) if end > start else b""
+
     def read(self, size: int | None = -1) -> bytes:
         start = self._pos
         end = self.size if size is None or size < 0 else min(self.size, start + size)

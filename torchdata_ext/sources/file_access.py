@@ -3,7 +3,8 @@
 :class:`FileAccess` owns everything between a file number and its documents' data: the
 dataset's :class:`~torchdata_ext.handlers.base.FileHandler`; opening a file in place (local),
 from a :class:`~torchdata_ext.remote.ShardCache` (remote, downloaded whole) or by range requests
-(remote Arrow IPC and Parquet with ``ShardCache(range_reads=True)``); the cache holds that keep
+(remote Megatron pairs always; remote Arrow IPC, Parquet and token files with
+``ShardCache(range_reads=True)``; token files from ``range_reads_above`` bytes); the cache holds that keep
 the next files prefetched while the current one is read; a few more files kept open for
 :meth:`FileAccess.fetch_document`, and local files the walk read last (a walk over logical
 shards comes back to another shard's file at almost every block: reopening it and parsing its
@@ -38,7 +39,13 @@ from typing import Any, TypeAlias
 import numpy as np
 from fsspec.core import split_protocol
 
-from torchdata_ext.handlers.base import DataFileError, DocData, FileHandler, get_handler
+from torchdata_ext.handlers.base import (
+    DataFileError,
+    DocData,
+    FileHandler,
+    get_handler,
+    get_handler_class,
+)
 from torchdata_ext.remote import RemoteError, ShardCache, is_remote, with_retries
 from torchdata_ext.sources.index import DatasetIndex
 
@@ -234,13 +241,36 @@ class FileAccess:
         return out
 
     # -- opening: local, remote through the cache, or remote by range requests -----------------
-    def _range_reads(self) -> bool:
-        """Whether remote files are read with range requests (nothing to prefetch)."""
-        return (
-            self.cache is not None
-            and self.cache.range_reads
-            and self.dataset.file_type in _RANGE_FORMATS
+    def _all_by_range(self) -> bool:
+        """Whether every remote file of the dataset is read by range, whatever its size."""
+        cache = self.cache
+        if cache is None:
+            return False
+        cls = get_handler_class(self.dataset.file_type)
+        if cls.range_reads_always:
+            return True
+        ranged = self.dataset.file_type in _RANGE_FORMATS or (
+            cls.open_ranged is not FileHandler.open_ranged
         )
+        return cache.range_reads and ranged
+
+    def _range_reads(self, url: str) -> bool:
+        """Whether remote file ``url`` is read with range requests (nothing to prefetch):
+        always for formats that say so (``range_reads_always``: Megatron); with
+        ``ShardCache(range_reads=True)`` for Arrow IPC, Parquet and the formats that implement
+        ``open_ranged``; for those too when the file is at least the cache's
+        ``range_reads_above`` bytes."""
+        cache = self.cache
+        if cache is None:
+            return False
+        if self._all_by_range():
+            return True
+        cls = get_handler_class(self.dataset.file_type)
+        if self.dataset.file_type in _RANGE_FORMATS or cls.open_ranged is FileHandler.open_ranged:
+            return False
+        size = self._listed_size(url)
+        above = cache.range_reads_above
+        return above is not None and size is not None and size >= above
 
     def _open_handle(self, file: int) -> Any:
         """Open file number ``file``: in place, from the cache, or by range requests."""
@@ -255,8 +285,11 @@ class FileAccess:
                     self._stamps[file] = self._stamp(file)
                     return handle
                 return with_retries(lambda: handler.open(url), url, what="open")
-            if self._range_reads():
-                handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
+            if self._range_reads(url):
+                if self.dataset.file_type in _RANGE_FORMATS:
+                    handle = _open_range(handler, self.cache, url, so, self._listed_size(url))
+                else:
+                    handle = self._open_ranged(handler, url)
                 if handle is not None:
                     return handle
             local = self.cache.acquire(url, so, self._companions, self._listed_size(url))
@@ -283,6 +316,21 @@ class FileAccess:
             self._io["files_opened"] += 1
             self._io["open_seconds"] += time.perf_counter() - t0
 
+    def _open_ranged(self, handler: FileHandler, url: str) -> Any:
+        """Open ``url`` with the handler's own range reads through the cache's range files
+        (retries, counters); None when the handler cannot (the file is downloaded instead)."""
+        cache = self.cache
+        if cache is None:  # (only called with range reads, which need a cache)
+            return None
+        so = self.dataset.storage_options
+        size = self._listed_size(url)
+        handle = handler.open_ranged(
+            url, lambda u: cache.open_range(u, so, size if u == url else None)
+        )
+        if handle is not None:
+            handle._range_read = True  # nothing of the cache to release when closed
+        return handle
+
     def _open_prefetching(self, file: int, upcoming: list[str]) -> Any:
         """Open ``file`` and hold ``upcoming`` as prefetched, in the order :meth:`open` says."""
         url = self.dataset.files[file]
@@ -304,7 +352,7 @@ class FileAccess:
         not ``file``; none when nothing is prefetched (``upcoming`` is then not read)."""
         n = self.prefetch
         cache = self.cache
-        if n == 0 or cache is None or self._range_reads():
+        if n == 0 or cache is None or self._all_by_range():
             return []
         out: list[str] = []
         seen = {file}
@@ -312,7 +360,7 @@ class FileAccess:
             if other not in seen:
                 seen.add(other)
                 url = self.dataset.files[other]
-                if cache.is_cached(url):
+                if cache.is_cached(url) and not self._range_reads(url):
                     out.append(url)
                     if len(out) >= n:
                         break

@@ -439,6 +439,8 @@ def list_data_files(
         suffixes = tuple(registered_formats().get(file_type, []))
         if file_type in ("flat", "ceped"):
             suffixes += (".npy",)
+        if file_type == "megatron":  # a pair is listed by its .idx or its .bin
+            suffixes += (".bin",)
         suffixes = suffixes or None
     else:
         suffixes = tuple(s for sfx in registered_formats().values() for s in sfx)
@@ -475,6 +477,8 @@ def list_data_files(
     files = [
         f for f in files if not (f.endswith(OFFSETS_SUFFIX) and f[: -len(OFFSETS_SUFFIX)] in listed)
     ]
+    if file_type in (None, "megatron"):  # a Megatron pair is one data file: listed by its .idx
+        files = [f for f in files if not (f.endswith(".bin") and f[:-4] + ".idx" in listed)]
     if file_type is None:
         kinds = {format_for_url(f) for f in files}
         if len(kinds) > 1:
