@@ -40,8 +40,15 @@ def _lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
+def _old_path(path: Path) -> bool:
+    """A deprecated alias kept for an old import path (it re-exports a module and warns): not
+    a module of its own."""
+    text = path.read_text(encoding="utf-8")
+    return "import *" in text and "DeprecationWarning" in text and len(text.splitlines()) < 40
+
+
 def test_root_holds_only_the_shared_nouns() -> None:
-    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if not _old_path(p))
     assert len(root) <= MAX_ROOT_MODULES, (
         f"{len(root)} modules at the package root ({', '.join(root)}): at most "
         f"{MAX_ROOT_MODULES}; put a new module in the folder of its concern (docs/DESIGN.md)"

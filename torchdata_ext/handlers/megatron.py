@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from torchdata_ext.handlers.base import DataFileError
-from torchdata_ext.handlers.numpy_tokens import TokenArrayReader, _TokenArrayHandler, read_source
+from torchdata_ext.handlers.numpy_tokens import TokenArrayHandler, TokenArrayReader, read_source
 from torchdata_ext.handlers.ranged import (
     FsRanges,
     OpenRanges,
@@ -148,7 +148,7 @@ def _check_bin_size(bin_url: str, size: int, offsets: np.ndarray, dtype: np.dtyp
         )
 
 
-class MegatronHandler(_TokenArrayHandler):
+class MegatronHandler(TokenArrayHandler):
     """Megatron-LM / megatron-core indexed datasets: ``<prefix>.bin`` + ``<prefix>.idx``.
 
     Args:
