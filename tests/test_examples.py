@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -75,4 +76,9 @@ def test_elastic_torchft_example() -> None:
     pytest.importorskip("torchft", reason="torchft is not installed (the [torchft] extra)")
     out = _run(str(EXAMPLES / "elastic_torchft.py"))
     assert "each delivered exactly once over the committed steps: True" in out
-    assert "'c': [3]" in out and "'d': [2, 3]" in out
+    # which quorum sizes each group saw depends on timing (a busy machine, tests in parallel):
+    # c trained with all 3 groups before its kill, d joined and trained, a and b throughout
+    line = next(ln for ln in out.splitlines() if "participants seen by each group: " in ln)
+    seen = ast.literal_eval(line.split("participants seen by each group: ", 1)[1])
+    assert sorted(seen) == ["a", "b", "c", "d"] and all(seen.values()), seen
+    assert 3 in seen["c"] and set().union(*seen.values()) <= {1, 2, 3}, seen
