@@ -269,7 +269,9 @@ def test_a_permanently_failing_object_fails_clearly_within_the_bound(
         t0 = time.monotonic()
         with pytest.raises(RemoteError, match=r"part_2\.arrow.*transient errors.*total_timeout_s"):
             read_all(index, World(), cache=cache, on_error=on_error, prefetch_shards=0)
-        assert time.monotonic() - t0 < 1.0 + 2.0  # the bound, plus reading the other files
+        # the 1 s bound, plus reading the other files on a machine the tests share (they run
+        # in parallel): far below the ~20 s that 100 attempts would take without the bound
+        assert time.monotonic() - t0 < 1.0 + 5.0
         leftovers = [p for p in _all_files(tmp_path / on_error) if "part_2" in p]
         assert [p for p in leftovers if not p.endswith(".lock")] == []  # no partial file
 
