@@ -26,7 +26,7 @@ from torchdata_ext.loader.mix_history import MixHistory
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.reader import ShardReader
-from torchdata_ext.order.shards import shards_files
+from torchdata_ext.order.shards import shards_files, worker_shards
 from torchdata_ext.pipeline.build import with_indexes
 from torchdata_ext.pipeline.config import step_ranges
 from torchdata_ext.sources.fingerprint import describe, listed_changes
@@ -190,20 +190,23 @@ def files_read(
         loader.logical_workers,
         int(manifest["world_size"]) * int(manifest["num_workers"]),
     )
+    # the rank's workers, and the old workers they take over from, hold contiguous shards
+    first, last = (World(loader.rank, loader.world_size, w, W) for w in (0, W - 1))
     out: dict[str, list[int]] = {}
     for name, index in datasets.items():
         recorded = manifest["datasets"].get(name)
         if recorded is None or not len(index.files):
             continue
         n = int(recorded["n_logical_shards"])
-        worlds = [World(loader.rank, loader.world_size, w, W) for w in range(W)]
-        total = worlds[0].total_workers
-        first = (worlds[0].global_worker * n) // total  # the rank's shards ...
-        stop = ((worlds[-1].global_worker + 1) * n) // total
-        old = [g for w in worlds for g in old_workers_needed(n, old_total, w)]
-        first = min(first, (min(old) * n) // old_total)  # ... and its old workers'
-        stop = max(stop, ((max(old) + 1) * n) // old_total)
-        out[name] = shards_files(index.doc_counts, n, range(first, stop))
+        old_first = old_workers_needed(n, old_total, first)[0]
+        old_last = old_workers_needed(n, old_total, last)[-1]
+        shards = range(
+            min(worker_shards(n, first.total_workers, first.global_worker).start,
+                worker_shards(n, old_total, old_first).start),
+            max(worker_shards(n, last.total_workers, last.global_worker).stop,
+                worker_shards(n, old_total, old_last).stop),
+        )  # fmt: skip
+        out[name] = shards_files(index.doc_counts, n, shards)
     return out
 
 

@@ -35,15 +35,17 @@ content version (ETag, generation: :func:`current_fingerprints`), so a restore o
 objects reads nothing; the other files are shared among the ranks, with or without a process
 group (:func:`check_data_files`). The request budget is in ``docs/object-storage-at-scale.md``.
 
-This module is 819 lines: the checkpoint and audit code import the stat, compare and check names
+This module is 817 lines: the checkpoint and audit code import the stat, compare and check names
 from here, and the sharing of checks among ranks reads the per-process digests it keeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -193,14 +195,18 @@ def file_fingerprints(
         )
         for i in todo
     ]
-    if len(jobs) <= 1:
-        done = [job() for job in jobs]
-    else:
-        with ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix="fingerprint") as pool:
-            done = list(pool.map(lambda job: job(), jobs))
+    done = _threaded(jobs, "fingerprint")
     for i, fp in zip(todo, done):
         out[i] = fp
     return [fp for fp in out if fp is not None]
+
+
+def _threaded(jobs: Sequence[Callable[[], T]], name: str) -> list[T]:
+    """Each job's result, in order, :data:`THREADS` at a time (in this thread when one)."""
+    if len(jobs) <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(min(THREADS, len(jobs)), thread_name_prefix=name) as pool:
+        return list(pool.map(lambda job: job(), jobs))
 
 
 def remember_digests(urls: Sequence[str], fingerprints: Sequence[Mapping[str, Any]]) -> int:
@@ -543,22 +549,14 @@ def fresh_stats(index: DatasetIndex, which: Sequence[int]) -> tuple[Stat, ...]:
         RemoteError: the store cannot be reached or refuses access (after retries).
     """
     stats = list(index.file_stats)
-    urls = [index.files[i] for i in which]
-    ask = partial(file_stat, storage_options=index.storage_options, fresh=True)
-    if len(urls) <= 1:
-        now = [ask(u) for u in urls]
-    else:
-        with ThreadPoolExecutor(min(THREADS, len(urls)), thread_name_prefix="stat") as pool:
-            now = list(pool.map(ask, urls))
+    so = index.storage_options
+    now = _threaded([partial(file_stat, index.files[i], so, fresh=True) for i in which], "stat")
     for i, stat in zip(which, now):
         stats[i] = stat
     return tuple(stats)
 
 
 def _with_stats(index: DatasetIndex, stats: tuple[Stat, ...]) -> DatasetIndex:
-    import dataclasses
-    import time
-
     return dataclasses.replace(index, file_stats=stats, listed_at=time.time())
 
 
