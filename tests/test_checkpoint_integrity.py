@@ -210,10 +210,16 @@ def _damaged_copy(good: Path, to: Path, how: str, at: int = 0) -> Path:
 
 
 def _in_payload(good: Path, last: bool) -> int:
-    """A byte inside the first (manifest) or last (a worker's) sealed pickle of ``good``."""
+    """A byte inside the first (manifest) or last (a worker's) sealed pickle of ``good``: an
+    ASCII one, so a flip leaves it ASCII. torch pickles the entry's bytes as a UTF-8 string, so
+    a flipped byte >= 0x80 can fail in torch's own unpickling (a UnicodeEncodeError, seen when
+    the temporary paths held in the state moved the payload), before the entry reaches us."""
     (data,) = good.glob("*.distcp")
     raw = data.read_bytes()
-    return (raw.rfind if last else raw.find)(b"TDXSEAL1") + 8 + 32 + 60
+    at = (raw.rfind if last else raw.find)(b"TDXSEAL1") + 8 + 32 + 60
+    while raw[at] >= 0x80:
+        at += 1
+    return at
 
 
 def test_a_bit_flip_in_the_loader_entries_never_restores_another_position(
