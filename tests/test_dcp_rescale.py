@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
+from _gloo import init_gloo, rendezvous
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -85,7 +85,7 @@ def _storage(url: str, options: dict | None, write: bool) -> Any:
 def _phase_main(
     rank: int,
     ranks: int,
-    port: int,
+    init: str,
     root: str,
     workers: int,
     load_from: str | None,
@@ -97,9 +97,7 @@ def _phase_main(
     """One rank of a phase: restore (from DCP), deliver ``steps`` sequences (None: to the end
     of the epoch), save (to DCP); writes what it delivered and read to ``out``."""
     warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks
-    )
+    init_gloo(init, rank, ranks)
     try:
         loader = TokenLoader(functools.partial(_build, _config(root)), num_workers=workers)
         read: list[str] = []
@@ -131,10 +129,8 @@ def _run_phase(
 
     out = tmp / name
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = (ranks, port, root, workers, load_from, steps, save_to, options, str(out))
+    init = rendezvous(tmp)
+    args = (ranks, init, root, workers, load_from, steps, save_to, options, str(out))
     mp.spawn(_phase_main, args=args, nprocs=ranks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 

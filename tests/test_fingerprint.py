@@ -15,6 +15,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+from _gloo import init_gloo, rendezvous
 from harness import counted_fingerprint_reads, item_key
 
 from torchdata_ext import DatasetIndex, ShardReader, World
@@ -298,10 +299,10 @@ def _counted_reads() -> list[str]:
     return counted_fingerprint_reads()
 
 
-def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
+def _rank_main(rank: int, init: str, root: str, folder: str, out: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(init, rank, 2)
     try:
         read = _counted_reads()
         loader = loader_of(root, rank=rank, ranks=2)
@@ -325,17 +326,14 @@ def _rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
-    import socket
 
     import torch.multiprocessing as mp
 
     root = str(tmp_path / "web")
     _write(root, "p0.arrow", _docs(1)[:60])
     _write(root, "p1.arrow", _docs(1)[60:])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, root, str(tmp_path / "c"), str(tmp_path)), nprocs=2)
+    init = rendezvous(tmp_path)
+    mp.spawn(_rank_main, args=(init, root, str(tmp_path / "c"), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # rank 0 fingerprinted p0 and rank 1 p1, once each before the change; p1's new version once
     assert got[0]["read"] == ["p0.arrow"]
@@ -412,13 +410,13 @@ def test_a_dcp_state_saved_before_fingerprints_still_loads(root: str, tmp_path: 
     assert len(take(iter(_dcp_load(root, tmp_path / "dcp")), 6)) == 6
 
 
-def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> None:
+def _dcp_rank_main(rank: int, init: str, root: str, folder: str, out: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from torchdata_ext.checkpoint.dcp import DCPLoaderState
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(init, rank, 2)
     try:
         read = _counted_reads()
         loader = loader_of(root, rank=rank, ranks=2)
@@ -444,17 +442,14 @@ def _dcp_rank_main(rank: int, port: int, root: str, folder: str, out: str) -> No
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_dcp_ranks_record_their_share_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
-    import socket
 
     import torch.multiprocessing as mp
 
     root = str(tmp_path / "web")
     _write(root, "p0.arrow", _docs(1)[:60])
     _write(root, "p1.arrow", _docs(1)[60:])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dcp_rank_main, args=(port, root, str(tmp_path / "dcp"), str(tmp_path)), nprocs=2)
+    init = rendezvous(tmp_path)
+    mp.spawn(_dcp_rank_main, args=(init, root, str(tmp_path / "dcp"), str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"dcp{r}.json").read_text()) for r in range(2)]
     # rank 0 records and checks p0, rank 1 p1 (and p1's new version): no rank reads every file
     assert got[0]["read"] == ["p0.arrow"]
@@ -505,7 +500,7 @@ class _UnreadableOnRank1:
         return {self.file_names()[i]: {"size": 1, "version": "v", "sha256": "ab"} for i in which}
 
 
-def _check_share_rank_main(rank: int, port: int, out: str) -> None:
+def _check_share_rank_main(rank: int, init: str, out: str) -> None:
     import datetime
     import time
 
@@ -515,7 +510,7 @@ def _check_share_rank_main(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init,
         rank=rank,
         world_size=2,
         timeout=datetime.timedelta(seconds=_GROUP_TIMEOUT_S),
@@ -548,16 +543,13 @@ def test_a_rank_that_cannot_read_its_share_fails_every_rank_at_once(tmp_path: Pa
     """check_share is a collective: a rank that cannot read its share of the files must still
     take part, so the other ranks learn of its error (naming the rank) instead of waiting in
     the gather until the process group times out."""
-    import socket
     import time
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init = rendezvous(tmp_path)
     t0 = time.monotonic()
-    mp.spawn(_check_share_rank_main, args=(port, str(tmp_path)), nprocs=2)
+    mp.spawn(_check_share_rank_main, args=(init, str(tmp_path)), nprocs=2)
     got = [(tmp_path / f"share{r}.txt").read_text() for r in range(2)]
     assert got[1] == "OSError: the store cannot be reached"
     assert got[0].startswith("RuntimeError: rank 1 could not check"), got[0]

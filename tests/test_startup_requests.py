@@ -8,12 +8,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _gloo import init_gloo, rendezvous
 from harness import counted_fingerprint_reads, item_key, write_random_arrow_datasets
 
 from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline
@@ -400,10 +400,10 @@ def test_ranks_without_a_process_group_check_their_share(tmp_path: Path, monkeyp
 
 
 # -- torch.distributed: rank 0 lists, the indexes are broadcast ---------------------------------
-def _dist_rank(rank: int, port: int, root: str, ckpt: str, so: dict, out: str) -> None:
+def _dist_rank(rank: int, init: str, root: str, ckpt: str, so: dict, out: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    init_gloo(init, rank, 3)
     try:
         cfg = _cfg(root, so)
         with count_s3_requests() as listing:
@@ -435,10 +435,8 @@ def test_under_torch_distributed_rank_0_lists_and_the_index_is_broadcast(s3, tmp
 
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dist_rank, args=(port, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    init = rendezvous(tmp_path)
+    mp.spawn(_dist_rank, args=(init, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert all(g["files"] == {"web": 2, "code": 2} for g in got)
     assert got[0]["listing"]["LIST"] >= 2 * len(NAMES)  # rank 0 lists and reads the counts
@@ -462,10 +460,8 @@ def test_under_torch_distributed_the_index_file_digests_reach_every_rank(s3, tmp
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)
     write_index_files(root, NAMES, storage_options=so)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_dist_rank, args=(port, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    init = rendezvous(tmp_path)
+    mp.spawn(_dist_rank, args=(init, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert all(g["files"] == {"web": 2, "code": 2} for g in got)
     for g in got[1:]:  # rank 0 reads the index files (and lists to check them), no other rank

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ if os.environ.get("TORCHDATA_EXT_REQUIRE_TORCHTITAN") != "1":  # CI's own venv s
         "(Python >= 3.11); .ci/run tests it in a venv of its own",
     )
 
+from _gloo import init_gloo, rendezvous  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 
 from torchdata_ext.testing import write_arrow_batches  # noqa: E402
@@ -88,11 +88,11 @@ def _manager(folder: str, dataloader: TokenDataLoader) -> CheckpointManager:
 
 
 def _rank_main(
-    rank: int, dp: int, port: int, root: str, workers: int, load: int | None, steps: int | None,
+    rank: int, dp: int, init: str, root: str, workers: int, load: int | None, steps: int | None,
     save: int | None, budget: int | None, folder: str, out: str,
 ) -> None:  # fmt: skip
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp)
+    init_gloo(init, rank, dp)
     try:
         config = _loader_config(root, workers)
         if budget:  # the keywords torchtitan main's trainer passes (trainer.py, build dataloader)
@@ -131,10 +131,8 @@ def _phase(tmp: Path, name: str, dp: int, workers: int, root: str, **kw: Any) ->
 
     out = tmp / name
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = (dp, port, root, workers, kw.get("load"), kw.get("steps"), kw.get("save"),
+    init = rendezvous(tmp)
+    args = (dp, init, root, workers, kw.get("load"), kw.get("steps"), kw.get("save"),
             kw.get("budget"))  # fmt: skip
     mp.spawn(_rank_main, args=(*args, str(tmp / "run"), str(out)), nprocs=dp)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp)]

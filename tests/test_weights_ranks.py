@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
+from _gloo import init_gloo, rendezvous
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 from rows import check_rows
 
@@ -70,11 +70,11 @@ def _run(loader: TokenLoader, start: int, calls: bool, save: Any = None) -> list
     return out
 
 
-def _rank_main(rank: int, port: int, root: str, tmp: str) -> None:
+def _rank_main(rank: int, init: str, root: str, tmp: str) -> None:
     """One of 2 gloo ranks: per mechanism, the uninterrupted 2 x 2 run saving at ``SAVE_AT``,
     then the 2 x 2 restores from the folder and the DCP checkpoint; then the refused calls."""
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(init, rank, 2)
     try:
         got: dict[str, Any] = {}
         for mech in ("calls", "schedule"):
@@ -120,10 +120,8 @@ def ranks(tmp_path_factory) -> tuple[str, Path, list[dict]]:
     root = str(tmp_path_factory.mktemp("weights_ranks_data"))
     write_random_arrow_datasets(root, (("web", 120, 25), ("code", 120, 25)), seed=11)
     tmp = tmp_path_factory.mktemp("weights_ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, root, str(tmp)), nprocs=2)
+    init = rendezvous(tmp)
+    mp.spawn(_rank_main, args=(init, root, str(tmp)), nprocs=2)
     return root, tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
