@@ -9,10 +9,12 @@ packed (Pack's ``source`` / ``consumed`` state keys)::
     pad      |bol B a a a E P P eol| |bol B b b b E P P eol| ...   whole units while they fit
 
 In ``pad`` a unit longer than an empty sequence starts a new sequence and is split across
-sequences. A piece that a rescale handed back from inside its document starts a new
-sequence, the one before it padded: in an uninterrupted run such a continuation always starts
-a sequence, and placed after another document it could follow a piece with no separator (a
-budget's cut, or any document when no EOS is configured).
+sequences. A piece that a rescale handed back from inside its document (a unit at one of the
+stream's ``pin_at``) starts a new sequence, the one before it padded, where placed after
+another document it could follow a piece with no separator (a budget's cut, or any document
+when no EOS is configured). Where every document ends with its own EOS and the mix cuts at row
+ends, Pack's cursor pins nothing (``StreamCursor.continue_mid_row``) and such a piece fills
+the row like any other.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ its own output (``row_fill``), and a run may end inside a document exactly at a 
 (:mod:`.row_cuts`; a zero-copy token slice); the rest goes on later at a row start, with no
 BOS, as any document spanning rows. While another source holds a document open, runs end only
 at row ends (a source mid-row goes on), so a document always goes on at a row start; only when
-a finite source ends mid-row does one go on marked handed back (``stop``: Pack pads that row,
-as after a rescale). ``pad``, ``best_fit``, ``chunk``, ``"samples"`` and a mix under a budget
+a finite source ends mid-row does one go on mid-row, after the EOS of the document before it
+(without an EOS, or with BOS and EOS one token, it is marked handed back instead, ``stop``:
+Pack pads that row and starts it on the next, as it does a rescale's rests then; see
+:meth:`~torchdata_ext.nodes.stream.StreamCursor.continue_mid_row`). ``pad``, ``best_fit``, ``chunk``, ``"samples"`` and a mix under a budget
 or in phases keep documents whole (pieces never split).
 
 * ``"tokens"`` (deterministic, as in Bamba): the source furthest below its target share of
@@ -40,7 +42,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 653 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 675 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -639,12 +641,13 @@ class Interleave(BaseNode[DocumentBlock]):
     ) -> DocumentBlock:
         """Pieces ``lo .. hi`` of ``s``'s block (from its ``offset``) and ``cut`` tokens of
         piece ``hi``; the mirrored row position moves on over them. A document left open at
-        a row end and ``resuming`` mid-row (only after a finite source ended mid-row) is
-        marked handed back (``stop``), so Pack starts it on a new row, as after a rescale."""
+        a row end and ``resuming`` mid-row (only after a finite source ended mid-row) goes on
+        there; when Pack pins continuations to row starts (no EOS) it is marked handed back
+        (``stop``), so Pack starts it on a new row, as after a rescale."""
         skip = self._offset[s]
         out = cut_block(block, lo, skip, hi, cut)
         span = None
-        if resuming and self._fill:
+        if resuming and self._fill and self._mirror is not None and self._mirror.pin_continuations:
             out = dataclasses.replace(out, stop=out.start + out.lengths)
         else:  # Pack's cursor slices the stream of the whole block (laid out once)
             out.__dict__[RUN_OF] = (block, lo, skip, hi, cut)

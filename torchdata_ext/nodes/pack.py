@@ -293,6 +293,11 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         if self.mode != "concat" or not callable(follow):
             return None
         mirror = StreamCursor(source, self.dtype, specials)
+        if specials.eos is not None and not specials.combined:
+            # every document ends with its own EOS: a continuation fills the row (see
+            # StreamCursor.continue_mid_row), in Pack's cursor and in its mirror alike
+            self._cursor.continue_mid_row()
+            mirror.continue_mid_row()
         follow(mirror, self._layout.capacity)
         return mirror
 

@@ -21,7 +21,7 @@ laying out each run, and the rest of the block at each run, again. Only when a b
 depends on more than the block (a shared BOS/EOS token, a rescale's delivered BOS pending, a
 block handed back) is each run laid out on its own.
 
-This module is 611 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 631 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
@@ -79,7 +79,8 @@ class StreamCursor:
         self.dtype = dtype
         self.bos_token, self.eos_token = specials.bos, specials.eos
         self._combined = specials.combined
-        self._key = (specials.bos, specials.eos, np.dtype(dtype).str)  # what a layout depends on
+        # what a layout depends on (the last: whether continuations are pinned to row starts)
+        self._key: tuple[Any, ...] = (specials.bos, specials.eos, np.dtype(dtype).str, True)
         self._bos_row = np.array([LITERAL, specials.bos or 0, 0, 0, 1], np.int64)
         self._eos_row = np.array([LITERAL, specials.eos or 0, 0, 0, 1], np.int64)
         self.dataset_names: list[str] = []
@@ -92,6 +93,17 @@ class StreamCursor:
         self.exhausted = False
         self._skip = 0
         self._start = ReplayMark(None, 0, [])
+        self.pin_continuations = True
+
+    def continue_mid_row(self) -> None:
+        """Let a handed-back continuation (and a document whose BOS was delivered before a
+        rescale) go on mid-row after the document before it, instead of starting a row of its
+        own (the row before it padded). Pack calls this when the mix cuts documents at row
+        ends and every document end gets its EOS (a separate one), so what comes before such
+        a piece in a row always ends with an EOS; without an EOS, or after a budget's cut
+        (no EOS), the piece would be glued to the one before it, so it keeps its row start."""
+        self.pin_continuations = False
+        self._key = (*self._key[:3], False)
 
     def reset(self, start: ReplayMark, dataset_names: list[str]) -> None:
         """Read again from ``start`` (the source already reset to ``start.source``)."""
@@ -226,7 +238,7 @@ class StreamCursor:
             unit_eos=addeos,
             no_bos_in=no_bos_in,
             bos_skipped=frozenset(skipped),
-            pin_at=_pinned_units(block, pieces, unit_off, skipped),
+            pin_at=self._pins(block, pieces, unit_off, skipped),
         )
 
     def _pure(self, block: DocumentBlock) -> bool:
@@ -315,6 +327,15 @@ class StreamCursor:
             parent=(whole, a),
         )
 
+    def _pins(
+        self, block: DocumentBlock, p: _Pieces, unit_off: np.ndarray, skipped: set[int]
+    ) -> list[int] | None:
+        """:func:`_pinned_units`, or None when continuations go on mid-row
+        (:meth:`continue_mid_row`)."""
+        if not self.pin_continuations:
+            return None
+        return _pinned_units(block, p, unit_off, skipped)
+
     def units(self, block: DocumentBlock, *, peek: bool = False) -> Units:
         """How Pack lays ``block`` out when it is the next block pulled: its units' stream
         offsets, the BOS placed with each, and the units that must start a row. Without
@@ -327,7 +348,7 @@ class StreamCursor:
         if saved is not None:
             self._open, self._no_bos, self._no_bos_list = saved
         bos = np.zeros(len(pieces.lengths), np.int64) if addbos is None else addbos.astype(np.int64)
-        return Units(unit_off, bos, _pinned_units(block, pieces, unit_off, skipped))
+        return Units(unit_off, bos, self._pins(block, pieces, unit_off, skipped))
 
     def _units(
         self, block: DocumentBlock, tokens: np.ndarray, pieces: _Pieces

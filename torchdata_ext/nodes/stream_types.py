@@ -61,7 +61,7 @@ class Stream:
     no_bos_in: list[list[Any]] | None = None  # the cursor's no-BOS documents before this block
     bos_skipped: frozenset[int] = frozenset()  # units whose BOS was delivered before a rescale
     # stream offsets of units a rescale handed back from inside their document: each starts
-    # a row, as a continuation does in an uninterrupted run (see ConcatPad)
+    # a row (see ConcatPad); None when the cursor lets them go on mid-row (continue_mid_row)
     pin_at: list[int] | None = None
     # (the stream of the whole block this one was cut from, the offset of this one in it):
     # its rows and Layout.runs's document runs are the whole stream's, sliced
