@@ -17,8 +17,9 @@ loader's rate is printed as a share of it.
 
 For each: seconds from building the loader to its first batch; input tokens per second over
 ``--batches`` batches after the first; CPU seconds per million tokens of the whole process tree
-(the training process and its workers). And the first batch after a restore: torchdata-ext's
-``load_state_dict`` of a state taken after ``--restore-at`` batches (pickled, as a checkpoint
+(the training process and its workers); the share of torchdata-ext's input tokens that are
+padding (``document_ids`` -1; fms-fsdp never pads). And the first batch after a restore:
+torchdata-ext's ``load_state_dict`` of a state taken after ``--restore-at`` batches (pickled, as a checkpoint
 holds it); fms-fsdp's resume from the checkpoint its workers wrote at that step.
 
 Each measurement runs in a process of its own (this script with ``--child``), so each gets a
@@ -42,6 +43,7 @@ placeholder stands in for it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -73,8 +75,9 @@ class Run:
     process tree (bytes)."""
 
     def __init__(self, first: float, rate: float, cpu: float, restore: float = 0.0,
-                 rss: int = 0) -> None:  # fmt: skip
+                 rss: int = 0, pad: float = 0.0) -> None:  # fmt: skip
         self.first, self.rate, self.cpu, self.restore, self.rss = first, rate, cpu, restore, rss
+        self.pad = pad  # the share of the timed batches' input tokens that are padding
 
 
 class PeakRss:
@@ -180,6 +183,12 @@ def new_runs(cfg: PipelineConfig, workers: int, batches: int, restore_at: int) -
     run = timed(make, lambda b: b["input_ids"].numel(), batches,
                 lambda: holder["loader"].state_dict())  # fmt: skip
     holder["loader"].close()
+    # the padding of the same batches, untimed (document_ids is one more tensor to stack)
+    counted = dataclasses.replace(cfg, output_keys=[*cfg.output_keys, "document_ids"])
+    loader = TokenLoader(functools.partial(build_pipeline, counted), num_workers=workers)
+    padding = sum(int((b["document_ids"] == -1).sum()) for b, _ in zip(loader, range(batches + 1)))
+    run.pad = padding / ((batches + 1) * BATCH * SEQ)
+    loader.close()
     loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=workers)
     it = iter(loader)
     for _ in range(restore_at):
@@ -239,7 +248,7 @@ def child(args: argparse.Namespace) -> None:
         else:
             run, restore = new_runs(config(root), workers, args.batches, args.restore_at)
     print(json.dumps({"first": run.first, "rate": run.rate, "cpu": run.cpu, "restore": restore,
-                      "rss": peak.peak}))  # fmt: skip
+                      "rss": peak.peak, "pad": run.pad}))  # fmt: skip
 
 
 def config(root: str) -> PipelineConfig:
@@ -264,7 +273,7 @@ def measured(args: argparse.Namespace, kind: str, workers: int, checkout: str | 
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
                          cwd=checkout or os.getcwd())  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    return Run(got["first"], got["rate"], got["cpu"], got["restore"], got["rss"])
+    return Run(got["first"], got["rate"], got["cpu"], got["restore"], got["rss"], got["pad"])
 
 
 def main() -> None:
@@ -330,7 +339,8 @@ def main() -> None:
             f"{max(r.rss for r in runs) / 1e9:.2f} GB; CPU "
             f"{min(r.cpu for r in runs):.3f} s/M tokens; first batch {min(firsts):.3f} s "
             f"(median {statistics.median(firsts):.3f}); after a restore {min(restores):.3f} s "
-            f"(median {statistics.median(restores):.3f})"
+            f"(median {statistics.median(restores):.3f}); padding {max(r.pad for r in runs):.3%} "
+            "of the tokens"
         )
 
 
