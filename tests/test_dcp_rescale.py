@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
-from _gloo import init_gloo, rendezvous
+from _gloo import init_gloo, rendezvous, run_ranks
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -99,7 +99,13 @@ def _phase_main(
     warnings.simplefilter("ignore")
     init_gloo(init, rank, ranks)
     try:
-        loader = TokenLoader(functools.partial(_build, _config(root)), num_workers=workers)
+        # its workers forked, as a torchrun rank's are (a rank mp.spawn started would spawn
+        # them, each importing torch again)
+        loader = TokenLoader(
+            functools.partial(_build, _config(root)),
+            num_workers=workers,
+            multiprocessing_context="fork" if workers else None,
+        )
         read: list[str] = []
         if load_from is not None:
             reader = _storage(load_from, options, write=False)
@@ -125,13 +131,12 @@ def _run_phase(
     tmp: Path, name: str, ranks: int, workers: int, root: str, load_from: str | None,
     steps: int | None, save_to: str | None, options: dict | None = None,
 ) -> list[dict]:  # fmt: skip
-    import torch.multiprocessing as mp
 
     out = tmp / name
     out.mkdir()
     init = rendezvous(tmp)
     args = (ranks, init, root, workers, load_from, steps, save_to, options, str(out))
-    mp.spawn(_phase_main, args=args, nprocs=ranks)
+    run_ranks(_phase_main, args, ranks)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from _gloo import rank_context
 from harness import check_exactly_once
 
 from torchdata_ext import PipelineConfig, World, build_datasets, build_pipeline
@@ -188,7 +189,7 @@ def test_equal_batch_counts_across_gloo_ranks(cfg, tmp_path) -> None:
     assert unequal[0] != unequal[1]  # without equalizing, the ranks differ
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     init = f"file://{tmp_path / 'store'}"
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = rank_context()
     procs = [ctx.Process(target=_gloo_rank, args=(r, 2, init, small, outs[r])) for r in range(2)]
     for p in procs:
         p.start()

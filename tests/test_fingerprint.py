@@ -15,7 +15,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
-from _gloo import init_gloo, rendezvous
+from _gloo import init_gloo, rendezvous, run_ranks
 from harness import counted_fingerprint_reads, item_key
 
 from torchdata_ext import DatasetIndex, ShardReader, World
@@ -327,13 +327,11 @@ def _rank_main(rank: int, init: str, root: str, folder: str, out: str) -> None:
 @pytest.mark.multiprocess
 def test_ranks_share_the_reads_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
 
-    import torch.multiprocessing as mp
-
     root = str(tmp_path / "web")
     _write(root, "p0.arrow", _docs(1)[:60])
     _write(root, "p1.arrow", _docs(1)[60:])
     init = rendezvous(tmp_path)
-    mp.spawn(_rank_main, args=(init, root, str(tmp_path / "c"), str(tmp_path)), nprocs=2)
+    run_ranks(_rank_main, (init, root, str(tmp_path / "c"), str(tmp_path)), 2)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # rank 0 fingerprinted p0 and rank 1 p1, once each before the change; p1's new version once
     assert got[0]["read"] == ["p0.arrow"]
@@ -443,13 +441,11 @@ def _dcp_rank_main(rank: int, init: str, root: str, folder: str, out: str) -> No
 @pytest.mark.multiprocess
 def test_dcp_ranks_record_their_share_and_all_refuse_a_changed_file(tmp_path: Path) -> None:
 
-    import torch.multiprocessing as mp
-
     root = str(tmp_path / "web")
     _write(root, "p0.arrow", _docs(1)[:60])
     _write(root, "p1.arrow", _docs(1)[60:])
     init = rendezvous(tmp_path)
-    mp.spawn(_dcp_rank_main, args=(init, root, str(tmp_path / "dcp"), str(tmp_path)), nprocs=2)
+    run_ranks(_dcp_rank_main, (init, root, str(tmp_path / "dcp"), str(tmp_path)), 2)
     got = [json.loads((tmp_path / f"dcp{r}.json").read_text()) for r in range(2)]
     # rank 0 records and checks p0, rank 1 p1 (and p1's new version): no rank reads every file
     assert got[0]["read"] == ["p0.arrow"]
@@ -545,11 +541,9 @@ def test_a_rank_that_cannot_read_its_share_fails_every_rank_at_once(tmp_path: Pa
     the gather until the process group times out."""
     import time
 
-    import torch.multiprocessing as mp
-
     init = rendezvous(tmp_path)
     t0 = time.monotonic()
-    mp.spawn(_check_share_rank_main, args=(init, str(tmp_path)), nprocs=2)
+    run_ranks(_check_share_rank_main, (init, str(tmp_path)), 2)
     got = [(tmp_path / f"share{r}.txt").read_text() for r in range(2)]
     assert got[1] == "OSError: the store cannot be reached"
     assert got[0].startswith("RuntimeError: rank 1 could not check"), got[0]

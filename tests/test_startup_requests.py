@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _gloo import init_gloo, rendezvous
+from _gloo import init_gloo, rendezvous, run_ranks
 from harness import counted_fingerprint_reads, item_key, write_random_arrow_datasets
 
 from torchdata_ext import DatasetIndex, PipelineConfig, World, build_pipeline
@@ -431,12 +431,11 @@ def _dist_rank(rank: int, init: str, root: str, ckpt: str, so: dict, out: str) -
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_under_torch_distributed_rank_0_lists_and_the_index_is_broadcast(s3, tmp_path) -> None:
-    import torch.multiprocessing as mp
 
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)
     init = rendezvous(tmp_path)
-    mp.spawn(_dist_rank, args=(init, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    run_ranks(_dist_rank, (init, root, s3.url("ckpt"), so, str(tmp_path)), 3)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert all(g["files"] == {"web": 2, "code": 2} for g in got)
     assert got[0]["listing"]["LIST"] >= 2 * len(NAMES)  # rank 0 lists and reads the counts
@@ -455,13 +454,12 @@ def test_under_torch_distributed_rank_0_lists_and_the_index_is_broadcast(s3, tmp
 def test_under_torch_distributed_the_index_file_digests_reach_every_rank(s3, tmp_path) -> None:
     """Rank 0 reads the index files, which record every object's sampled sha256: those digests
     are broadcast with the indexes, so no rank reads a data file at a save."""
-    import torch.multiprocessing as mp
 
     root, so = s3.url("data"), s3.storage_options
     _corpus(root, so)
     write_index_files(root, NAMES, storage_options=so)
     init = rendezvous(tmp_path)
-    mp.spawn(_dist_rank, args=(init, root, s3.url("ckpt"), so, str(tmp_path)), nprocs=3)
+    run_ranks(_dist_rank, (init, root, s3.url("ckpt"), so, str(tmp_path)), 3)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert all(g["files"] == {"web": 2, "code": 2} for g in got)
     for g in got[1:]:  # rank 0 reads the index files (and lists to check them), no other rank

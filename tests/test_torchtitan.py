@@ -27,7 +27,7 @@ if os.environ.get("TORCHDATA_EXT_REQUIRE_TORCHTITAN") != "1":  # CI's own venv s
         "(Python >= 3.11); .ci/run tests it in a venv of its own",
     )
 
-from _gloo import init_gloo, rendezvous  # noqa: E402
+from _gloo import init_gloo, rendezvous, run_ranks  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
 
 from torchdata_ext.testing import write_arrow_batches  # noqa: E402
@@ -127,14 +127,13 @@ def _rank_main(
 
 
 def _phase(tmp: Path, name: str, dp: int, workers: int, root: str, **kw: Any) -> list[dict]:
-    import torch.multiprocessing as mp
 
     out = tmp / name
     out.mkdir()
     init = rendezvous(tmp)
     args = (dp, init, root, workers, kw.get("load"), kw.get("steps"), kw.get("save"),
             kw.get("budget"))  # fmt: skip
-    mp.spawn(_rank_main, args=(*args, str(tmp / "run"), str(out)), nprocs=dp)
+    run_ranks(_rank_main, (*args, str(tmp / "run"), str(out)), dp)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp)]
 
 

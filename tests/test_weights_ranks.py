@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # at the top: imported late, gloo ranks abort at exit
-from _gloo import init_gloo, rendezvous
+from _gloo import init_gloo, rendezvous, run_ranks
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
 from rows import check_rows
 
@@ -115,13 +115,12 @@ def _rank_main(rank: int, init: str, root: str, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[str, Path, list[dict]]:
     """The data, the checkpoints' folder and what each of the 2 ranks delivered and was told."""
-    import torch.multiprocessing as mp
 
     root = str(tmp_path_factory.mktemp("weights_ranks_data"))
     write_random_arrow_datasets(root, (("web", 120, 25), ("code", 120, 25)), seed=11)
     tmp = tmp_path_factory.mktemp("weights_ranks")
     init = rendezvous(tmp)
-    mp.spawn(_rank_main, args=(init, root, str(tmp)), nprocs=2)
+    run_ranks(_rank_main, (init, root, str(tmp)), 2)
     return root, tmp, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
