@@ -99,13 +99,7 @@ def _phase_main(
     warnings.simplefilter("ignore")
     init_gloo(init, rank, ranks)
     try:
-        # its workers forked, as a torchrun rank's are (a rank mp.spawn started would spawn
-        # them, each importing torch again)
-        loader = TokenLoader(
-            functools.partial(_build, _config(root)),
-            num_workers=workers,
-            multiprocessing_context="fork" if workers else None,
-        )
+        loader = TokenLoader(functools.partial(_build, _config(root)), num_workers=workers)
         read: list[str] = []
         if load_from is not None:
             reader = _storage(load_from, options, write=False)
