@@ -46,6 +46,7 @@ from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.orphan import exit_with_parent
 from torchdata_ext.loader.ring import TokenRing
+from torchdata_ext.loader.skip_epochs import stamp_epochs
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
     WeightChanges,
@@ -435,6 +436,7 @@ class TokenLoader:
         self._yielded = 0
         self._step = self._step0  # batches the training loop received in the whole run
         self._skipped = list(self._skipped0)
+        self._skip_pending: dict[int, list[list[Any]]] = {}  # this range's, by worker
         self._dropping = 0  # batches of a skipped step range still to drop
         self._applied = 0  # the first step of the skipped range dropped last
         self._skip_progress: Progress | None = None  # the range being dropped, reported
@@ -734,7 +736,7 @@ class TokenLoader:
                 if self._skip:  # delivered before the checkpoint, after its state
                     self._skip -= 1
                     continue
-                if self._skipping(d.item):
+                if self._skipping(d.item, d.worker):
                     continue
                 self._step += 1
                 if self._restart_due():  # a checkpoint saved now records the next weights
@@ -753,9 +755,10 @@ class TokenLoader:
         nxt = self._step + 1
         return self._weights.due_at(nxt) and self._restarted != nxt and not self._dropping
 
-    def _skipping(self, item: Any) -> bool:
-        """Whether ``item`` is data of a skipped step range (``skip_steps``): dropped, its
-        documents' pieces recorded in ``skipped_documents``."""
+    def _skipping(self, item: Any, worker: int) -> bool:
+        """Whether ``item`` (made by logical worker ``worker``) is data of a skipped step range
+        (``skip_steps``): dropped, its documents' pieces recorded in ``skipped_documents``
+        with their epoch when the range ends (:mod:`torchdata_ext.loader.skip_epochs`)."""
         if not self._dropping:
             due = [r for r in self._skip_steps if r[0] == self._step + 1 != self._applied]
             if not due:
@@ -774,10 +777,24 @@ class TokenLoader:
         prov = item.get("provenance") if isinstance(item, dict) else None
         if prov is not None:
             rows = prov.reshape(-1, 5).numpy() if hasattr(prov, "numpy") else prov.reshape(-1, 5)
+            pending = self._skip_pending.setdefault(worker, [])
             for ds, f, d, start, n in rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)].tolist():
                 name = self._names[ds] if ds < len(self._names) else ds
-                self._skipped.append([name, f, d, start, n])
+                pending.append([name, f, d, start, n])
+        if not self._dropping:
+            self._record_skipped()
         return True
+
+    def _record_skipped(self) -> None:
+        """The pieces of the range just dropped into ``skipped_documents``, each with its
+        epoch from its worker's cut now (one restore of each worker's graph per range)."""
+        W = self.logical_workers
+        for w, pieces in sorted(self._skip_pending.items()):
+            stamp_epochs(
+                self.build(World(self.rank, self.world_size, w, W)), self._states[w], pieces
+            )
+            self._skipped.extend(pieces)
+        self._skip_pending = {}
 
     def _check_skip_ended(self) -> None:
         """The stream ended inside a skipped step range: refuse the range (its data ran out;
@@ -851,7 +868,8 @@ class TokenLoader:
         "graph", "io"}}}``; ``step``: the batches this rank delivered in the whole run, across
         restores (the training loop's step when it counts from 1); ``skip_steps``: the step
         ranges whose data is skipped (``PipelineConfig.skip_steps``), ``skipped_documents``:
-        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far;
+        the pieces ``[dataset, file, doc, start, length, epoch]`` this rank skipped so far
+        (``epoch``: :mod:`torchdata_ext.loader.skip_epochs`; pieces saved before have none);
         ``mix_history``: its tokens delivered per dataset at each weight change and now
         (:mod:`torchdata_ext.loader.mix_history`). Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
