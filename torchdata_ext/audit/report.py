@@ -69,7 +69,7 @@ recorded replay points, and what tokenize / interleave / pack hold is not known
 This module reads the checkpoint and gathers each dataset's reader states and in-flight
 pieces; the counting that turns them into documents and tokens per epoch (and the per-dataset
 types) is in ``consumption.py``, the table and the picture in ``render.py``. This module is
-618 lines because the checkpoint's reading, its file checks and the skipped steps' bookkeeping
+640 lines because the checkpoint's reading, its file checks and the skipped steps' bookkeeping
 are one pass over the workers' states.
 """
 

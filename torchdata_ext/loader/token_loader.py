@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 1,114 lines: the worker side (the messages and their iterator) and the loader side
+This module is 1,100 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -45,6 +45,7 @@ from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.orphan import exit_with_parent
+from torchdata_ext.loader.preflight import check_before_workers, check_build
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.skip_epochs import stamp_epochs
 from torchdata_ext.loader.weights import (
@@ -480,7 +481,9 @@ class TokenLoader:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             if not self._checked:  # once: a restart for new weights builds the same config
-                self._check_before_workers()
+                check_before_workers(
+                    self.build, World(self.rank, self.world_size, 0, self.logical_workers)
+                )
                 self._checked = True
             import_worker_modules()  # once here, not in every worker after the fork
             # collate_fn: messages as they are (the default converts every NumPy array in the
@@ -667,21 +670,6 @@ class TokenLoader:
         at ``iter()`` do not read the index files again)."""
         self._weights.original = change(self._weights.original)
         self.build = change(self.build)
-
-    def _check_before_workers(self) -> None:
-        """Build worker 0's graph here, before any worker process starts, so that a config
-        error comes as the one line the 0-worker loader gives (not as a worker's traceback):
-        the build's own checks (memory, tokenizer, special ids) and each reader's logical
-        shards against all ranks' workers. Nothing is read: the graph is not reset."""
-        from torchdata_ext.nodes.reader import ShardReader
-        from torchdata_ext.order.shards import check_shard_count
-
-        world = World(self.rank, self.world_size, 0, self.logical_workers)
-        for node in graph_nodes(self.build(world)):
-            if isinstance(node, ShardReader):
-                check_shard_count(
-                    node.n_logical_shards, node.dataset.total_docs, world.total_workers
-                )
 
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
@@ -1083,26 +1071,6 @@ def _accelerator() -> bool:
     if accelerator is not None:
         return bool(accelerator.is_available())
     return torch.cuda.is_available()
-
-
-def check_build(build: Any) -> None:
-    """Refuse, saying what to pass, a ``build`` that is not a function of a :class:`World`: a
-    config (not callable) or ``build_pipeline`` itself (which takes the config first).
-
-    Raises:
-        TypeError: naming what was passed and ``functools.partial(build_pipeline, cfg)``.
-    """
-    fix = "pass functools.partial(build_pipeline, cfg): a function of the World"
-    if not callable(build):
-        raise TypeError(f"TokenLoader(build): {type(build).__name__} is not callable; {fix}")
-    name = getattr(build, "__name__", "")
-    if name in ("build_pipeline", "build_eval_pipeline") and str(
-        getattr(build, "__module__", "")
-    ).startswith("torchdata_ext."):
-        raise TypeError(
-            f"TokenLoader(build): {name} needs the config first; "
-            f"pass functools.partial({name}, cfg): a function of the World"
-        )
 
 
 def _as_is(message: _Message) -> _Message:
