@@ -119,12 +119,12 @@ def test_a_progress_record_without_the_record_index_resumes_the_same(big_input, 
     assert res.resumed and _outputs(out) == _outputs(ref)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 1000])
-def test_the_outputs_do_not_depend_on_the_range_size(big_input, tmp_path, chunk) -> None:
+@pytest.mark.parametrize(("chunk", "procs"), [(1, 1), (7, 1), (1000, 1), (150, 2)])
+def test_the_outputs_do_not_depend_on_the_range_size(big_input, tmp_path, chunk, procs) -> None:
     inputs, ref, texts = big_input
     kept = sum(1 for t in texts if t)
     res = prepare(str(inputs), str(tmp_path / "o"), chunk_documents=chunk, data_fraction=0.5,
-                  seed=3, min_length=10, **KW)  # fmt: skip
+                  seed=3, min_length=10, num_proc=procs, **KW)  # fmt: skip
     whole = prepare(str(inputs), str(tmp_path / "w"), chunk_documents=10**6, data_fraction=0.5,
                     seed=3, min_length=10, **KW)  # fmt: skip
     assert _outputs(tmp_path / "o") == _outputs(tmp_path / "w")
