@@ -22,7 +22,7 @@ import numpy as np
 from torchdata_ext.handlers.base import get_handler, registered_formats
 from torchdata_ext.handlers.jsonl import release_pages
 from torchdata_ext.prepare_data.filter import DocFilter
-from torchdata_ext.remote.urls import filesystem
+from torchdata_ext.remote.urls import filesystem, is_local
 from torchdata_ext.tokenizers.load import Encoder, as_encoder, load_tokenizer
 
 __all__ = [
@@ -112,14 +112,16 @@ def _read_texts(
 
 def _chunkable(url: str, how: TokenizeSettings) -> bool:
     """Whether records of ``url`` can be read a range at a time without reading the whole
-    file again for each range: Parquet, and JSONL that is not compressed (memory-mapped);
-    a compressed JSONL file is decompressed whole on open, a ``.txt`` file is one document."""
+    file again for each range: Parquet, and local JSONL that is not compressed
+    (memory-mapped). A compressed or remote JSONL file is read whole on open (by each
+    process that opens it: read once, in one range), a ``.txt`` file is one document."""
     lower = url.lower()
     if lower.endswith(PARQUET_SUFFIXES):
         return True
     if lower.endswith((".gz", ".zst", ".zstd", ".txt")):
         return False
-    return str(how.compression).lower() in ("none", "infer")
+    fs, _ = filesystem(url, how.storage_options)
+    return is_local(fs) and str(how.compression).lower() in ("none", "infer")
 
 
 def _record_count(url: str, how: TokenizeSettings) -> int:

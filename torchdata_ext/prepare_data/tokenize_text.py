@@ -40,7 +40,7 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``num_proc=P`` tokenizes P input files at a time in a process pool; results are consumed in
   input order, so the output does not depend on P.
 
-This module is 629 lines, over the ~500 of the style guide: it is one resumable state machine
+This module is 630 lines, over the ~500 of the style guide: it is one resumable state machine
 (the progress record, parts, the outputs) whose stages share the run's state (:class:`_PartRun`).
 Sampling and length filters live in :mod:`~torchdata_ext.prepare_data.filter`, reading and
 tokenizing the inputs in :mod:`~torchdata_ext.prepare_data.tokenize_inputs`, the progress
@@ -53,11 +53,12 @@ Kills and restarts: each output file is written atomically
 atomic) records the next output number and the input position (file, document, and that
 document's record index) where that output starts: inside a large file too, since a file is
 read ``chunk_documents`` records at a time (memory bounded by that, not by the file; a
-compressed JSONL or ``.txt`` file is still read whole). A record without the record index
-(an earlier version's) resumes by reading that file from its start. A re-run with the same arguments starts there, so the final shards are
-byte-identical to an uninterrupted run. A part that finished is skipped. Each finishing part
-rewrites ``data_sources.txt`` and the counts file from every complete output in the folder
-(re-run any part to refresh them after all parts end).
+compressed or remote JSONL file or a ``.txt`` file is still read whole). A record without the
+record index (an earlier version's) resumes by reading that file from its start. A re-run
+with the same arguments starts there, so the final shards are byte-identical to an
+uninterrupted run. A part that finished is skipped. Each finishing part rewrites
+``data_sources.txt`` and the counts file from every complete output in the folder (re-run any
+part to refresh them after all parts end).
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ def prepare(
         chunk_documents: records (JSONL lines, Parquet rows) read and tokenized at a time
             per process: what bounds memory (with ``max_tokens_per_file``, the output being
             filled) instead of the input file's size; the progress record moves with every
-            output written, inside a file too. A compressed JSONL file or a ``.txt`` file is
-            still read whole. Does not change the output.
+            output written, inside a file too. A compressed or remote JSONL file or a ``.txt``
+            file is still read whole. Does not change the output.
 
     Returns:
         What this call did (:class:`PrepareResult`).
