@@ -140,3 +140,18 @@ def test_chunk_documents_must_be_a_whole_number(big_input, tmp_path) -> None:
     inputs, _, _ = big_input
     with pytest.raises(ValueError, match=r"chunk_documents=0 must be a whole number >= 1"):
         prepare(str(inputs), str(tmp_path / "o"), chunk_documents=0, **KW)
+
+
+def test_a_parquet_input_read_in_ranges_gives_the_same_outputs(big_input, tmp_path) -> None:
+    """Ranges across row groups (100 rows each) of a Parquet file, one row group decoded at a
+    time, give what the whole file in one range gives."""
+    import pyarrow.parquet as pq
+
+    _, _, texts = big_input
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": texts}), str(tmp_path / "in" / "big.parquet"),
+                   row_group_size=100)  # fmt: skip
+    res = prepare(str(tmp_path / "in"), str(tmp_path / "o"), chunk_documents=130, **KW)
+    whole = prepare(str(tmp_path / "in"), str(tmp_path / "w"), chunk_documents=10**6, **KW)
+    assert _outputs(tmp_path / "o") == _outputs(tmp_path / "w")
+    assert res.documents == whole.documents == sum(1 for t in texts if t)

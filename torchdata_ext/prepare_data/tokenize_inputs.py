@@ -1,13 +1,14 @@
 """Read :func:`~torchdata_ext.prepare_data.tokenize_text.prepare`'s input files and tokenize them.
 
 A range of ``chunk_documents`` records of an input at a time (:func:`file_chunks`; a whole
-file when it cannot be read a range at a time: compressed JSONL, ``.txt``), tokenized by
-:func:`tokenized_chunks` (in a process pool with ``num_proc > 1``): its texts are read (JSONL, Parquet, or a ``.txt`` file as one document), the non-empty ones in
-the seeded sample are tokenized, the length filter is applied, and what is left comes back as
+file when it cannot be read a range at a time: compressed JSONL, a remote file, ``.txt``),
+tokenized by :func:`tokenized_chunks` (in a process pool with ``num_proc > 1``): its texts are
+read (JSONL, Parquet, or a ``.txt`` file as one document), the non-empty ones in the seeded
+sample are tokenized, the length filter is applied, and what is left comes back as
 :class:`FileDocs` with each kept document's position in the file (what the progress record
-stores, with its record index) and the counts of what was left out. Memory is bounded by
-the range, not the file. The tokenizer is loaded once per process
-(:func:`cached_tokenizer`), also for the checks ``prepare`` makes before writing anything.
+stores, with its record index) and the counts of what was left out. Memory is bounded by the
+range, not the file. The tokenizer is loaded once per process (:func:`cached_tokenizer`), also
+for the checks ``prepare`` makes before writing anything.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def _open_texts(url: str, how: TokenizeSettings) -> tuple[Any, Any]:
         return _OPEN[key]
     close_inputs()
     kind = "parquet" if url.lower().endswith(PARQUET_SUFFIXES) else "jsonl"
-    options: dict[str, Any] = {"compression": how.compression} if kind == "jsonl" else {}
+    # a Parquet file read a range at a time keeps one decoded row group, not all of them
+    options: dict[str, Any] = (
+        {"compression": how.compression} if kind == "jsonl" else {"max_cached_row_groups": 1}
+    )
     handler = get_handler(
         kind, col_name=how.text_field, storage_options=how.storage_options, **options
     )
@@ -112,16 +116,16 @@ def _read_texts(
 
 def _chunkable(url: str, how: TokenizeSettings) -> bool:
     """Whether records of ``url`` can be read a range at a time without reading the whole
-    file again for each range: Parquet, and local JSONL that is not compressed
-    (memory-mapped). A compressed or remote JSONL file is read whole on open (by each
-    process that opens it: read once, in one range), a ``.txt`` file is one document."""
+    file again for each range: local Parquet, and local JSONL that is not compressed (both
+    memory-mapped). A compressed or remote file is read whole on open (by each process that
+    opens it: read once, in one range), a ``.txt`` file is one document."""
     lower = url.lower()
-    if lower.endswith(PARQUET_SUFFIXES):
-        return True
     if lower.endswith((".gz", ".zst", ".zstd", ".txt")):
         return False
     fs, _ = filesystem(url, how.storage_options)
-    return is_local(fs) and str(how.compression).lower() in ("none", "infer")
+    if not is_local(fs):
+        return False
+    return lower.endswith(PARQUET_SUFFIXES) or str(how.compression).lower() in ("none", "infer")
 
 
 def _record_count(url: str, how: TokenizeSettings) -> int:

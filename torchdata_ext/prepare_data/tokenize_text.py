@@ -53,9 +53,9 @@ Kills and restarts: each output file is written atomically
 atomic) records the next output number and the input position (file, document, and that
 document's record index) where that output starts: inside a large file too, since a file is
 read ``chunk_documents`` records at a time (memory bounded by that, not by the file; a
-compressed or remote JSONL file or a ``.txt`` file is still read whole). A record without the
-record index (an earlier version's) resumes by reading that file from its start. A re-run
-with the same arguments starts there, so the final shards are byte-identical to an
+compressed JSONL file, a remote file or a ``.txt`` file is still read whole). A record
+without the record index (an earlier version's) resumes by reading that file from its start.
+A re-run with the same arguments starts there, so the final shards are byte-identical to an
 uninterrupted run. A part that finished is skipped. Each finishing part rewrites
 ``data_sources.txt`` and the counts file from every complete output in the folder (re-run any
 part to refresh them after all parts end).
@@ -245,7 +245,7 @@ def prepare(
         chunk_documents: records (JSONL lines, Parquet rows) read and tokenized at a time
             per process: what bounds memory (with ``max_tokens_per_file``, the output being
             filled) instead of the input file's size; the progress record moves with every
-            output written, inside a file too. A compressed or remote JSONL file or a ``.txt``
+            output written, inside a file too. A compressed JSONL, a remote or a ``.txt``
             file is still read whole. Does not change the output.
 
     Returns:
