@@ -268,14 +268,17 @@ def tokenized_chunks(
     import multiprocessing as mp
 
     close_inputs()  # not inherited open by the forked pool
-    with mp.get_context("fork" if sys.platform == "linux" else "spawn").Pool(num_proc) as pool:
-        pending: collections.deque[tuple[Chunk, Any]] = collections.deque()
-        for c in chunks:
-            pending.append((c, pool.apply_async(_tokenize_chunk, ((c, how),))))
-            if len(pending) >= 2 * num_proc:
+    context = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    try:
+        with context.Pool(num_proc) as pool:
+            pending: collections.deque[tuple[Chunk, Any]] = collections.deque()
+            for c in chunks:  # this process opens each file once, to count its records
+                pending.append((c, pool.apply_async(_tokenize_chunk, ((c, how),))))
+                if len(pending) >= 2 * num_proc:
+                    done, res = pending.popleft()
+                    yield done, res.get()
+            while pending:
                 done, res = pending.popleft()
                 yield done, res.get()
-        while pending:
-            done, res = pending.popleft()
-            yield done, res.get()
-    close_inputs()
+    finally:
+        close_inputs()
