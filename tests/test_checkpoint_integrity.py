@@ -331,3 +331,61 @@ def test_a_dcp_checkpoint_saved_before_the_checksum_still_loads(
     raw = (tmp_path / "old" / "__0_0.distcp").read_bytes()
     assert b"TDXSEAL1" not in raw
     assert _dcp_load(cfg, tmp_path / "old") == after
+
+
+def _load_dcp(cfg: Any, folder: Path) -> list:
+    """:func:`_dcp_load` through ``torchdata_ext.checkpoint.load_dcp``."""
+    import torch
+
+    from torchdata_ext.checkpoint import DCPLoaderState, load_dcp
+    from torchdata_ext.pipeline.build import build_pipeline
+
+    loader = TokenLoader(functools.partial(build_pipeline, cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_dcp({"model": {"w": torch.zeros(4)}, "data": DCPLoaderState(loader)}, str(folder))
+    return [b["input_ids"].tolist() for b in loader]
+
+
+def test_load_dcp_names_a_data_file_torch_cannot_read(
+    dcp_run: tuple[Any, Path, list, list], tmp_path: Path
+) -> None:
+    """Issue 44 item 10: where the user's own dcp.load raises torch's CheckpointException
+    before the loader's code runs, load_dcp (and check_dcp, without loading) names the
+    checkpoint, the file and what is wrong with it; an intact checkpoint loads as dcp.load."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchdata_ext.checkpoint import check_dcp
+
+    cfg, good, after, _ = dcp_run
+    assert _load_dcp(cfg, good) == after
+    check_dcp(str(good))
+    metadata = dcp.FileSystemReader(str(good)).read_metadata()
+    need = max(i.offset + i.length for i in metadata.storage_data.values())
+    (name,) = [p.name for p in good.glob("*.distcp")]
+    size = (good / name).stat().st_size
+    cut = _damaged_copy(good, tmp_path / "cut", "truncated .distcp")
+    with pytest.raises(CheckpointException):
+        _dcp_load(cfg, cut)  # what the user's own dcp.load gives
+    want = (
+        f"DCP checkpoint {cut} is damaged: {name} is truncated ({size // 2:,} bytes; the "
+        f"metadata needs {need:,}); restore from another checkpoint"
+    )
+    for call in (lambda: _load_dcp(cfg, cut), lambda: check_dcp(str(cut))):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == want
+    gone = _damaged_copy(good, tmp_path / "gone", "none")
+    (gone / name).unlink()
+    with pytest.raises(ValueError) as e:
+        _load_dcp(cfg, gone)
+    assert str(e.value) == (
+        f"DCP checkpoint {gone} is damaged: {name} is missing; restore from another checkpoint"
+    )
+    # the right size, but torch cannot read it: torch's failure, reworded
+    zeroed = _damaged_copy(good, tmp_path / "zeroed", "none")
+    (zeroed / name).write_bytes(bytes(size))
+    with pytest.raises(ValueError) as e:
+        _load_dcp(cfg, zeroed)
+    assert str(e.value).startswith(f"DCP checkpoint {zeroed} is damaged: reading {name} failed (")
+    assert str(e.value).endswith("); restore from another checkpoint")

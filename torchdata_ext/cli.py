@@ -152,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-tokens-per-file", type=int, default=100_000_000,
                     help="cap of tokens per output file")  # fmt: skip
     pp.add_argument("--num-proc", type=int, default=1, help="tokenizing processes")
+    pp.add_argument("--chunk-documents", type=int, default=10_000,
+                    help="records read and tokenized at a time per process: bounds memory "
+                    "(not the input's size); progress is kept inside a file")  # fmt: skip
     pp.add_argument("--shard-id", type=int, default=None, help="this part (default SLURM id)")
     pp.add_argument("--num-shards", type=int, default=None, help="number of parts")
     pp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -421,6 +424,7 @@ def _prepare(args: argparse.Namespace) -> None:
         eos_token=args.eos_token,
         max_tokens_per_file=args.max_tokens_per_file,
         num_proc=args.num_proc,
+        chunk_documents=args.chunk_documents,
         shard_id=0 if shard_id is None else shard_id,
         num_shards=1 if num_shards is None else num_shards,
         encoding=args.encoding,

@@ -91,7 +91,8 @@ class DatasetAudit:
             flight and those skipped by ``skip_steps``: all of whose tokens the trainer
             received (or dropped).
         step_skipped_documents: documents with pieces in the batches of steps skipped by
-            ``PipelineConfig.skip_steps`` (never delivered later: their readers passed them).
+            ``PipelineConfig.skip_steps`` (never delivered later in that epoch: their readers
+            passed them), once per epoch they were skipped in.
         step_skipped_tokens: the tokens of those pieces (not in ``tokens_delivered``).
     """
 

@@ -60,7 +60,7 @@ nodes above re-read their current block on restore and drop what they had used, 
 (default) the audit restores, per worker, only the pack node and what feeds it (never the
 shuffle buffer, whose contents are known from provenance; the nodes under the pack alone when
 the pack holds nothing) and takes the same consistent cut a rescale takes
-(:func:`torchdata_ext.checkpoint.rescale.live_cut`): this reads the few blocks those nodes were working
+(:func:`torchdata_ext.nodes.graph_cut.live_cut`): this reads the few blocks those nodes were working
 on (at most a few blocks per dataset per worker). ``replay=False``
 reads nothing but the checkpoint and the counts: documents are then counted up to the
 recorded replay points, and what tokenize / interleave / pack hold is not known
@@ -69,7 +69,7 @@ recorded replay points, and what tokenize / interleave / pack hold is not known
 This module reads the checkpoint and gathers each dataset's reader states and in-flight
 pieces; the counting that turns them into documents and tokens per epoch (and the per-dataset
 types) is in ``consumption.py``, the table and the picture in ``render.py``. This module is
-618 lines because the checkpoint's reading, its file checks and the skipped steps' bookkeeping
+640 lines because the checkpoint's reading, its file checks and the skipped steps' bookkeeping
 are one pass over the workers' states.
 """
 
@@ -101,10 +101,12 @@ from torchdata_ext.audit.segments import MixSegments, mix_segments, run_targets
 from torchdata_ext.checkpoint.dcp_entries import is_dcp_checkpoint
 from torchdata_ext.checkpoint.dcp_read import read_dcp_manifest, read_dcp_worker_states
 from torchdata_ext.checkpoint.folder import read_manifest, read_worker_states
-from torchdata_ext.checkpoint.rescale import live_cut
 from torchdata_ext.checkpoint.restore import dataset_differs
+from torchdata_ext.loader.skip_epochs import UNKNOWN_EPOCH, piece_epochs
+from torchdata_ext.nodes.graph_cut import live_cut
 from torchdata_ext.nodes.pack import Pack
 from torchdata_ext.nodes.shuffle import buffered_provenance
+from torchdata_ext.order.shard_walk import latest_epochs
 from torchdata_ext.order.shards import file_offsets
 from torchdata_ext.pipeline.build import build_datasets, build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig, as_config
@@ -168,8 +170,9 @@ class AuditReport:
     mix_segments: MixSegments | None = None
     _cursors: dict[str, Cursors] = field(default_factory=dict, repr=False, compare=False)
     _storage_options: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    # per dataset, the (file, doc) pairs with pieces skipped by skip_steps
-    _step_skipped: dict[str, set[tuple[int, int]]] = field(
+    # per dataset, the (file, doc, epoch) triples with pieces skipped by skip_steps (epoch
+    # UNKNOWN_EPOCH: recorded without one, so every epoch's row of the document)
+    _step_skipped: dict[str, set[tuple[int, int, int]]] = field(
         default_factory=dict, repr=False, compare=False
     )
 
@@ -189,9 +192,9 @@ class AuditReport:
         Columns: ``dataset`` and ``file`` (URL; dictionary-encoded strings), ``file_index``
         (the file's number in the dataset's sorted file list), ``doc`` (the document's index
         in its file), ``epoch``, ``in_flight`` (some of its tokens not yet delivered; on the
-        row of the latest epoch that consumed it), ``step_skipped`` (some of its tokens were
-        in the batches of steps ``skip_steps`` skipped; the checkpoint does not record in which
-        epoch, so every row of the document says so). Rows are sorted by dataset (config order),
+        row of the latest epoch that consumed it), ``step_skipped`` (some of its tokens of
+        that epoch were in the batches of steps ``skip_steps`` skipped; a skip recorded
+        without its epoch, by an earlier version, marks every row of the document). Rows are sorted by dataset (config order),
         epoch, file and document. Computed from the cursors on each call (vectorised).
         """
         parts = [document_rows(c) for c in self._cursors.values()]
@@ -208,8 +211,11 @@ class AuditReport:
                 [
                     np.fromiter(
                         (
-                            (f, d) in self._step_skipped.get(name, ())
-                            for f, d in zip(p[0].tolist(), p[1].tolist(), strict=True)
+                            bool(
+                                {(f, d, e), (f, d, UNKNOWN_EPOCH)}
+                                & self._step_skipped.get(name, set())
+                            )
+                            for f, d, e in zip(*(p[k].tolist() for k in range(3)), strict=True)
                         ),
                         bool,
                         count=len(p[0]),
@@ -356,7 +362,7 @@ def audit_checkpoint(
         workers, cfg, datasets, held, replay=replay, skipped=skipped, metas=metas
     )
     cursors, audits = _audit_datasets(manifest, cfg, datasets, live, held, lengths)
-    audits = _with_token_shares(_with_step_skips(audits, skipped, datasets, held))
+    audits = _with_token_shares(_with_step_skips(audits, skipped, cursors, held))
     mixers = int(manifest["world_size"]) * max(1, int(manifest["num_workers"]))
     segments = mix_segments(manifest, [metas[r] for r in sorted(metas)], cfg, lengths)
     targets = run_targets(segments)  # with weight changes: the segments' targets by tokens
@@ -377,7 +383,12 @@ def audit_checkpoint(
         _cursors=cursors,
         _storage_options=storage_options,
         _step_skipped={
-            name: {(int(p[1]), int(p[2])) for p in skipped if p[0] == name} for name in datasets
+            name: {
+                (int(p[1]), int(p[2]), int(e))
+                for p, e in zip(skipped, piece_epochs(skipped).tolist(), strict=True)
+                if p[0] == name
+            }
+            for name in datasets
         },
     )
 
@@ -544,26 +555,37 @@ def _audit_datasets(
 def _with_step_skips(
     audits: list[DatasetAudit],
     skipped: list[list[Any]],
-    datasets: dict[str, DatasetIndex],
+    cursors: dict[str, Cursors],
     held: dict[str, Held],
 ) -> list[DatasetAudit]:
-    """``audits`` with the pieces ``[dataset, file, doc, start, length]`` of the steps skipped
-    by ``skip_steps`` counted as skipped: their documents (unless still in flight for another
-    piece) and tokens leave the delivered counts."""
+    """``audits`` with the pieces ``[dataset, file, doc, start, length, epoch]`` of the steps
+    skipped by ``skip_steps`` counted as skipped: each document's skipped pass (a document and
+    an epoch) leaves the delivered counts, unless it is the pass still in flight (counted
+    there: its epoch is the latest the document was consumed in, or the piece has no epoch),
+    and so do the pieces' tokens."""
     out = []
     for a in audits:
-        mine = [p[1:] for p in skipped if p[0] == a.name]
+        mine = [p for p in skipped if p[0] == a.name]
         if not mine:
             out.append(a)
             continue
-        arr = np.asarray(mine, np.int64).reshape(-1, 4)
-        ids = np.unique(file_offsets(datasets[a.name].doc_counts)[arr[:, 0]] + arr[:, 1])
-        gone = len(np.setdiff1d(ids, held[a.name].documents()))
+        arr = np.asarray([p[1:5] for p in mine], np.int64).reshape(-1, 4)
+        c = cursors[a.name]
+        offsets = file_offsets(c.index.doc_counts)
+        passes = np.unique(
+            np.column_stack([offsets[arr[:, 0]] + arr[:, 1], piece_epochs(mine)]), axis=0
+        )
+        ids, epochs = passes[:, 0], passes[:, 1]
+        latest = latest_epochs(
+            offsets, c.n_logical_shards, c.seed, (c.shard, c.epoch, c.pos, c.offset), ids
+        )
+        flying = np.isin(ids, held[a.name].documents())
+        gone = int((~(flying & ((epochs == UNKNOWN_EPOCH) | (epochs == latest)))).sum())
         tokens = int(arr[:, 3].sum())
         out.append(
             replace(
                 a,
-                step_skipped_documents=len(ids),
+                step_skipped_documents=len(passes),
                 step_skipped_tokens=tokens,
                 documents_delivered=None
                 if a.documents_delivered is None

@@ -3,6 +3,7 @@ worker states to another topology.
 """
 
 from torchdata_ext.checkpoint.dcp import DCPLoaderState
+from torchdata_ext.checkpoint.dcp_load import check_dcp, load_dcp
 from torchdata_ext.checkpoint.folder import (
     CHECKPOINT_FORMAT,
     is_checkpoint_folder,
@@ -17,9 +18,11 @@ from torchdata_ext.checkpoint.restore import dataset_differs
 __all__ = [
     "CHECKPOINT_FORMAT",
     "DCPLoaderState",
+    "check_dcp",
     "dataset_differs",
     "is_checkpoint_folder",
     "load_checkpoint",
+    "load_dcp",
     "read_manifest",
     "read_worker_states",
     "rescale_worker_states",

@@ -18,7 +18,7 @@ file-descriptor work; sending the state and one message per batch made the worke
 faster than the loader this product replaces. A delta is a few kilobytes; a message carries
 several batches (one token tensor, see :class:`~torchdata_ext.batch.BatchGroup`).
 
-This module is 1,114 lines: the worker side (the messages and their iterator) and the loader side
+This module is 1,100 lines: the worker side (the messages and their iterator) and the loader side
 (applying the deltas, the state, the run's step, its skipped step ranges and the trainer's weight
 changes, :mod:`torchdata_ext.loader.weights`) are the two ends of one message format.
 """
@@ -45,7 +45,9 @@ from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.orphan import exit_with_parent
+from torchdata_ext.loader.preflight import check_before_workers, check_build
 from torchdata_ext.loader.ring import TokenRing
+from torchdata_ext.loader.skip_epochs import stamp_epochs
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
     WeightChanges,
@@ -435,6 +437,7 @@ class TokenLoader:
         self._yielded = 0
         self._step = self._step0  # batches the training loop received in the whole run
         self._skipped = list(self._skipped0)
+        self._skip_pending: dict[int, list[list[Any]]] = {}  # this range's, by worker
         self._dropping = 0  # batches of a skipped step range still to drop
         self._applied = 0  # the first step of the skipped range dropped last
         self._skip_progress: Progress | None = None  # the range being dropped, reported
@@ -478,7 +481,9 @@ class TokenLoader:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             if not self._checked:  # once: a restart for new weights builds the same config
-                self._check_before_workers()
+                check_before_workers(
+                    self.build, World(self.rank, self.world_size, 0, self.logical_workers)
+                )
                 self._checked = True
             import_worker_modules()  # once here, not in every worker after the fork
             # collate_fn: messages as they are (the default converts every NumPy array in the
@@ -666,21 +671,6 @@ class TokenLoader:
         self._weights.original = change(self._weights.original)
         self.build = change(self.build)
 
-    def _check_before_workers(self) -> None:
-        """Build worker 0's graph here, before any worker process starts, so that a config
-        error comes as the one line the 0-worker loader gives (not as a worker's traceback):
-        the build's own checks (memory, tokenizer, special ids) and each reader's logical
-        shards against all ranks' workers. Nothing is read: the graph is not reset."""
-        from torchdata_ext.nodes.reader import ShardReader
-        from torchdata_ext.order.shards import check_shard_count
-
-        world = World(self.rank, self.world_size, 0, self.logical_workers)
-        for node in graph_nodes(self.build(world)):
-            if isinstance(node, ShardReader):
-                check_shard_count(
-                    node.n_logical_shards, node.dataset.total_docs, world.total_workers
-                )
-
     def _configured_skip_steps(self) -> None:
         """A fresh run (no state loaded): the configured ``skip_steps`` (read off worker 0's
         graph root, as a restore reads them) are dropped when the run reaches them. A config
@@ -734,7 +724,7 @@ class TokenLoader:
                 if self._skip:  # delivered before the checkpoint, after its state
                     self._skip -= 1
                     continue
-                if self._skipping(d.item):
+                if self._skipping(d.item, d.worker):
                     continue
                 self._step += 1
                 if self._restart_due():  # a checkpoint saved now records the next weights
@@ -753,9 +743,10 @@ class TokenLoader:
         nxt = self._step + 1
         return self._weights.due_at(nxt) and self._restarted != nxt and not self._dropping
 
-    def _skipping(self, item: Any) -> bool:
-        """Whether ``item`` is data of a skipped step range (``skip_steps``): dropped, its
-        documents' pieces recorded in ``skipped_documents``."""
+    def _skipping(self, item: Any, worker: int) -> bool:
+        """Whether ``item`` (made by logical worker ``worker``) is data of a skipped step range
+        (``skip_steps``): dropped, its documents' pieces recorded in ``skipped_documents``
+        with their epoch when the range ends (:mod:`torchdata_ext.loader.skip_epochs`)."""
         if not self._dropping:
             due = [r for r in self._skip_steps if r[0] == self._step + 1 != self._applied]
             if not due:
@@ -774,10 +765,24 @@ class TokenLoader:
         prov = item.get("provenance") if isinstance(item, dict) else None
         if prov is not None:
             rows = prov.reshape(-1, 5).numpy() if hasattr(prov, "numpy") else prov.reshape(-1, 5)
+            pending = self._skip_pending.setdefault(worker, [])
             for ds, f, d, start, n in rows[(rows[:, 0] >= 0) & (rows[:, 4] > 0)].tolist():
                 name = self._names[ds] if ds < len(self._names) else ds
-                self._skipped.append([name, f, d, start, n])
+                pending.append([name, f, d, start, n])
+        if not self._dropping:
+            self._record_skipped()
         return True
+
+    def _record_skipped(self) -> None:
+        """The pieces of the range just dropped into ``skipped_documents``, each with its
+        epoch from its worker's cut now (one restore of each worker's graph per range)."""
+        W = self.logical_workers
+        for w, pieces in sorted(self._skip_pending.items()):
+            stamp_epochs(
+                self.build(World(self.rank, self.world_size, w, W)), self._states[w], pieces
+            )
+            self._skipped.extend(pieces)
+        self._skip_pending = {}
 
     def _check_skip_ended(self) -> None:
         """The stream ended inside a skipped step range: refuse the range (its data ran out;
@@ -851,7 +856,8 @@ class TokenLoader:
         "graph", "io"}}}``; ``step``: the batches this rank delivered in the whole run, across
         restores (the training loop's step when it counts from 1); ``skip_steps``: the step
         ranges whose data is skipped (``PipelineConfig.skip_steps``), ``skipped_documents``:
-        the pieces ``[dataset, file, doc, start, length]`` this rank skipped so far;
+        the pieces ``[dataset, file, doc, start, length, epoch]`` this rank skipped so far
+        (``epoch``: :mod:`torchdata_ext.loader.skip_epochs`; pieces saved before have none);
         ``mix_history``: its tokens delivered per dataset at each weight change and now
         (:mod:`torchdata_ext.loader.mix_history`). Costs no copy: the graph
         states are shared with later states and never change (treat them as read-only)."""
@@ -1065,26 +1071,6 @@ def _accelerator() -> bool:
     if accelerator is not None:
         return bool(accelerator.is_available())
     return torch.cuda.is_available()
-
-
-def check_build(build: Any) -> None:
-    """Refuse, saying what to pass, a ``build`` that is not a function of a :class:`World`: a
-    config (not callable) or ``build_pipeline`` itself (which takes the config first).
-
-    Raises:
-        TypeError: naming what was passed and ``functools.partial(build_pipeline, cfg)``.
-    """
-    fix = "pass functools.partial(build_pipeline, cfg): a function of the World"
-    if not callable(build):
-        raise TypeError(f"TokenLoader(build): {type(build).__name__} is not callable; {fix}")
-    name = getattr(build, "__name__", "")
-    if name in ("build_pipeline", "build_eval_pipeline") and str(
-        getattr(build, "__module__", "")
-    ).startswith("torchdata_ext."):
-        raise TypeError(
-            f"TokenLoader(build): {name} needs the config first; "
-            f"pass functools.partial({name}, cfg): a function of the World"
-        )
 
 
 def _as_is(message: _Message) -> _Message:

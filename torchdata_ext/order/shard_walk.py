@@ -31,6 +31,7 @@ from torchdata_ext.order.walk import mix_seed, mix_seeds, walk_prefixes
 __all__ = [
     "PlanTable",
     "ShardPlan",
+    "latest_epochs",
     "plan_table",
     "shard_order_rank",
     "shard_plan",
@@ -203,3 +204,42 @@ def walked_documents(
     walked = walk_prefixes(size, t.seed, take)
     file = np.repeat(t.file, take)
     return np.repeat(t.entry, take), file, walked + np.repeat(t.start, take)
+
+
+def latest_epochs(
+    offsets: np.ndarray,
+    n_logical_shards: int,
+    seed: int,
+    cursors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    documents: np.ndarray,
+) -> np.ndarray:
+    """The latest epoch in which each of ``documents`` (global ids) was consumed, given the
+    cursors of the shards holding them: the epoch ``e`` of its shard's cursor when the walk of
+    ``e`` has passed it (a document begun counts), else ``e - 1`` (-1: never consumed). A
+    document whose shard has no cursor in ``cursors`` gets -2 (unknown).
+
+    Args:
+        offsets: :func:`~torchdata_ext.order.shards.file_offsets` of the dataset.
+        n_logical_shards: N, the dataset's logical shard count.
+        seed: the shuffling seed.
+        cursors: ``(ids, epoch, pos, offset)``, one element per shard (a reader state's
+            :func:`~torchdata_ext.state.reader_state.reader_cursors` columns).
+        documents: global document ids.
+    """
+    ids, epoch, pos, offset = (np.asarray(c, np.int64) for c in cursors)
+    documents = np.asarray(documents, np.int64)
+    out = np.full(len(documents), -2, np.int64)
+    shard = np.searchsorted(shard_bounds(int(offsets[-1]), n_logical_shards), documents, "right")
+    at = np.searchsorted(ids, shard - 1)
+    known = (
+        (at < len(ids)) & (ids[np.minimum(at, len(ids) - 1)] == shard - 1) if len(ids) else at < 0
+    )
+    if not known.any():
+        return out
+    need = np.unique(at[known])
+    _, file, doc = walked_documents(
+        offsets, n_logical_shards, seed, ids[need], epoch[need], pos[need] + (offset[need] > 0)
+    )
+    passed = np.isin(documents[known], offsets[file] + doc)
+    out[known] = epoch[at[known]] - np.where(passed, 0, 1)
+    return out

@@ -94,8 +94,8 @@ def input_stats(files: Sequence[str], storage_options: dict[str, Any]) -> list[l
 def new_progress(config: dict[str, Any], stats: list[list[Any]] | None = None) -> dict[str, Any]:
     """The progress record of a part that has not started (``stats``: :func:`input_stats`);
     ``documents`` and ``tokens`` count what its written outputs hold, over every run."""
-    state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "done": False,
-             "documents": 0, "tokens": 0}  # fmt: skip
+    state = {"config": config, "next_output": 0, "input": 0, "doc": 0, "record": 0,
+             "done": False, "documents": 0, "tokens": 0}  # fmt: skip
     if stats is not None:
         state["input_stats"] = stats
     return state

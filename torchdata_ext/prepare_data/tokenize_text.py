@@ -40,7 +40,7 @@ give the function.) The ``torchdata-ext prepare`` command (:mod:`torchdata_ext.c
 * ``num_proc=P`` tokenizes P input files at a time in a process pool; results are consumed in
   input order, so the output does not depend on P.
 
-This module is 599 lines, over the ~500 of the style guide: it is one resumable state machine
+This module is 630 lines, over the ~500 of the style guide: it is one resumable state machine
 (the progress record, parts, the outputs) whose stages share the run's state (:class:`_PartRun`).
 Sampling and length filters live in :mod:`~torchdata_ext.prepare_data.filter`, reading and
 tokenizing the inputs in :mod:`~torchdata_ext.prepare_data.tokenize_inputs`, the progress
@@ -50,11 +50,15 @@ output files' bytes, stale temporaries and listings in
 
 Kills and restarts: each output file is written atomically
 (:func:`torchdata_ext.remote.write_bytes_atomic`), then ``_progress_part{K:05d}.json`` (also
-atomic) records the next output number and the input position (file, document) where that
-output starts. A re-run with the same arguments starts there, so the final shards are
-byte-identical to an uninterrupted run. A part that finished is skipped. Each finishing part
-rewrites ``data_sources.txt`` and the counts file from every complete output in the folder
-(re-run any part to refresh them after all parts end).
+atomic) records the next output number and the input position (file, document, and that
+document's record index) where that output starts: inside a large file too, since a file is
+read ``chunk_documents`` records at a time (memory bounded by that, not by the file; a
+compressed JSONL file, a remote file or a ``.txt`` file is still read whole). A record
+without the record index (an earlier version's) resumes by reading that file from its start.
+A re-run with the same arguments starts there, so the final shards are byte-identical to an
+uninterrupted run. A part that finished is skipped. Each finishing part rewrites
+``data_sources.txt`` and the counts file from every complete output in the folder (re-run any
+part to refresh them after all parts end).
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ from torchdata_ext.prepare_data.tokenize_inputs import (
     FileDocs,
     TokenizeSettings,
     cached_tokenizer,
-    tokenized_files,
+    file_chunks,
+    tokenized_chunks,
 )
 from torchdata_ext.progress import DELAY_S, Progress
 from torchdata_ext.remote import write_bytes_atomic
@@ -201,6 +206,7 @@ def prepare(
     min_length: int | None = None,
     max_length: int | None = None,
     dtype: str | None = None,
+    chunk_documents: int = 10_000,
 ) -> PrepareResult:
     """Tokenize text files into shards in ``out`` (see the module docstring); resumable.
 
@@ -226,7 +232,7 @@ def prepare(
             tqdm bar when stderr is a terminal, else a line every 10 s (logger
             ``torchdata_ext.prepare_data.tokenize_text.progress``), then a closing summary line. None: once
             the part has run 2 s; True: from the start; False: nothing, not even the summary.
-        slow_for_tests: seconds to sleep per input file (tests of kills).
+        slow_for_tests: seconds to sleep per range of records tokenized (tests of kills).
         data_fraction: keep a seeded sample of about this share of the documents, in
             ``(0, 1]``: the same documents for the same ``seed`` whatever ``num_proc`` and
             ``num_shards`` (:mod:`torchdata_ext.prepare_data.filter`).
@@ -236,6 +242,11 @@ def prepare(
         dtype: the stored token dtype, ``"uint16"`` or ``"uint32"``; None (default): the
             smallest that holds the vocabulary and ``eos_token`` (``uint16`` up to 65,536 ids,
             e.g. the byte tokenizer or an 8,000-token BPE), recorded in the metadata.
+        chunk_documents: records (JSONL lines, Parquet rows) read and tokenized at a time
+            per process: what bounds memory (with ``max_tokens_per_file``, the output being
+            filled) instead of the input file's size; the progress record moves with every
+            output written, inside a file too. A compressed JSONL, a remote or a ``.txt``
+            file is still read whole. Does not change the output.
 
     Returns:
         What this call did (:class:`PrepareResult`).
@@ -246,6 +257,15 @@ def prepare(
             the tokenizer and ``out`` are checked, nor when the inputs hold no document.
     """
     _check_arguments(format, shard_id, num_shards, max_tokens_per_file, num_proc)
+    if (
+        isinstance(chunk_documents, bool)
+        or not isinstance(chunk_documents, int)
+        or (chunk_documents < 1)
+    ):
+        raise ValueError(
+            f"chunk_documents={chunk_documents!r} must be a whole number >= 1 (records "
+            "tokenized at a time); pass e.g. chunk_documents=10000"
+        )
     _check_tokens(tokenizer, byte_offset, eos_token, encoding, compression)
     doc_filter = DocFilter(data_fraction, seed, min_length, max_length)
     if format == "npy" and eos_token is None:
@@ -264,7 +284,7 @@ def prepare(
     if run.state["done"]:
         run.result.skipped = True
     else:
-        _write_part(run, how, num_proc, progress, slow_for_tests)
+        _write_part(run, how, num_proc, progress, slow_for_tests, chunk_documents)
     write_meta(out, meta, storage_options)
     output_files.write_listings(fs, out, out_path, format, eos_token, storage_options, meta.dtype)
     return run.result
@@ -355,9 +375,10 @@ class _PartRun:
         url = unstrip(self.fs, progress_path(self.out_path, self.shard_id))
         write_bytes_atomic(url, progress_bytes(self.state), self.storage_options)
 
-    def add_file(self, i: int, got: FileDocs) -> None:
-        """Count what input file ``i`` held and left out, and add the documents it keeps (each
-        with ``eos_token`` appended) to the outputs, writing an output when one is full."""
+    def add_file(self, i: int, got: FileDocs, base: int = 0) -> None:
+        """Count what a range of input file ``i`` held and left out, and add the documents it
+        keeps (each with ``eos_token`` appended) to the outputs, writing an output when one is
+        full (``base``: the file's non-empty texts before the range's positions)."""
         url, result, eos_token = self.files[i], self.result, self.config["eos_token"]
         if got.undecodable:
             result.undecodable_documents += got.undecodable
@@ -368,7 +389,7 @@ class _PartRun:
         result.too_long += got.too_long
         result.empty += got.empty
         eos = None if eos_token is None else np.array([eos_token], np.uint32)
-        for doc, pos in zip(got.docs, got.positions.tolist()):
+        for doc, pos, rec in zip(got.docs, (got.positions + base).tolist(), got.records.tolist()):
             if eos is not None:
                 if eos_token in doc:
                     raise ValueError(
@@ -378,15 +399,16 @@ class _PartRun:
                     )
                 doc = np.concatenate([doc, eos])
             if self.buf and self.buf_tokens + doc.size > self.config["max_tokens_per_file"]:
-                self.write_output((i, pos))
+                self.write_output((i, pos, rec))
             self.buf.append(doc)
             self.buf_tokens += doc.size
             result.documents += 1
             result.tokens += doc.size
 
-    def write_output(self, next_pos: tuple[int, int]) -> None:
+    def write_output(self, next_pos: tuple[int, int, int]) -> None:
         """Write the buffered documents as the next output, then the progress record: the
-        output after it starts at input position ``next_pos`` (file, document)."""
+        output after it starts at input position ``next_pos`` (file, document: its place
+        among the file's non-empty texts, record: its record index in the file)."""
         n_out = int(self.state["next_output"])
         data = self.encode(self.buf)
         write_bytes_atomic(self.output_url(n_out), data, self.storage_options)
@@ -395,7 +417,9 @@ class _PartRun:
             self.state["documents"] += len(self.buf)
             self.state["tokens"] += self.buf_tokens
         self.buf, self.buf_tokens = [], 0
-        self.state.update(next_output=n_out + 1, input=next_pos[0], doc=next_pos[1])
+        self.state.update(
+            next_output=n_out + 1, input=next_pos[0], doc=next_pos[1], record=next_pos[2]
+        )
         self.save_progress()
 
     def wrote_nothing(self) -> bool:
@@ -405,8 +429,8 @@ class _PartRun:
     def finish(self) -> None:
         """Write the buffered documents as the last output and record the part as done."""
         if self.buf:
-            self.write_output((len(self.files), 0))
-        self.state.update(done=True, input=len(self.files), doc=0)
+            self.write_output((len(self.files), 0, 0))
+        self.state.update(done=True, input=len(self.files), doc=0, record=0)
         self.save_progress()
         self.result.total_documents = self.state.get("documents")
         self.result.total_tokens = self.state.get("tokens")
@@ -450,6 +474,7 @@ def _write_part(
     num_proc: int,
     progress: bool | None,
     slow_for_tests: float,
+    chunk_documents: int,
 ) -> None:
     """Tokenize the part's inputs from where its progress record says, write them into
     outputs, record the part as done and report (progress, summary line, warnings)."""
@@ -458,12 +483,18 @@ def _write_part(
     bar = _progress_of(progress, shard_id, num_shards, sum(sizes[int(run.state["input"]) :]))
     t0 = time.perf_counter()
     first_file, first_doc = int(run.state["input"]), int(run.state["doc"])
-    for i, got in enumerate(
-        tokenized_files(files, first_file, first_doc, how, num_proc), start=first_file
-    ):
-        run.add_file(i, got)
-        if bar is not None:
-            bar.update(sizes[i])
+    record = run.state.get("record")  # None: a record written before ranges of a file
+    chunks = file_chunks(files, first_file, first_doc, record, how, chunk_documents)
+    base = 0  # the file's non-empty texts before the range
+    for chunk, got in tokenized_chunks(chunks, how, num_proc):
+        if chunk.lo == 0 and chunk.start == 0 and chunk.file != first_file:
+            base = 0
+        elif chunk.file == first_file and chunk.lo == (record or 0) and chunk.start == 0:
+            base = first_doc  # the resumed range starts at that document
+        run.add_file(chunk.file, got, base)
+        base += chunk.start + got.seen
+        if bar is not None and chunk.last:
+            bar.update(sizes[chunk.file])
         if slow_for_tests:
             time.sleep(slow_for_tests)
     result = run.result
