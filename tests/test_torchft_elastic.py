@@ -37,7 +37,7 @@ def cfg(tmp_path_factory) -> PipelineConfig:
     )  # fmt: skip
 
 
-def elastic(cfg: PipelineConfig, global_batches: int | None = None):
+def elastic(cfg: PipelineConfig, global_batches: int | None = None, every: int = 50):
     build = functools.partial(build_pipeline, cfg, collate=False)
 
     def make(manager):
@@ -45,6 +45,7 @@ def elastic(cfg: PipelineConfig, global_batches: int | None = None):
             manager,
             lambda r, n: TokenLoader(build, rank=r, world_size=n),
             global_batches=global_batches,
+            exchange_every=every,
         )
 
     return make
@@ -172,6 +173,46 @@ def test_set_weights_holds_through_deaths_and_joins(cfg) -> None:
         assert loader._changes == [(5, {"web": 1.0, "code": 4.0})]
 
 
+@pytest.mark.parametrize("die_at", [2, 3, 4])
+def test_a_death_right_before_during_and_after_an_exchange(cfg, die_at) -> None:
+    """States exchanged after step 0 and every 4th step (3, 7, ...): a group dies in step 2 (the
+    shares' states at the change are step 0's replayed 2 steps), in step 3 (after its
+    exchange; the step fails, so the exchanged states are dropped) or in step 4 (right after
+    it: the exchanged states are the job's); a new group joins 3 steps later. Each token
+    once, and only the exchange steps exchange."""
+    job = SimJob(elastic(cfg, every=4))
+    for _ in range(3):
+        job.join()
+    events = [""] * die_at + ["die"] + [""] * 2 + ["join"]
+    committed, per_step = run(job, events)
+    check(cfg, committed)
+    assert per_step[:die_at] == [3] * die_at and per_step[die_at : die_at + 3] == [2, 2, 3]
+    joiner = job.loaders[3]
+    # the joiner took part in every exchange from its first step (step die_at + 2) to the end
+    assert joiner.exchanges == sum((s + 1) % 4 == 0 for s in range(die_at + 2, len(per_step)))
+
+
+def test_no_exchange_between_exchange_steps(cfg) -> None:
+    """3 groups, states exchanged every 4 steps: 7 committed steps send bytes in step 0 (where
+    torchft's init_sync heals ranked groups) and step 3, and nothing in the others."""
+    job = SimJob(elastic(cfg, every=4))
+    for _ in range(3):
+        job.join()
+    sent = []
+    for _ in range(7):
+        before = job.exchanged_bytes
+        assert job.step()[0]
+        sent.append(job.exchanged_bytes - before)
+    assert [k for k, b in enumerate(sent) if b] == [0, 3]
+    assert all(loader.exchanges == 2 for loader in job.loaders.values())
+
+
+def test_bad_exchange_every_is_refused(cfg) -> None:
+    job = SimJob(elastic(cfg, every=0))
+    with pytest.raises(ValueError, match="exchange_every=0 must be an integer >= 1"):
+        job.join()
+
+
 def test_uncommitted_batch_comes_again(cfg) -> None:
     """The rows of a failed step are delivered again, by the group that owns them."""
     job = SimJob(elastic(cfg))
@@ -234,10 +275,18 @@ events = st.lists(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(start=st.integers(1, 3), history=events, global_batches=st.sampled_from([None, 2, 5]))
-def test_random_histories_deliver_each_token_once(cfg, start, history, global_batches) -> None:
-    """Random join / leave / die / failed-step histories, per-replica or global batches."""
-    job = SimJob(elastic(cfg, global_batches))
+@given(
+    start=st.integers(1, 3),
+    history=events,
+    global_batches=st.sampled_from([None, 2, 5]),
+    every=st.sampled_from([1, 3, 50]),
+)
+def test_random_histories_deliver_each_token_once(
+    cfg, start, history, global_batches, every
+) -> None:
+    """Random join / leave / die / failed-step histories, per-replica or global batches, the
+    states exchanged every step, every 3 or (within the changes) never."""
+    job = SimJob(elastic(cfg, global_batches, every))
     for _ in range(start):
         job.join()
     committed, per_step = run(job, history, global_batches)
