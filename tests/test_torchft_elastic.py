@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _torchft_sim import SimJob
 from harness import check_exactly_once, document_lengths, write_random_arrow_datasets
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from rows import check_rows
 
@@ -318,3 +318,64 @@ def test_a_tensor_left_undefined_is_never_read_as_states() -> None:
     assert bad.result() is None
     with pytest.raises(ValueError, match="exchange_capacity=4"):
         start_allgather(m, b"state", 0, 2, 4)
+
+
+def _in_force(points: list, step: int) -> float:
+    """The code:web weight ratio in force at loader step ``step`` (2:1 before any point)."""
+    ratio = 0.5
+    for at, weights, _ in sorted(points, key=lambda p: (p[0], p[2] == "trainer")):
+        if at <= step:
+            ratio = weights["code"] / weights["web"]
+    return ratio
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(start=st.integers(1, 3), history=events, every=st.sampled_from([1, 4, 50]))
+@example(start=3, history=[""] * 11 + ["fail", "die", "", "join"], every=50)
+def test_schedule_and_set_weights_hold_through_random_histories(cfg, start, history, every) -> None:
+    """A weight schedule (code 2:1 -> 1:4 of web from step 6) and a trainer's ``set_weights``
+    (3:1 from step 13, called once 10 steps committed) through random join / leave / die /
+    failed-step histories: each token once, the row checks, and after every committed step
+    the weights each live share's loader has in force at its next step are the ones the
+    schedule and the call say."""
+    scheduled = dataclasses.replace(cfg, weight_schedule={6: "1,4"})
+    job = SimJob(elastic(scheduled, every=every))
+    for _ in range(start):
+        job.join()
+    expected = lambda s: 1 / 3 if s >= 13 else 4.0 if s >= 6 else 0.5  # noqa: E731
+    committed: dict[int, list] = {}
+    called = False
+    for k in range(400):
+        event = history[k] if k < len(history) else ""
+        if event == "join":
+            job.join()
+        elif event == "leave" and len(job.managers) > 1:
+            job.leave(max(job.managers))
+        dying = event == "die" and len(job.managers) > 1
+        fail = "after" if event in ("fail", "die") else "during" if event == "drop" else None
+        ok, out = job.step(fail)
+        if dying:
+            job.leave(min(job.managers))
+        if any(isinstance(v, StopIteration) for v in out.values()):
+            break
+        if ok:
+            for rid, got in out.items():
+                if got is not None:
+                    committed.setdefault(rid, []).append(got)
+        step = max(m.current_step() for m in job.managers.values())
+        if step >= 10 and not called:
+            for loader in job.loaders.values():
+                loader.set_weights({"web": 3.0, "code": 1.0}, from_step=13)
+            called = True
+        for loader in job.loaders.values():
+            live = loader._loader
+            if live is not None and loader._at is not None and loader._at[2] == step:
+                s = step + 1
+                assert _in_force(live.weight_points(), s) == pytest.approx(expected(s)), s
+    else:
+        raise AssertionError("the epoch did not end in 400 steps")
+    check(scheduled, committed)

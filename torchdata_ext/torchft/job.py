@@ -294,7 +294,9 @@ def restore_from_states(
         loader,
         manifest,
         f"the job's data state at step {step}",
-        rank_meta=lambda r: _needed(states, r),
+        # a state taken before a trainer's set_weights call lacks it, one after has it (the
+        # caller re-applies the calls, ``prepare``): read every rank with the manifest's
+        rank_meta=lambda r: {**_needed(states, r), "weight_changes": first["weight_changes"]},
         worker=worker,
         check_files=lambda *_: None,  # the same files, read by the same job
         allow_weight_changes=False,
