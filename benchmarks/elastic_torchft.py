@@ -5,9 +5,10 @@ gloo, asynchronous quorum), each with an :class:`~torchdata_ext.torchft.ElasticL
 two Arrow datasets (seq_len 512, batch 4, 240 logical shards, a 64-row shuffle buffer). Group
 ``c`` is killed (SIGKILL) at 1/6 of the epoch, a new group ``d`` joins at 1/3, and the job runs
 to the end of the epoch. Each group times every step's ``next(loader)``, the part of it spent
-starting the states' exchange (``start_allgather``), the bytes of its all-reduce, and a
-plain ``TokenLoader``'s ``next()`` on the same pipeline (measured first, in the same process)
-as the reference. The committed rows are checked: tokens repeated and tokens never delivered.
+in the states' exchange (``start_allgather``, in step 0 and every ``--every`` steps), the
+bytes of its all-reduce, and as the reference in the same run a plain ``TokenLoader``'s
+``next()`` on a fixed share of the same pipeline, right after the elastic one in every step.
+The committed rows are checked: tokens repeated and tokens never delivered.
 
 Then the same kill-and-join timeline with ``torchft.data.DistributedSampler`` (one sample a
 document, the same documents, 3 replica groups configured, the new group taking the dead one's
