@@ -21,7 +21,6 @@ samples and tokens it repeats or skips over the epoch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -30,13 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from torchdata_ext.testing import write_arrow_batches
+from torchdata_ext.torchft.local import read_step_log
 
 
 def config(data: str):
@@ -78,13 +77,12 @@ def replica(
     every: str = "50",
 ) -> None:
     import torch
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
 
     import torchdata_ext.torchft.loader as elastic_loader
     from torchdata_ext import TokenLoader
     from torchdata_ext.pipeline.build import build_pipeline
     from torchdata_ext.torchft import ElasticLoader
+    from torchdata_ext.torchft.local import local_manager
 
     build = functools.partial(build_pipeline, config(data))
     plain = TokenLoader(build, rank=0, world_size=3)
@@ -113,16 +111,8 @@ def replica(
     Path(out + ".ready").touch()
     while not os.path.exists(out + ".go"):
         time.sleep(0.01)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=10)
     model = {"w": torch.zeros(1024)}
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda sd: model.update(sd),
-        state_dict=lambda: dict(model), min_replica_size=1, timeout=timeout,
-        quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
-        store_addr="localhost", store_port=store.port, lighthouse_addr=lighthouse,
-        replica_id=rid, hostname="localhost",
-    )  # fmt: skip
+    manager = local_manager(lighthouse, rid, lambda sd: model.update(sd), lambda: dict(model))
     if mode == "elastic":
         loader: Any = ElasticLoader(
             manager,
@@ -197,25 +187,14 @@ class _Fixed:
 
 
 # -- the job -------------------------------------------------------------------------------------
-def records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
-            out.append(json.loads(line))
-    return out
-
-
 def run_job(
     tmp: str, data: str, mode: str = "elastic", capacity: str = "none", every: int = 50
 ) -> dict[str, list[dict]]:
     """The job (``mode="elastic"``: the kill-and-join timeline; ``"fixed"``: 3 groups with
     plain loaders, nobody killed, for 1/3 of the epoch): each group's step records."""
-    from torchft.coordination import LighthouseServer
+    from torchdata_ext.torchft.local import start_lighthouse, stop_job
 
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=300, quorum_tick_ms=20,
-        heartbeat_timeout_ms=1000,
-    )  # fmt: skip
+    lighthouse = start_lighthouse()
     outs = {
         rid: Path(tmp) / f"{mode}-{rid}.jsonl" for rid in ("abcd" if mode == "elastic" else "abc")
     }
@@ -247,7 +226,7 @@ def run_job(
             Path(f"{outs[rid]}.go").touch()
         total = None
         while mode == "fixed":
-            done = (len(records(outs["a"])) - 1) // 2
+            done = (len(read_step_log(outs["a"])) - 1) // 2
             if done >= _batches(data) // 3:
                 for p in procs.values():
                     p.kill()
@@ -255,7 +234,7 @@ def run_job(
                 break
             time.sleep(0.05)
         while mode == "elastic":  # kill c at 1/6 of the epoch, start d at 1/3
-            done = (len(records(outs["a"])) - 1) // 2
+            done = (len(read_step_log(outs["a"])) - 1) // 2
             if total is None and done > 0:
                 total = _batches(data)
             if total and done >= total // 6 and procs["c"].poll() is None:
@@ -267,32 +246,15 @@ def run_job(
         for rid in "abd" if mode == "elastic" else "":
             procs[rid].wait(timeout=600)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.shutdown()
-    return {rid: records(out) for rid, out in outs.items()}
-
-
-def _committed_attempts(recs: dict[str, list[dict]]) -> set[tuple[int, int]]:
-    """The (step, participants) attempts that committed in some group (a failed step is tried
-    again, with other participants after a death: a killed group's rows of the failed attempt
-    are not delivered)."""
-    out = set()
-    for rs in recs.values():
-        attempt = None
-        for r in rs:
-            if "rows" in r:
-                attempt = (r["step"], r["n"])
-            elif r.get("committed") and attempt is not None and attempt[0] == r["step"]:
-                out.add(attempt)
-    return out
+        stop_job(procs, lighthouse)
+    return {rid: read_step_log(out) for rid, out in outs.items()}
 
 
 def delivered_tokens(recs: dict[str, list[dict]], lengths: dict) -> tuple[int, int]:
     """(tokens delivered more than once, tokens never delivered) over the committed steps."""
-    committed = _committed_attempts(recs)
+    from torchdata_ext.torchft.local import committed_attempts
+
+    committed = committed_attempts(recs.values())
     count: dict = {k: np.zeros(n, np.int32) for k, n in lengths.items()}
     names = ["web", "code"]
     for rs in recs.values():

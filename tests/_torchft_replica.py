@@ -16,17 +16,15 @@ import functools
 import json
 import os
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torchft import Manager, ProcessGroupGloo
 
 from torchdata_ext import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.torchft import ElasticLoader
+from torchdata_ext.torchft.local import local_manager
 
 
 def config(data: str) -> PipelineConfig:
@@ -52,25 +50,13 @@ def main() -> None:
     open(a.out + ".ready", "w").close()
     while not os.path.exists(a.out + ".go"):
         time.sleep(0.01)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=10)
     model = {"w": torch.zeros(4)}
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda sd: model.update(sd),
-        state_dict=lambda: dict(model),
-        min_replica_size=1,
+    manager = local_manager(
+        a.lighthouse,
+        a.replica_id,
+        lambda sd: model.update(sd),
+        lambda: dict(model),
         use_async_quorum=not a.sync,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=a.lighthouse,
-        replica_id=a.replica_id,
-        hostname="localhost",
     )
     build = functools.partial(build_pipeline, config(a.data), collate=False)
     loader = ElasticLoader(manager, lambda r, n: TokenLoader(build, rank=r, world_size=n))

@@ -51,6 +51,22 @@ def elastic(cfg: PipelineConfig, global_batches: int | None = None, every: int =
     return make
 
 
+def step_with(job: SimJob, event: str) -> tuple[bool, dict]:
+    """One step of ``job`` with ``event`` ("join": a group joins before it, "leave": the
+    newest leaves before it, "die": the oldest dies during it after the exchange, "fail": it
+    fails after the exchange, "drop": its collectives fail, "": none)."""
+    if event == "join":
+        job.join()
+    elif event == "leave" and len(job.managers) > 1:
+        job.leave(max(job.managers))
+    dying = event == "die" and len(job.managers) > 1
+    fail = "after" if event in ("fail", "die") else "during" if event == "drop" else None
+    ok, out = job.step(fail)
+    if dying:
+        job.leave(min(job.managers))
+    return ok, out
+
+
 def run(job: SimJob, events: list[str], global_batches: int | None = None, limit: int = 400):
     """Run ``job`` to the end of the epoch, ``events[k]`` happening at step ``k`` ("join",
     "leave", "die": a group dies during the step after the exchange, "fail": a step fails
@@ -58,16 +74,7 @@ def run(job: SimJob, events: list[str], global_batches: int | None = None, limit
     committed: dict[int, list] = {}
     per_step: list[int] = []
     for k in range(limit):
-        event = events[k] if k < len(events) else ""
-        if event == "join":
-            job.join()
-        elif event == "leave" and len(job.managers) > 1:
-            job.leave(max(job.managers))
-        dying = event == "die" and len(job.managers) > 1
-        fail = "after" if event in ("fail", "die") else "during" if event == "drop" else None
-        ok, out = job.step(fail)
-        if dying:
-            job.leave(min(job.managers))
+        ok, out = step_with(job, events[k] if k < len(events) else "")
         if any(isinstance(v, StopIteration) for v in out.values()):
             assert all(isinstance(v, StopIteration) for v in out.values()), out
             return committed, per_step
@@ -357,16 +364,7 @@ def test_schedule_and_set_weights_hold_through_random_histories(cfg, start, hist
     committed: dict[int, list] = {}
     called = False
     for k in range(400):
-        event = history[k] if k < len(history) else ""
-        if event == "join":
-            job.join()
-        elif event == "leave" and len(job.managers) > 1:
-            job.leave(max(job.managers))
-        dying = event == "die" and len(job.managers) > 1
-        fail = "after" if event in ("fail", "die") else "during" if event == "drop" else None
-        ok, out = job.step(fail)
-        if dying:
-            job.leave(min(job.managers))
+        ok, out = step_with(job, history[k] if k < len(history) else "")
         if any(isinstance(v, StopIteration) for v in out.values()):
             break
         if ok:
@@ -420,12 +418,7 @@ def test_skip_steps_hold_through_deaths_and_joins(cfg, die_at) -> None:
     events = [] if die_at is None else [""] * die_at + ["die"] + [""] * 2 + ["join"]
     rows: dict[int, list] = {}
     for k in range(100):
-        event = events[k] if k < len(events) else ""
-        if event == "join":
-            job.join()
-        ok, out = job.step("after" if event == "die" else None)
-        if event == "die":
-            job.leave(min(job.managers))
+        ok, out = step_with(job, events[k] if k < len(events) else "")
         if any(isinstance(v, StopIteration) for v in out.values()):
             break
         for rid, batch in out.items():  # copied now: the loader may reuse a batch's memory
