@@ -5,7 +5,8 @@ all-reduce) and then whether it committed, as JSON lines.
 
 The replica writes ``OUT.ready`` once imported and starts when ``OUT.go`` exists.
 Usage: ``python _torchft_replica.py LIGHTHOUSE DATA_DIR OUT REPLICA_ID [--error-at STEP]
-[--sync] [--sleep S]``; ``--error-at``: report an error in that step (it does not commit
+[--sync] [--sleep S] [--every K]``; ``--every``: the loader's ``exchange_every``;
+``--error-at``: report an error in that step (it does not commit
 here, as a local failure does under torchft).
 """
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--error-at", type=int, default=-1)
     p.add_argument("--sync", action="store_true")
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--every", type=int, default=50)
     a = p.parse_args()
     # started ahead (imports take seconds here): say so, and start when told
     open(a.out + ".ready", "w").close()
@@ -59,7 +61,9 @@ def main() -> None:
         use_async_quorum=not a.sync,
     )
     build = functools.partial(build_pipeline, config(a.data), collate=False)
-    loader = ElasticLoader(manager, lambda r, n: TokenLoader(build, rank=r, world_size=n))
+    loader = ElasticLoader(
+        manager, lambda r, n: TokenLoader(build, rank=r, world_size=n), exchange_every=a.every
+    )
     with open(a.out, "a") as out:
         while True:
             manager.start_quorum()
