@@ -434,3 +434,43 @@ def test_skip_steps_hold_through_deaths_and_joins(cfg, die_at) -> None:
     # 2 steps of 2 rows on each of the 3 shares, 32 tokens a row, most of them documents'
     assert 250 < sum(piece[4] for piece in skipped) <= 3 * 2 * 2 * 32
     check(skipping, rows, skipped=skipped)
+
+
+class _HealingRanked:
+    """A manager whose group is ranked 1 of 2 at step 3 but heals (takes no batch)."""
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 2
+
+    def participating_rank(self) -> int:
+        return 1
+
+    def is_participating(self) -> bool:
+        return False
+
+    def current_step(self) -> int:
+        return 3
+
+    def errored(self) -> None:
+        return None
+
+
+def test_a_ranked_group_taking_no_batch_between_exchanges_is_refused(cfg) -> None:
+    """The others would count its share's batch as read: the loader stops, naming why."""
+    build = functools.partial(build_pipeline, cfg, collate=False)
+    loader = ElasticLoader(_HealingRanked(), lambda r, n: TokenLoader(build, rank=r, world_size=n))
+    loader.load_state_dict(
+        {"job": _as_tensor(JobState(3, (None,)).to_bytes()), "weight_changes": _as_tensor(b"[]")}
+    )
+    with pytest.raises(RuntimeError, match="ranked 1 of 2 does not take part in step 3"):
+        next(loader)
+    loader.close()
+
+
+def _as_tensor(data: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
