@@ -205,6 +205,7 @@ class ElasticLoader(Iterator[Any]):
         # step 0 too: under torchft's asynchronous quorum with init_sync, every group but the
         # primary heals in step 0 while ranked (the others cannot tell it takes no batch)
         due = step == 0 or (step + 1) % self.exchange_every == 0
+        mine_share = share if taking and share is not None and share < shares else None
         if share is not None and share < shares and not taking and not due:
             raise RuntimeError(
                 f"replica group ranked {share} of {n} does not take part in step {step} "
@@ -212,18 +213,15 @@ class ElasticLoader(Iterator[Any]):
                 "ElasticLoader expects this only in step 0 (torchft's init_sync)"
             )
         mine: bytes | None = None
-        if taking and share is not None and share < shares:
-            items, done = self._take(share, shares, step, per_step[share])
+        if mine_share is not None:
+            items, done = self._take(mine_share, shares, step, per_step[mine_share])
             assert self._loader is not None
             if due:
                 mine = _packed({"state": self._loader.state_dict(), "done": done})
-            mine_share: int | None = share
         elif taking:  # a participant past the global batch's micro-batches
             items = []
         else:  # healing or a spare: real batches of the right shape, not delivered
             items = self._throwaway(share or 0, 1)
-        if not (taking and share is not None and share < shares):
-            mine_share = None
         gathering = None
         if due:
             gathering = start_allgather(m, mine, mine_share, n, self.exchange_capacity)
