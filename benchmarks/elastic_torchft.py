@@ -5,22 +5,22 @@ gloo, asynchronous quorum), each with an :class:`~torchdata_ext.torchft.ElasticL
 two Arrow datasets (seq_len 512, batch 4, 240 logical shards, a 64-row shuffle buffer). Group
 ``c`` is killed (SIGKILL) at 1/6 of the epoch, a new group ``d`` joins at 1/3, and the job runs
 to the end of the epoch. Each group times every step's ``next(loader)``, the part of it spent
-starting the states' exchange (``start_allgather``), the bytes of its all-reduce, and a
-plain ``TokenLoader``'s ``next()`` on the same pipeline (measured first, in the same process)
-as the reference. The committed rows are checked: tokens repeated and tokens never delivered.
+in the states' exchange (``start_allgather``, in step 0 and every ``--every`` steps), the
+bytes of its all-reduce, and as the reference in the same run a plain ``TokenLoader``'s
+``next()`` on a fixed share of the same pipeline, right after the elastic one in every step.
+The committed rows are checked: tokens repeated and tokens never delivered.
 
 Then the same kill-and-join timeline with ``torchft.data.DistributedSampler`` (one sample a
 document, the same documents, 3 replica groups configured, the new group taking the dead one's
 ``replica_rank`` and starting its sampler over, as it does without a data checkpoint):
 samples and tokens it repeats or skips over the epoch.
 
-    python benchmarks/elastic_torchft.py [--docs 4000] [--capacity none|BYTES]
+    python benchmarks/elastic_torchft.py [--docs 4000] [--capacity none|BYTES] [--every 50]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -29,13 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from torchdata_ext.testing import write_arrow_batches
+from torchdata_ext.torchft.local import read_step_log
 
 
 def config(data: str):
@@ -68,16 +68,21 @@ def write_corpus(root: str, docs: int) -> dict[tuple[str, int, int], int]:
 
 # -- one replica group ---------------------------------------------------------------------------
 def replica(
-    lighthouse: str, data: str, out: str, rid: str, mode: str = "elastic", capacity: str = "none"
+    lighthouse: str,
+    data: str,
+    out: str,
+    rid: str,
+    mode: str = "elastic",
+    capacity: str = "none",
+    every: str = "50",
 ) -> None:
     import torch
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
 
     import torchdata_ext.torchft.loader as elastic_loader
     from torchdata_ext import TokenLoader
     from torchdata_ext.pipeline.build import build_pipeline
     from torchdata_ext.torchft import ElasticLoader
+    from torchdata_ext.torchft.local import local_manager
 
     build = functools.partial(build_pipeline, config(data))
     plain = TokenLoader(build, rank=0, world_size=3)
@@ -106,24 +111,20 @@ def replica(
     Path(out + ".ready").touch()
     while not os.path.exists(out + ".go"):
         time.sleep(0.01)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=10)
     model = {"w": torch.zeros(1024)}
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda sd: model.update(sd),
-        state_dict=lambda: dict(model), min_replica_size=1, timeout=timeout,
-        quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
-        store_addr="localhost", store_port=store.port, lighthouse_addr=lighthouse,
-        replica_id=rid, hostname="localhost",
-    )  # fmt: skip
+    manager = local_manager(lighthouse, rid, lambda sd: model.update(sd), lambda: dict(model))
     if mode == "elastic":
         loader: Any = ElasticLoader(
             manager,
             lambda r, n: TokenLoader(build, rank=r, world_size=n),
             exchange_capacity=None if capacity == "none" else int(capacity),
+            exchange_every=int(every),
         )
     else:  # the reference: a fixed share per group, nothing followed or exchanged
         loader = _Fixed(TokenLoader(build, rank="abc".index(rid), world_size=3))
+    # the reference in the same run: a plain TokenLoader on a fixed share, its next() timed
+    # in every step right after the elastic one (same process, same load, nothing followed)
+    shadow = iter(TokenLoader(build, rank="abcd".index(rid) % 3, world_size=3))
     with open(out, "a") as f:
         f.write(json.dumps({"plain_next": plain_next}) + "\n")
         while True:
@@ -132,12 +133,16 @@ def replica(
             n = manager.num_participants()
             t_quorum = time.perf_counter() - t
             resplits = loader.resplits
+            exchanges = len(sent)
             t = time.perf_counter()
             try:
                 batch = next(loader)
             except StopIteration:
                 break
             t_next = time.perf_counter() - t
+            t = time.perf_counter()
+            next(shadow, None)
+            t_shadow = time.perf_counter() - t
             step, taking = manager.current_step(), manager.is_participating()
             rows = [] if batch is None or not taking else np.asarray(batch["provenance"]).tolist()
             # the attempt, before the gradient leaves (a group killed after it is still counted)
@@ -153,8 +158,9 @@ def replica(
             f.write(json.dumps({
                 "step": step, "n": n, "committed": committed, "taking": taking,
                 "t_quorum": t_quorum, "t_next": t_next, "t_grad": t_grad, "t_step": t_step,
-                "t_exchange": exchange[-1] if exchange else 0.0, "sent": sent[-1] if sent else 0,
-                "state": state[-1] if state else 0, "resplit": loader.resplits != resplits,
+                "t_shadow": t_shadow, "exchanged": len(sent) > exchanges,
+                "t_exchange": sum(exchange[exchanges:]), "sent": sum(sent[exchanges:]),
+                "state": sum(state[exchanges:]), "resplit": loader.resplits != resplits,
             }) + "\n")  # fmt: skip
             f.flush()
     loader.close()
@@ -181,25 +187,14 @@ class _Fixed:
 
 
 # -- the job -------------------------------------------------------------------------------------
-def records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
-            out.append(json.loads(line))
-    return out
-
-
 def run_job(
-    tmp: str, data: str, mode: str = "elastic", capacity: str = "none"
+    tmp: str, data: str, mode: str = "elastic", capacity: str = "none", every: int = 50
 ) -> dict[str, list[dict]]:
     """The job (``mode="elastic"``: the kill-and-join timeline; ``"fixed"``: 3 groups with
     plain loaders, nobody killed, for 1/3 of the epoch): each group's step records."""
-    from torchft.coordination import LighthouseServer
+    from torchdata_ext.torchft.local import start_lighthouse, stop_job
 
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=300, quorum_tick_ms=20,
-        heartbeat_timeout_ms=1000,
-    )  # fmt: skip
+    lighthouse = start_lighthouse()
     outs = {
         rid: Path(tmp) / f"{mode}-{rid}.jsonl" for rid in ("abcd" if mode == "elastic" else "abc")
     }
@@ -216,6 +211,7 @@ def run_job(
                 rid,
                 mode,
                 capacity,
+                str(every),
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -230,7 +226,7 @@ def run_job(
             Path(f"{outs[rid]}.go").touch()
         total = None
         while mode == "fixed":
-            done = (len(records(outs["a"])) - 1) // 2
+            done = (len(read_step_log(outs["a"])) - 1) // 2
             if done >= _batches(data) // 3:
                 for p in procs.values():
                     p.kill()
@@ -238,7 +234,7 @@ def run_job(
                 break
             time.sleep(0.05)
         while mode == "elastic":  # kill c at 1/6 of the epoch, start d at 1/3
-            done = (len(records(outs["a"])) - 1) // 2
+            done = (len(read_step_log(outs["a"])) - 1) // 2
             if total is None and done > 0:
                 total = _batches(data)
             if total and done >= total // 6 and procs["c"].poll() is None:
@@ -250,32 +246,15 @@ def run_job(
         for rid in "abd" if mode == "elastic" else "":
             procs[rid].wait(timeout=600)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.shutdown()
-    return {rid: records(out) for rid, out in outs.items()}
-
-
-def _committed_attempts(recs: dict[str, list[dict]]) -> set[tuple[int, int]]:
-    """The (step, participants) attempts that committed in some group (a failed step is tried
-    again, with other participants after a death: a killed group's rows of the failed attempt
-    are not delivered)."""
-    out = set()
-    for rs in recs.values():
-        attempt = None
-        for r in rs:
-            if "rows" in r:
-                attempt = (r["step"], r["n"])
-            elif r.get("committed") and attempt is not None and attempt[0] == r["step"]:
-                out.add(attempt)
-    return out
+        stop_job(procs, lighthouse)
+    return {rid: read_step_log(out) for rid, out in outs.items()}
 
 
 def delivered_tokens(recs: dict[str, list[dict]], lengths: dict) -> tuple[int, int]:
     """(tokens delivered more than once, tokens never delivered) over the committed steps."""
-    committed = _committed_attempts(recs)
+    from torchdata_ext.torchft.local import committed_attempts
+
+    committed = committed_attempts(recs.values())
     count: dict = {k: np.zeros(n, np.int32) for k, n in lengths.items()}
     names = ["web", "code"]
     for rs in recs.values():
@@ -332,11 +311,12 @@ def sampler_side_by_side(lengths: dict, steps_per_epoch: int) -> dict[str, int]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replica":
-        replica(*sys.argv[2:8])
+        replica(*sys.argv[2:9])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--docs", type=int, default=4000)
     p.add_argument("--capacity", default="none", help="exchange_capacity (none: exact sizes)")
+    p.add_argument("--every", type=int, default=50, help="exchange_every")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
@@ -350,38 +330,61 @@ def main() -> None:
         )
         Path(data, ".batches").write_text(str(n_rows // 3 // 4))  # a group's steps, about
         fixed = run_job(tmp, data, "fixed")
-        recs = run_job(tmp, data, "elastic", a.capacity)
+        recs = run_job(tmp, data, "elastic", a.capacity, a.every)
     timed = [r for rs in recs.values() for r in rs if "t_next" in r]
-    steady = [r for r in timed if r["taking"] and not r["resplit"]]
+    steady = [r for r in timed if r["taking"] and not r["resplit"] and r["step"] > 2]
+    quiet = [r for r in steady if not r["exchanged"]]
+    ex = [r for r in steady if r["exchanged"]]
     changed = [r for r in timed if r["resplit"]]
     plain = np.mean([rs[0]["plain_next"] for rs in recs.values() if rs])
-    n_state = np.median([r["state"] for r in steady if r["n"] == 3])
+    ms = lambda xs: float(np.median(xs)) * 1e3  # noqa: E731
     print(f"epoch: {n_rows} rows, {sum(lengths.values())} tokens, {len(lengths)} documents")
-    print(f"plain TokenLoader next(): {plain * 1e3:.3f} ms")
+    print(f"plain TokenLoader next() before the job: {plain * 1e3:.3f} ms")
     print(
-        f"steady step (quorum unchanged, {len(steady)} steps): next() "
-        f"{np.median([r['t_next'] for r in steady]) * 1e3:.3f} ms median, of which the "
-        f"exchange's start {np.median([r['t_exchange'] for r in steady]) * 1e3:.3f} ms; added over "
-        f"the plain next(): {(np.median([r['t_next'] for r in steady]) - plain) * 1e3:.3f} ms"
+        f"step without an exchange ({len(quiet)} steps): next() {ms([r['t_next'] for r in quiet]):.3f}"
+        f" ms median vs the same run's plain next() {ms([r['t_shadow'] for r in quiet]):.3f} ms; "
+        f"added {ms([r['t_next'] - r['t_shadow'] for r in quiet]):.3f} ms (median of the "
+        f"per-step differences)"
     )
-    print(f"state per participant: {n_state:.0f} bytes (pickled, zlib); all-reduced per step at 3 groups: "
-          f"{np.median([r['sent'] for r in steady if r['n'] == 3]):.0f} bytes")  # fmt: skip
     print(
-        "quorum change -> batch (re-split in next()): "
-        + ", ".join(f"{r['t_next'] * 1e3:.1f} ms (n={r['n']})" for r in changed)
+        f"exchange step ({len(ex)} steps, every {a.every}): next() {ms([r['t_next'] for r in ex]):.2f}"
+        f" ms median, vs plain {ms([r['t_shadow'] for r in ex]):.3f} ms"
+    )
+    mean_added = np.mean([r["t_next"] - r["t_shadow"] for r in steady]) * 1e3
+    print(
+        f"added per unchanged step, mean over all of them (exchanges amortized): {mean_added:.3f} ms"
+    )
+    state = np.median([r["state"] for r in ex if r["n"] == 3]) if ex else 0
+    sent = np.median([r["sent"] for r in ex if r["n"] == 3]) if ex else 0
+    per_step = np.mean([r["sent"] for r in steady])
+    print(
+        f"state per participant: {state:.0f} bytes (pickled, zlib); all-reduced in an exchange "
+        f"at 3 groups: {sent:.0f} bytes; per step on average: {per_step:.0f} bytes"
+    )
+    print(
+        "quorum change -> batch (re-split and replay in next()): "
+        + ", ".join(f"{r['t_next'] * 1e3:.1f} ms (n={r['n']}, step {r['step']})" for r in changed)
     )
     ref = [r for rs in fixed.values() for r in rs if "t_step" in r and r["step"] > 2]
-    mine = [r for r in steady if r["n"] == 3 and r["step"] > 2]
+    mine = [r for r in quiet if r["n"] == 3]
     print(
-        f"whole step at 3 groups, median: {np.median([r['t_step'] for r in mine]) * 1e3:.2f} ms "
-        f"with this loader, {np.median([r['t_step'] for r in ref]) * 1e3:.2f} ms with a plain "
-        f"TokenLoader per group (same torchft loop, {len(ref)} steps); gradient all-reduce "
-        f"{np.median([r['t_grad'] for r in mine]) * 1e3:.2f} vs "
-        f"{np.median([r['t_grad'] for r in ref]) * 1e3:.2f} ms"
+        f"whole step at 3 groups, median: {ms([r['t_step'] for r in mine]):.2f} ms with this "
+        f"loader (no exchange), {ms([r['t_step'] for r in ref]):.2f} ms with a plain TokenLoader "
+        f"per group (a separate run of the same torchft loop, {len(ref)} steps)"
     )
     print(
         f"torchft's quorum per step (start_quorum -> num_participants): "
-        f"{np.median([r['t_quorum'] for r in steady]) * 1e3:.2f} ms median"
+        f"{ms([r['t_quorum'] for r in steady]):.2f} ms median"
+    )
+    # 1,000 groups x 8 workers: a state per worker as here (one worker a group here)
+    k, groups, workers = a.every, 1000, 8
+    slot = 16 + workers * state
+    print(
+        f"at {groups} groups x {workers} workers, exchange every {k}: {groups * slot / 1e6:.1f} MB "
+        f"all-reduced per exchange, {groups * slot / k / 1e3:.0f} KB per step on average "
+        f"(every step: {groups * slot / 1e6:.1f} MB); nothing in the other steps; at a change a "
+        f"share replays at most {k - 1} steps of the ~2 old shares it succeeds: "
+        f"<= {2 * (k - 1) * plain:.2f} s of next() at this machine's {plain * 1e3:.1f} ms a batch"
     )
     repeated, missing = delivered_tokens(recs, lengths)
     print(f"this loader: tokens repeated {repeated}, tokens never delivered {missing}")

@@ -14,7 +14,6 @@ that committed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -63,13 +61,12 @@ def write_corpus(root: str) -> dict[tuple[str, int, int], int]:
 
 def replica(lighthouse: str, data: str, out: str, rid: str) -> None:
     import torch
-    import torch.distributed as dist
     from torch import nn
-    from torchft import Manager, ProcessGroupGloo
 
     from torchdata_ext import TokenLoader
     from torchdata_ext.pipeline.build import build_pipeline
     from torchdata_ext.torchft import ElasticLoader
+    from torchdata_ext.torchft.local import local_manager
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB))
@@ -82,15 +79,12 @@ def replica(lighthouse: str, data: str, out: str, rid: str) -> None:
     Path(out + ".ready").touch()
     while not os.path.exists(out + ".go"):
         time.sleep(0.01)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=10)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=load,
-        state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0, world_size=1,
-        store_addr="localhost", store_port=store.port, lighthouse_addr=lighthouse,
-        replica_id=rid, hostname="localhost",
-    )  # fmt: skip
+    manager = local_manager(
+        lighthouse,
+        rid,
+        load,
+        lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+    )
     build = functools.partial(build_pipeline, config(data))
     loader = ElasticLoader(manager, lambda r, n: TokenLoader(build, rank=r, world_size=n))
     with open(out, "a") as f:
@@ -134,14 +128,6 @@ def replica(lighthouse: str, data: str, out: str, rid: str) -> None:
     manager.shutdown(wait=False)
 
 
-def _records(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
-            out.append(json.loads(line))
-    return out
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replica":
         replica(*sys.argv[2:6])
@@ -151,15 +137,17 @@ def main() -> None:
 
     require_torchft()
     os.environ.setdefault("RUST_LOG", "error")  # the Lighthouse's log of every quorum: quiet
-    from torchft.coordination import LighthouseServer
+    from torchdata_ext.torchft.local import (
+        committed_attempts,
+        read_step_log,
+        start_lighthouse,
+        stop_job,
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         lengths = write_corpus(data)
-        lighthouse = LighthouseServer(
-            bind="[::]:0", min_replicas=1, join_timeout_ms=300, quorum_tick_ms=20,
-            heartbeat_timeout_ms=1000,
-        )  # fmt: skip
+        lighthouse = start_lighthouse()
         outs = {rid: Path(tmp) / f"{rid}.jsonl" for rid in "abcd"}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         procs = {
@@ -177,31 +165,20 @@ def main() -> None:
             print("3 replica groups (a, b, c) start; d waits")
             for rid in "abc":
                 Path(f"{outs[rid]}.go").touch()
-            while len(_records(outs["a"])) < 2 * 8:
+            while len(read_step_log(outs["a"])) < 2 * 8:
                 time.sleep(0.02)
             procs["c"].send_signal(signal.SIGKILL)
             print("step ~8: c killed (SIGKILL)")
-            while len(_records(outs["a"])) < 2 * 16:
+            while len(read_step_log(outs["a"])) < 2 * 16:
                 time.sleep(0.02)
             Path(f"{outs['d']}.go").touch()
             print("step ~16: d starts, heals from a live group and joins")
             for rid in "abd":
                 procs[rid].wait(timeout=300)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            lighthouse.shutdown()
-        records = {rid: _records(o) for rid, o in outs.items()}
-    committed = set()  # (step, participants) attempts that committed in some group
-    for rs in records.values():
-        attempt = None
-        for r in rs:
-            if "rows" in r:
-                attempt = (r["step"], r["n"])
-            elif r["committed"] and attempt is not None and attempt[0] == r["step"]:
-                committed.add(attempt)
+            stop_job(procs, lighthouse)
+        records = {rid: read_step_log(o) for rid, o in outs.items()}
+    committed = committed_attempts(records.values())  # (step, participants) attempts
     count = {k: np.zeros(n, np.int32) for k, n in lengths.items()}
     names = ["web", "code"]
     for rs in records.values():

@@ -5,7 +5,8 @@ all-reduce) and then whether it committed, as JSON lines.
 
 The replica writes ``OUT.ready`` once imported and starts when ``OUT.go`` exists.
 Usage: ``python _torchft_replica.py LIGHTHOUSE DATA_DIR OUT REPLICA_ID [--error-at STEP]
-[--sync] [--sleep S]``; ``--error-at``: report an error in that step (it does not commit
+[--sync] [--sleep S] [--every K]``; ``--every``: the loader's ``exchange_every``;
+``--error-at``: report an error in that step (it does not commit
 here, as a local failure does under torchft).
 """
 
@@ -16,17 +17,15 @@ import functools
 import json
 import os
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torchft import Manager, ProcessGroupGloo
 
 from torchdata_ext import TokenLoader
 from torchdata_ext.pipeline.build import build_pipeline
 from torchdata_ext.pipeline.config import PipelineConfig
 from torchdata_ext.torchft import ElasticLoader
+from torchdata_ext.torchft.local import local_manager
 
 
 def config(data: str) -> PipelineConfig:
@@ -47,33 +46,24 @@ def main() -> None:
     p.add_argument("--error-at", type=int, default=-1)
     p.add_argument("--sync", action="store_true")
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--every", type=int, default=50)
     a = p.parse_args()
     # started ahead (imports take seconds here): say so, and start when told
     open(a.out + ".ready", "w").close()
     while not os.path.exists(a.out + ".go"):
         time.sleep(0.01)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=10)
     model = {"w": torch.zeros(4)}
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda sd: model.update(sd),
-        state_dict=lambda: dict(model),
-        min_replica_size=1,
+    manager = local_manager(
+        a.lighthouse,
+        a.replica_id,
+        lambda sd: model.update(sd),
+        lambda: dict(model),
         use_async_quorum=not a.sync,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        lighthouse_addr=a.lighthouse,
-        replica_id=a.replica_id,
-        hostname="localhost",
     )
     build = functools.partial(build_pipeline, config(a.data), collate=False)
-    loader = ElasticLoader(manager, lambda r, n: TokenLoader(build, rank=r, world_size=n))
+    loader = ElasticLoader(
+        manager, lambda r, n: TokenLoader(build, rank=r, world_size=n), exchange_every=a.every
+    )
     with open(a.out, "a") as out:
         while True:
             manager.start_quorum()

@@ -6,8 +6,6 @@ every document is delivered exactly once, and the rows pass the row checks."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +20,12 @@ from rows import check_rows
 
 from torchdata_ext.batch import boundaries, position_starts
 from torchdata_ext.provenance import LITERAL, PAD
+from torchdata_ext.torchft.local import (
+    committed_attempts,
+    read_step_log,
+    start_lighthouse,
+    stop_job,
+)
 
 torchft = pytest.importorskip(
     "torchft", reason="torchft is not installed (pip install 'torchdata-ext[torchft]')"
@@ -29,16 +33,6 @@ torchft = pytest.importorskip(
 
 HERE = Path(__file__).parent
 NAMES = ["web", "code"]
-
-
-def _records(path: Path) -> list[dict]:
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by SIGKILL
-            out.append(json.loads(line))
-    return out
 
 
 def _start(lighthouse: str, data: str, out: Path, rid: str, *extra: str) -> subprocess.Popen:
@@ -65,14 +59,7 @@ def delivered(records: dict[str, list[dict]]) -> dict[str, list[dict]]:
     death); a group that failed a step others committed in the same attempt contributed its
     gradient to the committed model: its rows were trained on (it heals past that step). The
     rows of a group killed in an attempt that did not commit come again to the others."""
-    committed = set()
-    for recs in records.values():
-        attempt = None
-        for r in recs:
-            if "rows" in r:
-                attempt = (r["step"], r["participants"])
-            elif r["committed"] and attempt is not None and attempt[0] == r["step"]:
-                committed.add(attempt)
+    committed = committed_attempts(records.values(), "participants")
     out: dict[str, list[dict]] = {}
     for rid, recs in records.items():
         last = {(r["step"], r["participants"]): r for r in recs if "rows" in r}
@@ -111,15 +98,13 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
     that way); all groups of a job must use the same mode (torchft counts participants
     differently in each)."""
     from _torchft_replica import config
-    from torchft.coordination import LighthouseServer
 
     data = tmp_path / "data"
     write_random_arrow_datasets(str(data), (("web", 60, 20), ("code", 30, 45)), seed=3)
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=300, quorum_tick_ms=20,
-        heartbeat_timeout_ms=1000,
-    )  # fmt: skip
-    extra = ["--sync"] if sync else []
+    lighthouse = start_lighthouse()
+    # states exchanged in step 0 and after steps 5, 11, 17...: c dies around step 6 (right
+    # after an exchange), b fails step 12 alone (right after one), d joins between two
+    extra = ["--every", "6", *(["--sync"] if sync else [])]
     procs: dict[str, subprocess.Popen] = {}
     outs = {rid: tmp_path / f"{rid}.jsonl" for rid in ("a", "b", "c", "d")}
     try:
@@ -136,7 +121,7 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
             Path(f"{outs[rid]}.go").touch()
 
         def wait_for(rid: str, steps: int) -> None:
-            while len(_records(outs[rid])) < 2 * steps:
+            while len(read_step_log(outs[rid])) < 2 * steps:
                 assert procs[rid].poll() is None, (outs[rid].with_suffix(".jsonl.err")).read_text()
                 assert time.monotonic() < deadline, "the job is too slow"
                 time.sleep(0.02)
@@ -150,12 +135,8 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
             left = max(1.0, deadline - time.monotonic())
             assert procs[rid].wait(timeout=left) == 0, Path(str(outs[rid]) + ".err").read_text()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        lighthouse.shutdown()
-    records = {rid: _records(path) for rid, path in outs.items()}
+        stop_job(procs, lighthouse)
+    records = {rid: read_step_log(path) for rid, path in outs.items()}
     # the job went on without c (a death between two steps fails no step; one in a step does)
     attempts = {rid: [r for r in recs if "rows" in r] for rid, recs in records.items()}
     assert any(r["participants"] == 2 for r in attempts["a"]), "the job never went on without c"

@@ -8,6 +8,12 @@ participants changes, the new shares are the old states re-split by the same cod
 restore at another world size runs (:func:`torchdata_ext.checkpoint.restore.restore_loader`, which
 calls :mod:`torchdata_ext.checkpoint.rescale`), in this process, from the states in memory.
 
+Between the steps whose states the participants exchange, the states are not sent: a
+:class:`JobState` is then the last exchanged (or re-split) states plus ``replay`` committed
+steps of ``per_step[i]`` batches of each share ``i`` since, and a share's state now is
+rebuilt when needed by restoring the older state and taking those batches again (the
+loader's replay is deterministic: the same state gives the same batches).
+
 A share that was re-split but not yet read (its state is "share ``i`` of the re-split of
 ``base``") is stored as ``None`` with the states it comes from in ``base``, and is computed only
 when needed (:func:`share_state`): after a re-split each participant computes its own share only.
@@ -17,20 +23,31 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchdata_ext.checkpoint.restore import CHECKPOINT_FORMAT, restore_loader
 from torchdata_ext.loader.token_loader import STATE_FORMAT, TokenLoader, unpack_worker_state
 from torchdata_ext.state.graph import graph_summary
 
-__all__ = ["JOB_FORMAT", "JobState", "LoaderFactory", "restore_share", "share_state"]
+__all__ = [
+    "JOB_FORMAT",
+    "JobState",
+    "LoaderFactory",
+    "Prepare",
+    "restore_share",
+    "share_state",
+]
 
-JOB_FORMAT = 1
+JOB_FORMAT = 2
 """The format of :meth:`JobState.to_bytes`."""
 
 LoaderFactory = Callable[[int, int], TokenLoader]
 """``(share, shares) -> a new TokenLoader`` at rank ``share`` of ``shares`` (not iterating)."""
+
+Prepare = Callable[[TokenLoader], None]
+"""What to do to a restored loader before it takes batches (e.g. the trainer's weight changes
+made after its state was taken)."""
 
 
 @dataclass(frozen=True)
@@ -41,38 +58,68 @@ class JobState:
         step: the job's committed steps (torchft's ``Manager.current_step()``).
         states: share ``i``'s ``TokenLoader.state_dict()`` (rank ``i`` of ``len(states)``), or
             None: share ``i`` of ``base`` re-split into ``len(states)`` shares, not yet
-            computed (with no ``base``: share ``i`` of a fresh run).
-        base: the states the None shares are re-split from (every share known), or None.
+            computed (with no ``base``: share ``i`` of a fresh run); all at step
+            ``step - replay``.
+        base: the job's state the None shares are re-split from, at step ``step - replay``
+            (its own shares possibly computed when needed), or None.
+        replay: committed steps since ``states``: share ``i``'s state at ``step`` is its state
+            in ``states`` after taking ``per_step[i]`` more batches in each of them.
+        per_step: batches share ``i`` takes per step (all 1 when None).
     """
 
     step: int
     states: tuple[dict[str, Any] | None, ...]
     base: JobState | None = None
+    replay: int = 0
+    per_step: tuple[int, ...] | None = None
+    _cache: dict[int, dict[str, Any]] = field(
+        default_factory=dict, compare=False, repr=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         if not self.states:
             raise ValueError("a JobState needs at least one share")
-        if self.base is not None and any(s is None for s in self.base.states):
-            raise ValueError("a JobState's base must have every share computed")
+        if self.replay < 0 or self.replay > self.step:
+            raise ValueError(f"replay={self.replay} must be in 0..step={self.step}")
+        if self.per_step is not None and len(self.per_step) != len(self.states):
+            raise ValueError(f"per_step={self.per_step} must have one count per share")
+
+    @property
+    def at(self) -> int:
+        """The step ``states`` (and ``base``) are at: ``step - replay``."""
+        return self.step - self.replay
+
+    def batches(self, share: int) -> int:
+        """The batches share ``share`` takes after ``states`` to reach ``step``."""
+        return self.replay * (1 if self.per_step is None else self.per_step[share])
+
+    def advanced(self, per_step: tuple[int, ...]) -> JobState:
+        """This state one committed step later, each share ``i`` having taken
+        ``per_step[i]`` batches (replayed when its state is needed)."""
+        if self.replay and per_step != self.per_step:
+            raise ValueError(f"{per_step=} differs from the replay's {self.per_step}")
+        return JobState(self.step + 1, self.states, self.base, self.replay + 1, per_step)
 
     @property
     def shares(self) -> int:
         """The number of shares (the participants of the step the state is at)."""
         return len(self.states)
 
-    def resplit(self, shares: int, make: LoaderFactory) -> JobState:
+    def resplit(self, shares: int) -> JobState:
         """This state re-split into ``shares`` shares (lazily: each computed when needed)."""
         if shares < 1:
             raise ValueError(f"{shares=} must be >= 1")
-        if self.base is None and all(s is None for s in self.states):  # a fresh run
-            return JobState(self.step, (None,) * shares)
-        return JobState(self.step, (None,) * shares, self.complete(make))
+        if self.base is None and not self.replay and all(s is None for s in self.states):
+            return JobState(self.step, (None,) * shares)  # a fresh run
+        return JobState(self.step, (None,) * shares, self)
 
-    def complete(self, make: LoaderFactory) -> JobState:
-        """This state with every share computed (itself if they are)."""
-        if all(s is not None for s in self.states):
+    def complete(self, make: LoaderFactory, prepare: Prepare | None = None) -> JobState:
+        """This state with every share computed at ``step`` (itself if they are)."""
+        if not self.replay and all(s is not None for s in self.states):
             return self
-        return JobState(self.step, tuple(share_state(self, i, make) for i in range(self.shares)))
+        return JobState(
+            self.step, tuple(share_state(self, i, make, prepare) for i in range(self.shares))
+        )
 
     def to_bytes(self) -> bytes:
         """The state as bytes (a pickle of plain dicts, lists, numbers and arrays)."""
@@ -101,20 +148,31 @@ def _plain(job: JobState) -> dict[str, Any]:
         "step": job.step,
         "states": list(job.states),
         "base": None if job.base is None else _plain(job.base),
+        "replay": job.replay,
+        "per_step": None if job.per_step is None else list(job.per_step),
     }
 
 
 def _from_plain(plain: dict[str, Any]) -> JobState:
     base = plain["base"]
+    per_step = plain["per_step"]
     return JobState(
-        int(plain["step"]), tuple(plain["states"]), None if base is None else _from_plain(base)
+        int(plain["step"]),
+        tuple(plain["states"]),
+        None if base is None else _from_plain(base),
+        int(plain["replay"]),
+        None if per_step is None else tuple(int(c) for c in per_step),
     )
 
 
-def restore_share(job: JobState, share: int, make: LoaderFactory) -> TokenLoader:
-    """A new ``TokenLoader`` for ``share`` of ``job`` (rank ``share`` of ``job.shares``),
-    restored and not yet iterating: from the share's own state if known, else re-split from
-    ``job.base`` (reading only the states of the old shares it succeeds).
+def restore_share(
+    job: JobState, share: int, make: LoaderFactory, prepare: Prepare | None = None
+) -> TokenLoader:
+    """A new ``TokenLoader`` for ``share`` of ``job`` (rank ``share`` of ``job.shares``) at
+    ``job.step``, restored and not yet iterating: from the share's own state if known, else
+    re-split from ``job.base`` (reading only the states of the old shares it succeeds), then
+    (``job.replay`` > 0) its batches since taken again. ``prepare`` is applied to each loader
+    restored before it takes batches.
 
     Raises:
         ValueError: ``share`` out of range, or a state that does not fit the loader's pipeline
@@ -122,31 +180,77 @@ def restore_share(job: JobState, share: int, make: LoaderFactory) -> TokenLoader
     """
     if not 0 <= share < job.shares:
         raise ValueError(f"{share=} must be in 0..{job.shares - 1}")
-    loader = make(share, job.shares)
-    if (loader.rank, loader.world_size) != (share, job.shares):
-        raise ValueError(
-            f"the loader factory made rank {loader.rank} of {loader.world_size} when asked for "
-            f"{share} of {job.shares}; pass rank= and world_size= to TokenLoader"
-        )
+    if job.replay:  # the share's state at job.step, then a loader restored from it alone
+        states: list[dict[str, Any] | None] = [None] * job.shares
+        states[share] = share_state(job, share, make, prepare)
+        return _restored(make, share, job.shares, states, job.step, prepare)
     own = job.states[share]
     if own is not None:  # the same shares: only its own state is read
-        restore_from_states(loader, job.states, job.step)
-    elif job.base is not None:
-        restore_from_states(loader, job.base.states, job.step)
-    # else: a fresh share, as the loader starts
+        return _restored(make, share, job.shares, job.states, job.step, prepare)
+    if job.base is not None:
+        return _restored(make, share, job.shares, _Lazy(job.base, make, prepare), job.at, prepare)
+    return _restored(make, share, job.shares, None, job.step, prepare)  # a fresh share
+
+
+def _restored(
+    make: LoaderFactory,
+    share: int,
+    shares: int,
+    states: Sequence[dict[str, Any] | None] | None,
+    step: int,
+    prepare: Prepare | None,
+) -> TokenLoader:
+    loader = make(share, shares)
+    if (loader.rank, loader.world_size) != (share, shares):
+        raise ValueError(
+            f"the loader factory made rank {loader.rank} of {loader.world_size} when asked for "
+            f"{share} of {shares}; pass rank= and world_size= to TokenLoader"
+        )
+    if states is not None:
+        restore_from_states(loader, states, step)
+    if prepare is not None:
+        prepare(loader)
     return loader
 
 
-def share_state(job: JobState, share: int, make: LoaderFactory) -> dict[str, Any]:
-    """Share ``share``'s loader state (computed from ``job.base`` if not known)."""
+class _Lazy(Sequence[dict[str, Any] | None]):
+    """The shares' states of a job, each computed when first read (:func:`share_state`)."""
+
+    def __init__(self, job: JobState, make: LoaderFactory, prepare: Prepare | None) -> None:
+        self.job, self.make, self.prepare = job, make, prepare
+
+    def __len__(self) -> int:
+        return self.job.shares
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return share_state(self.job, i, self.make, self.prepare)
+
+
+def share_state(
+    job: JobState, share: int, make: LoaderFactory, prepare: Prepare | None = None
+) -> dict[str, Any]:
+    """Share ``share``'s loader state at ``job.step`` (computed from ``job.base`` if not
+    known, and its batches since ``job.states`` replayed; kept once computed)."""
     own = job.states[share]
-    if own is not None:
+    if own is not None and not job.replay:
         return own
-    loader = restore_share(job, share, make)
+    if share in job._cache:
+        return job._cache[share]
+    start = JobState(job.at, job.states, job.base)
+    loader = restore_share(start, share, make, prepare)
     try:
-        return loader.state_dict()
+        if job.batches(share):
+            it = iter(loader)
+            for _ in range(job.batches(share)):
+                if next(it, None) is None:
+                    break
+        state = loader.state_dict()
     finally:
         loader.close()
+    job._cache[share] = state
+    return state
 
 
 def restore_from_states(
@@ -156,7 +260,10 @@ def restore_from_states(
     a run (``states[r]``: rank ``r`` of ``len(states)``; None: not known, must not be needed),
     as a checkpoint of them would: the same world size restores rank ``loader.rank``'s own
     state, another one rescales (reading the states of the old ranks it succeeds)."""
-    first = next((s for s in states if s is not None), None)
+    # the old share this one starts in first (a needed one: a lazy state is computed once)
+    first = states[min(loader.rank * len(states) // loader.world_size, len(states) - 1)]
+    if first is None:
+        first = next((s for s in states if s is not None), None)
     if first is None:
         raise ValueError("restoring needs the state of at least one rank")
     if first.get("format") != STATE_FORMAT:
@@ -187,7 +294,9 @@ def restore_from_states(
         loader,
         manifest,
         f"the job's data state at step {step}",
-        rank_meta=lambda r: _needed(states, r),
+        # a state taken before a trainer's set_weights call lacks it, one after has it (the
+        # caller re-applies the calls, ``prepare``): read every rank with the manifest's
+        rank_meta=lambda r: {**_needed(states, r), "weight_changes": first["weight_changes"]},
         worker=worker,
         check_files=lambda *_: None,  # the same files, read by the same job
         allow_weight_changes=False,

@@ -4,12 +4,16 @@ Each step it follows the quorum the trainer started (``manager.start_quorum()``,
 ``Optimizer.zero_grad()``): the step's participants ``n`` (``num_participants()``) and this
 group's place among them (``participating_rank()``). The whole job's data state at the last
 committed step (:class:`~torchdata_ext.torchft.job.JobState`: one loader state per
-participant) is known to every participant: after taking its batch, each participant sends
-its loader state to all the others through torchft's fault-tolerant all-reduce
-(:func:`~torchdata_ext.torchft.exchange.start_allgather`; a few kilobytes each). At the next
-step the loader sees whether the step committed (``current_step()`` moved on):
+participant) is known to every participant without sending it every step: every
+``exchange_every`` steps, after taking its batch, each participant sends its loader state to
+all the others through torchft's fault-tolerant all-reduce
+(:func:`~torchdata_ext.torchft.exchange.start_allgather`; a few kilobytes each); in between,
+the job's state is the last exchanged one plus the committed steps since, and a share's state
+is rebuilt when needed (a quorum change, a rolled-back step, a heal) by replaying its batches
+since (deterministic). At the next step the loader sees whether the step committed
+(``current_step()`` moved on):
 
-* committed: the exchanged states are the job's state at the new step;
+* committed: the job's state is one step further (the exchanged states, if exchanged);
 * not committed (``should_commit()`` was False): its batches count as not delivered; every
   participant goes on from the job's state before it, and those batches come again to
   whichever participant owns their data;
@@ -41,7 +45,7 @@ import torch
 
 from torchdata_ext.loader.token_loader import TokenLoader
 from torchdata_ext.torchft.exchange import Gathering, start_allgather
-from torchdata_ext.torchft.job import JobState, LoaderFactory, restore_share
+from torchdata_ext.torchft.job import JobState, LoaderFactory, restore_share, share_state
 
 __all__ = ["ElasticLoader", "ManagerLike", "share_of_global_batch"]
 
@@ -83,11 +87,12 @@ class _Taken:
     step: int
     share: int | None
     shares: int
-    gathering: Gathering
+    per_step: tuple[int, ...]
+    gathering: Gathering | None
 
     @property
     def gathered(self) -> list[bytes | None] | None:
-        return self.gathering.result()
+        return None if self.gathering is None else self.gathering.result()
 
 
 class ElasticLoader(Iterator[Any]):
@@ -107,7 +112,13 @@ class ElasticLoader(Iterator[Any]):
             ``G // n``, or one more), to accumulate gradients over; when ``n`` does not divide
             ``G`` the shares differ by one, so weight each group's gradient by its tokens.
         state_key: the key of the data state among the manager's state dicts.
-        exchange_capacity: None (default): each step's exchange is two all-reduces, the
+        exchange_every: the participants exchange their states after every
+            ``exchange_every`` steps (torchft's steps ``k * exchange_every - 1``), the same on
+            every replica group; the steps between cost nothing more than the loader's
+            ``next()``, and a quorum change, a failed step or a heal replays at most
+            ``exchange_every - 1`` steps of batches of the shares it needs. The end of the
+            epoch is seen at an exchange: up to ``exchange_every - 1`` steps of None first.
+        exchange_capacity: None (default): an exchange is two all-reduces, the
             states' lengths then ``participants x (16 + the longest)`` bytes (a state, pickled
             and compressed, is ~1-3 KB per loader worker). An integer: one all-reduce of
             ``participants x (16 + exchange_capacity)`` bytes, the same on every replica
@@ -127,6 +138,7 @@ class ElasticLoader(Iterator[Any]):
         *,
         global_batches: int | None = None,
         state_key: str = STATE_KEY,
+        exchange_every: int = 50,
         exchange_capacity: int | None = None,
     ) -> None:
         if global_batches is not None and (
@@ -141,7 +153,13 @@ class ElasticLoader(Iterator[Any]):
             or exchange_capacity < 1
         ):
             raise ValueError(f"{exchange_capacity=} must be an integer >= 1, or None")
+        if isinstance(exchange_every, bool) or not isinstance(exchange_every, int):
+            raise ValueError(f"{exchange_every=} must be an integer >= 1")
+        if exchange_every < 1:
+            raise ValueError(f"{exchange_every=} must be an integer >= 1")
         self.exchange_capacity = exchange_capacity
+        self.exchange_every = exchange_every
+        self.exchanges = 0  # exchanges of the states this group took part in
         self.manager = manager
         self.make_loader = make_loader
         self.global_batches = global_batches
@@ -176,27 +194,40 @@ class ElasticLoader(Iterator[Any]):
         # at most G: participants past the G-th take none)
         shares = n if self.global_batches is None else min(n, self.global_batches)
         if self._job.shares != shares:
-            self._job = self._job.resplit(shares, self.make_loader)
+            self._job = self._job.resplit(shares)
             self.resplits += 1
-        mine: bytes | None = None
-        if taking and share is not None and share < shares:
-            count = (
-                1
-                if self.global_batches is None
-                else share_of_global_batch(self.global_batches, shares, share)
+        per_step = tuple(
+            1
+            if self.global_batches is None
+            else share_of_global_batch(self.global_batches, shares, i)
+            for i in range(shares)
+        )
+        # step 0 too: under torchft's asynchronous quorum with init_sync, every group but the
+        # primary heals in step 0 while ranked (the others cannot tell it takes no batch)
+        due = step == 0 or (step + 1) % self.exchange_every == 0
+        mine_share = share if taking and share is not None and share < shares else None
+        if share is not None and share < shares and not taking and not due:
+            raise RuntimeError(
+                f"replica group ranked {share} of {n} does not take part in step {step} "
+                "(healing at the quorum's step): its share would be counted as read; "
+                "ElasticLoader expects this only in step 0 (torchft's init_sync)"
             )
-            items, done = self._take(share, shares, step, count)
+        mine: bytes | None = None
+        if mine_share is not None:
+            items, done = self._take(mine_share, shares, step, per_step[mine_share])
             assert self._loader is not None
-            mine = _packed({"state": self._loader.state_dict(), "done": done})
+            if due:
+                mine = _packed({"state": self._loader.state_dict(), "done": done})
         elif taking:  # a participant past the global batch's micro-batches
             items = []
         else:  # healing or a spare: real batches of the right shape, not delivered
             items = self._throwaway(share or 0, 1)
-        gathering = start_allgather(
-            m, mine, share if mine is not None else None, n, self.exchange_capacity
-        )
-        gathering.result()  # waited for in its step (a failure is this step's)
-        self._taken = _Taken(step, share if mine is not None else None, shares, gathering)
+        gathering = None
+        if due:
+            gathering = start_allgather(m, mine, mine_share, n, self.exchange_capacity)
+            gathering.result()  # waited for in its step (a failure is this step's)
+            self.exchanges += 1
+        self._taken = _Taken(step, mine_share, shares, per_step, gathering)
         if self.global_batches is None:
             return items[0] if items else None
         return items
@@ -221,12 +252,20 @@ class ElasticLoader(Iterator[Any]):
     def _restored(self, share: int) -> TokenLoader:
         """Share ``share``'s loader at the job's state, with the trainer's weight changes the
         state was taken before (they take effect at later steps)."""
-        loader = restore_share(self._job, share, self.make_loader)
+        return restore_share(self._job, share, self.make_loader, self._reapply)
+
+    def _share_state(self, job: JobState, share: int) -> dict[str, Any] | None:
+        """Share ``share``'s state in ``job`` (None: a fresh share)."""
+        if not job.replay and job.base is None:
+            return job.states[share]
+        return share_state(job, share, self.make_loader, self._reapply)
+
+    def _reapply(self, loader: TokenLoader) -> None:
+        """The trainer's weight changes a restored state was taken before."""
         known = {int(p[0]) for p in loader.weight_points() if p[2] == "trainer"}
         for step, weights in self._changes:
             if step not in known:
                 loader.set_weights(weights, from_step=step)
-        return loader
 
     def set_weights(self, weights: dict[str, float], from_step: int | None = None) -> int:
         """Change the datasets' weights from batch ``from_step`` on (counted from 1 as the
@@ -270,14 +309,14 @@ class ElasticLoader(Iterator[Any]):
             if self._healed is not None:
                 self._job, self._healed = self._healed, None
                 self._close()
-            job, outcome = _advanced(self._job, taken, step, self.make_loader)
+            job, outcome = _advanced(self._job, taken, step, self._share_state)
             self._job = job
             if outcome == "rolled back":  # the last step did not commit: not delivered
                 self._close()
             elif outcome == "committed":
                 assert taken is not None
-                gathered = taken.gathered or []
-                self._finished = all(
+                gathered = taken.gathered
+                self._finished = gathered is not None and all(
                     b is not None and _unpacked(b)["done"] for b in gathered[: taken.shares]
                 )
                 if taken.share is None:  # its batches were not this group's to deliver
@@ -303,7 +342,7 @@ class ElasticLoader(Iterator[Any]):
         """The job's data state at the last committed step this group knows."""
         with self._lock:
             job = self._healed if self._healed is not None else self._job
-            return _advanced(job, self._taken, self.manager.current_step(), self.make_loader)[0]
+            return _advanced(job, self._taken, self.manager.current_step(), self._share_state)[0]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole job's data state at the last committed step, ``{"job": uint8 tensor}``:
@@ -338,26 +377,33 @@ def _unpacked(data: bytes) -> dict[str, Any]:
 
 
 def _advanced(
-    job: JobState, taken: _Taken | None, step: int, make: LoaderFactory
+    job: JobState,
+    taken: _Taken | None,
+    step: int,
+    share_state: Callable[[JobState, int], dict[str, Any] | None],
 ) -> tuple[JobState, str]:
     """The job's state now that the manager is at ``step``, after the step ``taken`` from
-    ``job``: the states the participants exchanged after it if it committed (each share that
-    sent none as it was), ``"committed"``; ``job`` if it did not, ``"rolled back"``; ``job``
-    if no step of it was taken since, ``""``."""
+    ``job``: if it committed, ``"committed"``, the states the participants exchanged after it
+    (when exchanged; a share that sent none, its group taking no batch, at ``job``'s state:
+    ``share_state(job, i)``), else ``job`` one step further (its batches
+    replayed when a share's state is needed); ``job`` if it did not, ``"rolled back"``;
+    ``job`` if no step of it was taken since, ``""``."""
     if taken is None or taken.step != job.step or step not in (taken.step, taken.step + 1):
         return job, ""
     if step == taken.step:
         return job, "rolled back"
+    if taken.shares != job.shares:  # a state healed from a peer before it re-split
+        job = job.resplit(taken.shares)
+    if taken.gathering is None:
+        return job.advanced(taken.per_step), "committed"
     gathered = taken.gathered
     if gathered is None:
         raise RuntimeError(
             f"step {taken.step} committed although the data states were not exchanged in it; "
             "call next(loader) before the step's collectives, once per step"
         )
-    if taken.shares != job.shares:  # a state healed from a peer before it re-split
-        job = job.resplit(taken.shares, make)
     states = tuple(
-        _unpacked(b)["state"] if b is not None else job.states[i]
+        _unpacked(b)["state"] if b is not None else share_state(job, i)
         for i, b in enumerate(gathered[: taken.shares])
     )
-    return JobState(step, states, job.base if any(s is None for s in states) else None), "committed"
+    return JobState(step, states), "committed"
