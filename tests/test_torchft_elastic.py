@@ -92,10 +92,11 @@ def check(
     cfg: PipelineConfig, committed: dict[int, list], budget: bool = False, skipped: list = ()
 ) -> int:
     """Each token once (all of the epoch's, or with ``budget`` a prefix of each document
-    reached; the ``skipped`` pieces ``[name, file, doc, start, length]`` counted as
-    delivered) and the row checks; returns the document tokens delivered."""
+    reached; the ``skipped`` pieces ``[name, file, doc, start, length, epoch]`` counted as
+    delivered; a checkpoint from before skips had epochs has no ``epoch``) and the row
+    checks; returns the document tokens delivered."""
     coverage: dict = {}
-    for name, f, d, start, length in skipped:
+    for name, f, d, start, length, *_ in skipped:
         coverage.setdefault((name, f, d), []).append((start, start + length))
     streams = []
     for rows in committed.values():
