@@ -9,6 +9,7 @@ checks the rest of the stream is identical to the uninterrupted run. States go t
 from __future__ import annotations
 
 import collections
+import json
 import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -196,6 +197,19 @@ def document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
             for d in range(n_docs):
                 out[(name, f, d)] = lengths[at + d]
             at += n_docs
+    return out
+
+
+def text_document_lengths(cfg: PipelineConfig) -> dict[tuple[str, int, int], int]:
+    """Byte-tokenizer tokens of every document of ``cfg``'s JSONL datasets (two files each,
+    ``p0.jsonl`` and ``p1.jsonl``, as :func:`write_random_text_datasets` writes them), keyed
+    ``(dataset, file number, doc)``: text datasets have no token counts before tokenizing."""
+    out = {}
+    for name in cfg.datasets:
+        for f in range(2):
+            with open(f"{cfg.data_path}/{name}/p{f}.jsonl", encoding="utf-8") as fh:
+                for d, line in enumerate(fh):
+                    out[(name, f, d)] = len(json.loads(line)["text"].encode())
     return out
 
 

@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 import pytest
-from harness import text_config, write_random_text_datasets
+from harness import text_config, text_document_lengths, write_random_text_datasets
 
 from torchdata_ext import TokenLoader
 from torchdata_ext.checkpoint.folder import load_checkpoint, read_manifest, save_checkpoint
@@ -195,17 +195,6 @@ def test_command_prints_json_text_and_parquet(run, tmp_path, capsys) -> None:
 
 
 # -- skip_steps ---------------------------------------------------------------------------------
-def _text_lengths(cfg) -> dict[tuple[str, int, int], int]:
-    """Byte-tokenizer tokens of every document of ``cfg``'s JSONL datasets."""
-    out = {}
-    for name in cfg.datasets:
-        for f in range(2):
-            with open(f"{cfg.data_path}/{name}/p{f}.jsonl", encoding="utf-8") as fh:
-                for d, line in enumerate(fh):
-                    out[(name, f, d)] = len(json.loads(line)["text"].encode())
-    return out
-
-
 def _pieces(batch, names) -> list[tuple]:
     prov = batch["provenance"].reshape(-1, 5).numpy()
     rows = prov[(prov[:, 0] >= 0) & (prov[:, 4] > 0)].tolist()
@@ -263,7 +252,7 @@ def test_skipped_documents_are_listed_and_never_delivered(run, skipped) -> None:
     assert skipped_pieces
     for ds, f, d, start, n, _epoch in skipped_pieces:
         coverage.setdefault((ds, f, d), []).append((start, start + n))
-    check_exactly_once(coverage, _text_lengths(cfg))
+    check_exactly_once(coverage, text_document_lengths(cfg))
 
 
 def test_skip_steps_on_a_fresh_run_skip_when_the_run_reaches_them(run) -> None:
@@ -367,7 +356,7 @@ def test_the_audit_counts_skipped_documents_as_skipped(run, skipped) -> None:
 
     cfg, tmp, recorded, _, _ = run
     _, got, states = skipped
-    lengths = _text_lengths(cfg)
+    lengths = text_document_lengths(cfg)
     covered: dict = {}
     for batch in [b for (s, _r), b in recorded.items() if s <= 20] + [
         b for (s, _r), b in got.items() if s <= 40

@@ -18,7 +18,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from harness import text_config, write_random_text_datasets
+from harness import text_config, text_document_lengths, write_random_text_datasets
 
 from torchdata_ext import TokenLoader, audit_checkpoint
 from torchdata_ext.checkpoint.folder import _sealed_json, save_checkpoint
@@ -49,12 +49,7 @@ def run(tmp_path_factory):
             break
     skipped = loader.state_dict()["skipped_documents"]
     loader.close()
-    lengths = {}
-    for name in cfg.datasets:
-        for f in range(2):
-            with open(f"{cfg.data_path}/{name}/p{f}.jsonl", encoding="utf-8") as fh:
-                for d, line in enumerate(fh):
-                    lengths[(name, f, d)] = len(json.loads(line)["text"].encode())
+    lengths = text_document_lengths(cfg)
     config = tmp / "cfg.json"
     config.write_text(json.dumps(cfg.to_dict()))
     return cfg, tmp, got, skipped, lengths, str(config)
