@@ -17,8 +17,9 @@ at row ends (a source mid-row goes on), so a document always goes on at a row st
 a finite source ends mid-row does one go on mid-row, after the EOS of the document before it
 (without an EOS, or with BOS and EOS one token, it is marked handed back instead, ``stop``:
 Pack pads that row and starts it on the next, as it does a rescale's rests then; see
-:meth:`~torchdata_ext.nodes.stream.StreamCursor.continue_mid_row`). ``pad``, ``best_fit``, ``chunk``, ``"samples"`` and a mix under a budget
-or in phases keep documents whole (pieces never split).
+:meth:`~torchdata_ext.nodes.stream.StreamCursor.continue_mid_row`). ``pad``, ``best_fit``,
+``chunk``, ``"samples"`` and a mix under a budget or in phases keep documents whole (pieces
+never split).
 
 * ``"tokens"`` (deterministic, as in Bamba): the source furthest below its target share of
   tokens, i.e. the active source with the lowest ``tokens_delivered[s] / weight[s]``; ties go to
@@ -42,7 +43,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 675 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 676 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
