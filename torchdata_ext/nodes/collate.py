@@ -145,7 +145,12 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         if any(t is None for t in tables):  # items without provenance: the count stops
             self._delivered = None
             return
-        rows = np.concatenate([np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables])
+        if all(isinstance(t, np.ndarray) and t.dtype == np.int64 and t.ndim == 2 for t in tables):
+            rows = np.concatenate(tables)  # Pack's tables, as they are
+        else:
+            rows = np.concatenate(
+                [np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables]
+            )
         ds = rows[:, 0]
         keep = (ds >= 0) & (ds < len(self._delivered))  # document rows (specials: < 0)
         n = len(self._delivered)  # a batch's sums are far below 2**53: exact in float64

@@ -89,8 +89,8 @@ from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
-from torchdata_ext.nodes.row_cuts import cut_block, fill_after, first_row_end
-from torchdata_ext.nodes.stream import RUN_OF, token_offsets
+from torchdata_ext.nodes.row_cuts import RunBlock, cut_block, fill_after, first_row_end
+from torchdata_ext.nodes.stream import token_offsets
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
@@ -117,6 +117,26 @@ def _counter_uniforms(key: int, start: int, count: int) -> np.ndarray:
 
 _ARGS = {"interleave_mode": "mode", "mix_quantum_tokens": "quantum_tokens"}
 """The node arguments of the settings Interleave records (by config field)."""
+
+
+def _ratio_bisect(
+    off: list[int], lo: int, hi: int, t: int, w: float, r2: float, right: bool
+) -> int:
+    """``bisect_right`` (``right``) or ``bisect_left`` of ``r2`` in ``off[lo:hi]`` by the key
+    ``(o + t) / w``, exactly, without a Python key call per probe: a plain bisect for the
+    threshold ``r2 * w - t``, then a step or two to where the key itself crosses ``r2``."""
+    i = bisect.bisect_right(off, r2 * w - t, lo, hi)
+    if right:
+        while i > lo and (off[i - 1] + t) / w > r2:
+            i -= 1
+        while i < hi and (off[i] + t) / w <= r2:
+            i += 1
+    else:
+        while i > lo and (off[i - 1] + t) / w >= r2:
+            i -= 1
+        while i < hi and (off[i] + t) / w < r2:
+            i += 1
+    return i
 
 
 class Interleave(BaseNode[DocumentBlock]):
@@ -541,8 +561,7 @@ class Interleave(BaseNode[DocumentBlock]):
         off = token_offsets(block)
         t, w = self._tokens[s] - off[lo] - self._offset[s], self.weights[s]
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
-        find = bisect.bisect_right if side == "right" else bisect.bisect_left
-        end = find(off, r2, lo + 1, n, key=lambda o: (o + t) / w) - 1  # the rule's last piece
+        end = _ratio_bisect(off, lo + 1, n, t, w, r2, side == "right") - 1  # the rule's last piece
         if self._fill is not None and not (block.stop is not None and self._whole_hand_back):
             anywhere = any(self._holds_open(i) for i in others)
             cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
@@ -646,12 +665,13 @@ class Interleave(BaseNode[DocumentBlock]):
         there; when Pack pins continuations to row starts (no EOS) it is marked handed back
         (``stop``), so Pack starts it on a new row, as after a rescale."""
         skip = self._offset[s]
-        out = cut_block(block, lo, skip, hi, cut)
         span = None
+        out: DocumentBlock
         if resuming and self._fill and self._mirror is not None and self._mirror.pin_continuations:
+            out = cut_block(block, lo, skip, hi, cut)
             out = dataclasses.replace(out, stop=out.start + out.lengths)
         else:  # Pack's cursor slices the stream of the whole block (laid out once)
-            out.__dict__[RUN_OF] = (block, lo, skip, hi, cut)
+            out = RunBlock(block, lo, skip, hi, cut, token_offsets(block))
             if self._mirror is not None:
                 span = self._mirror.span(block, lo, skip, hi, cut)
         self._tokens[s] += out.num_tokens

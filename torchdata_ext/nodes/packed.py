@@ -118,6 +118,9 @@ class Layout:
         first_cut = True  # whether the next part's first row starts a run
         doc = 0
         for s, a, b in parts:
+            while s.parent is not None:  # a run's stream is tokens at .. of its whole block's:
+                s, at = s.parent  # read those (the same tokens, rows and runs)
+                a, b = a + at, b + at
             run_at = self.runs(s)
             x[p : p + b - a] = s.tokens[a:b]
             rows = s.rows_between(a, b)

@@ -25,7 +25,14 @@ from typing import Any
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.stream_types import Units
 
-__all__ = ["cut_block", "fill_after", "first_row_end"]
+__all__ = ["RunBlock", "cut_block", "fill_after", "first_row_end"]
+
+RUN_OF = "_stream_run_of"
+"""The key under which a block cut from another (a run of the mix) keeps ``(the other block,
+lo, a, hi, b)`` of :func:`cut_block` in its ``__dict__``, so Pack's cursor slices the other
+block's stream instead of laying the run out (see :mod:`~torchdata_ext.nodes.stream`)."""
+
+_CUT_FIELDS = ("tokens", "texts", "offsets", "file", "doc", "start", "last")
 
 
 def cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> DocumentBlock:
@@ -50,6 +57,42 @@ def cut_block(block: DocumentBlock, lo: int, a: int, hi: int, b: int) -> Documen
         block.dataset, tokens, None, off, block.file[lo:end], block.doc[lo:end], start, last,
         block.shard, block.epoch, stop,
     )  # fmt: skip
+
+
+class RunBlock(DocumentBlock):
+    """``cut_block(block, lo, a, hi, b)`` whose arrays are built only when first read.
+
+    Pack's cursor lays a run of the mix out by slicing the stream of the whole ``block``
+    (:data:`RUN_OF`), so on that path the run's own offsets, tokens and provenance arrays are
+    never looked at; anything else that reads them (a budget, a hand-back, ``==``) gets exactly
+    :func:`cut_block`'s, made then. ``len`` and :attr:`num_tokens` come from ``tok``, the
+    block's token offsets as a list (:func:`~torchdata_ext.nodes.stream.token_offsets`).
+    """
+
+    def __init__(  # noqa: D107 - the class docstring says it
+        self, block: DocumentBlock, lo: int, a: int, hi: int, b: int, tok: list[int]
+    ) -> None:
+        d = self.__dict__
+        d["dataset"], d["shard"], d["epoch"] = block.dataset, block.shard, block.epoch
+        d["stop"] = None if block.stop is None else block.stop[lo : hi + 1 if b else hi]
+        d[RUN_OF] = (block, lo, a, hi, b)
+        d["_pieces"] = hi - lo + (1 if b else 0)
+        d["_tokens"] = (tok[hi] + b if b else tok[hi]) - tok[lo] - a
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _CUT_FIELDS:
+            raise AttributeError(name)
+        cut = cut_block(*self.__dict__[RUN_OF])
+        for field in _CUT_FIELDS:
+            self.__dict__[field] = getattr(cut, field)
+        return self.__dict__[name]
+
+    def __len__(self) -> int:
+        return int(self.__dict__["_pieces"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.__dict__["_tokens"])
 
 
 def fill_after(units: Units, fill: int, capacity: int) -> int:

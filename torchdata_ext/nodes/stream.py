@@ -36,12 +36,15 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchdata_ext.document import DocumentBlock
+from torchdata_ext.nodes.row_cuts import RUN_OF
 from torchdata_ext.nodes.stream_types import (
     ReplayMark,
+    SlicedStream,
     Specials,
     Stream,
     StreamPiece,
     Units,
+    marks_any,
     row_offsets,
 )
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
@@ -53,7 +56,6 @@ _PIECES_MEMO = "_stream_pieces"
 _UNITS_MEMO = "_stream_units"
 # on a block cut from another (a run of the mix): ``(the other block, lo, skip, hi, cut)`` of
 # ``cut_block``, so Pack's cursor slices the other block's stream instead of laying the run out
-RUN_OF = "_stream_run_of"
 _WHOLE_MEMO = "_stream_whole"  # a block's whole Stream, kept for the runs cut from it
 _OWN_MEMO = "_stream_own"  # a block's own layout (StreamCursor.own_layout)
 _TOKEN_OFFSETS_MEMO = "_stream_token_offsets"  # token_offsets(block)
@@ -211,10 +213,10 @@ class StreamCursor:
 
     def _expand(self, block: DocumentBlock, pre_state: Any) -> Stream:
         """Place the block's document specials: its tokens, provenance rows and units."""
-        _check_block(block)
         run = block.__dict__.get(RUN_OF)
-        if run is not None and self._pure(run[0]):
+        if run is not None and self._pure(run[0]):  # the whole block is checked when laid out
             return self._slice(block, pre_state, *run)
+        _check_block(block)
         carry_in = sorted([list(k) for k in self._open]) if self._combined else []
         no_bos_in = self._no_bos_list
         ds_id = self._dataset_id(block.dataset)
@@ -292,39 +294,11 @@ class StreamCursor:
             memo = (key, self._expand(whole_block, None))
             whole_block.__dict__[_WHOLE_MEMO] = memo
         whole: Stream = memo[1]
-        span = self.span(whole_block, lo, skip, hi, cut)
-        assert span is not None
-        a, b = span
-        end = hi + 1 if cut else hi  # the pieces of block: lo .. end
-        unit_off = whole.unit_off[lo : end + 1] - a
-        unit_off[0], unit_off[-1] = 0, b - a
-        last = whole.unit_last
-        if last is not None:
-            last = last[lo:end].copy()
-            if cut:
-                last[-1] = False
-        addbos, addeos = whole.unit_bos, whole.unit_eos
-        if addbos is not None:
-            addbos = addbos[lo:end].copy()
-            if skip:
-                addbos[0] = False
-        if addeos is not None:
-            addeos = addeos[lo:end].copy()
-            if cut:
-                addeos[-1] = False
-        return Stream(
-            pre_state,
-            [],
-            whole.tokens[a:b],
-            None,  # the rows are the whole stream's, taken when asked for
-            None,
-            unit_off,
-            unit_last=last,
-            block=block,
-            unit_bos=_marks_any(addbos),
-            unit_eos=_marks_any(addeos),
-            no_bos_in=self._no_bos_list,
-            parent=(whole, a),
+        own = self.own_layout(whole_block)
+        assert own is not None
+        a, b = own.offset(lo, skip), own.offset(hi, cut)
+        return SlicedStream.cut(
+            whole, pre_state, a, b, block, self._no_bos_list, (lo, skip, hi, cut)
         )
 
     def _pins(
@@ -371,7 +345,7 @@ class StreamCursor:
         skipped: set[int] = set()
         if self._no_bos and addbos is not None:  # BOS already delivered before a rescale
             skipped = self._skip_delivered_bos(block, addbos)
-        addbos, addeos = _marks_any(addbos), _marks_any(addeos)
+        addbos, addeos = marks_any(addbos), marks_any(addeos)
         out = addbos, addeos, skipped, _unit_offsets(pieces.lengths, addbos, addeos)
         if pure:
             block.__dict__[_UNITS_MEMO] = (key, out)
@@ -590,11 +564,6 @@ def _last_tokens(tokens: np.ndarray, off: np.ndarray, dtype: np.dtype) -> np.nda
     if not tokens.size:
         return np.zeros(len(off) - 1, dtype)
     return tokens[np.maximum(off[1:] - 1, 0)]
-
-
-def _marks_any(mask: np.ndarray | None) -> np.ndarray | None:
-    """``mask``, or None when it marks no piece."""
-    return None if mask is None or not np.count_nonzero(mask) else mask
 
 
 def _unit_offsets(

@@ -18,11 +18,13 @@ from torchdata_ext.document import DocumentBlock
 
 __all__ = [
     "ReplayMark",
+    "SlicedStream",
     "Specials",
     "Stream",
     "StreamPart",
     "StreamPiece",
     "Units",
+    "marks_any",
     "row_offsets",
 ]
 
@@ -129,6 +131,86 @@ class Stream:
         if over:
             out[-1, 4] -= over
         return out
+
+
+MaybeMask = np.ndarray | None  # a per-piece bool mask, or None when it marks none
+
+
+class SlicedStream(Stream):
+    """The stream of a run cut from a whole block's stream (``parent``): stream tokens ``a ..
+    b`` of it, for pieces ``lo .. hi`` of the whole block from token ``skip`` of piece ``lo``
+    and ``cut`` tokens of piece ``hi``. Equal to laying the run out on its own, field by
+    field; its unit arrays (which ``concat`` packing never reads) are sliced from the whole
+    stream's when first asked for, and its rows, as any child stream's, from the parent's."""
+
+    @classmethod
+    def cut(
+        cls,
+        whole: Stream,
+        pre_state: Any,
+        a: int,
+        b: int,
+        block: DocumentBlock,
+        no_bos_in: list[list[Any]],
+        spec: tuple[int, int, int, int],
+    ) -> SlicedStream:
+        """The run ``spec`` = ``(lo, skip, hi, cut)`` of ``whole``, at its stream tokens ``a
+        .. b``; ``block`` is the run as a block."""
+        out = cls.__new__(cls)
+        out.__dict__.update(
+            pre_state=pre_state, carry_in=[], tokens=whole.tokens[a:b], own_rows=None,
+            own_row_off=None, run_at=None, _row_off=None, _doc_ends=None, block=block,
+            no_bos_in=no_bos_in, bos_skipped=frozenset(), pin_at=None, parent=(whole, a),
+            _spec=spec, _units=None,
+        )  # fmt: skip
+        return out
+
+    def _sliced_units(self) -> tuple[np.ndarray, MaybeMask, MaybeMask, MaybeMask]:
+        units: tuple[np.ndarray, MaybeMask, MaybeMask, MaybeMask] | None = self.__dict__["_units"]
+        if units is not None:
+            return units
+        lo, skip, hi, cut = self.__dict__["_spec"]
+        whole, a = self.__dict__["parent"]
+        end = hi + 1 if cut else hi  # the pieces: lo .. end
+        unit_off = whole.unit_off[lo : end + 1] - a
+        unit_off[0], unit_off[-1] = 0, len(self.tokens)
+        last = whole.unit_last
+        if last is not None:
+            last = last[lo:end].copy()
+            if cut:
+                last[-1] = False
+        addbos, addeos = whole.unit_bos, whole.unit_eos
+        if addbos is not None:
+            addbos = addbos[lo:end].copy()
+            if skip:
+                addbos[0] = False
+        if addeos is not None:
+            addeos = addeos[lo:end].copy()
+            if cut:
+                addeos[-1] = False
+        units = self.__dict__["_units"] = (unit_off, last, marks_any(addbos), marks_any(addeos))
+        return units
+
+    @property
+    def unit_off(self) -> np.ndarray:  # type: ignore[override]
+        return self._sliced_units()[0]
+
+    @property
+    def unit_last(self) -> np.ndarray | None:  # type: ignore[override]
+        return self._sliced_units()[1]
+
+    @property
+    def unit_bos(self) -> np.ndarray | None:  # type: ignore[override]
+        return self._sliced_units()[2]
+
+    @property
+    def unit_eos(self) -> np.ndarray | None:  # type: ignore[override]
+        return self._sliced_units()[3]
+
+
+def marks_any(mask: np.ndarray | None) -> np.ndarray | None:
+    """``mask``, or None when it marks no piece."""
+    return None if mask is None or not np.count_nonzero(mask) else mask
 
 
 def row_offsets(rows: np.ndarray) -> np.ndarray:
