@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from torchdata_ext.document import DocumentBlock
 from torchdata_ext.nodes.packed import Layout
-from torchdata_ext.nodes.row_cuts import cut_block, first_row_end
-from torchdata_ext.nodes.stream import RUN_OF, StreamCursor
+from torchdata_ext.nodes.row_cuts import RunBlock, cut_block, first_row_end
+from torchdata_ext.nodes.stream import StreamCursor
 from torchdata_ext.nodes.stream_types import Specials, Stream
 
 _SPECIALS = [(None, 0), (1, 2), (1, None), (None, None), (3, 3), (0, 0)]
@@ -96,9 +96,10 @@ def test_a_run_is_laid_out_as_a_slice_of_its_blocks_stream(
     layout = Layout(
         16, False, np.dtype(np.int32), Specials(specials[0], specials[1], None, None, 0)
     )
-    want = cursor._expand(cut_block(block, lo, skip, hi, cut), None)
-    out = cut_block(block, lo, skip, hi, cut)
-    out.__dict__[RUN_OF] = (block, lo, skip, hi, cut)
+    cut_one = cut_block(block, lo, skip, hi, cut)
+    want = cursor._expand(cut_one, None)
+    out = RunBlock(block, lo, skip, hi, cut, block.offsets.tolist())  # what the mix emits
+    assert (len(out), out.num_tokens) == (len(cut_one), cut_one.num_tokens)
     got = cursor._expand(out, None)
     span = cursor.span(block, lo, skip, hi, cut)
     if specials[0] is not None and specials[0] == specials[1]:  # open documents are followed
@@ -114,6 +115,12 @@ def test_a_run_is_laid_out_as_a_slice_of_its_blocks_stream(
         assert got.starts_with_literal(x) == want.starts_with_literal(x)
         y = data.draw(st.integers(x + 1, size))
         assert got.rows_between(x, y).tolist() == want.rows_between(x, y).tolist()
+    for f in dataclasses.fields(DocumentBlock):  # the run's arrays, once read, are cut_block's
+        a, b = getattr(out, f.name), getattr(cut_one, f.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), f.name
+        else:
+            assert a == b, f.name
     own, units = cursor.own_layout(block), cursor.units(block, peek=True)
     assert own is not None and own.units.off.tolist() == own.off == units.off.tolist()
     assert own.units.bos.tolist() == own.bos == units.bos.tolist() and units.pin_at is None
