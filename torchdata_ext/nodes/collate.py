@@ -20,7 +20,7 @@ from torchdata_ext.batch import (
     segment_starts,
 )
 from torchdata_ext.nodes.pack import PackedSequence
-from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, row_datasets
+from torchdata_ext.provenance import LITERAL, PAD, PROV_COLUMNS, row_datasets
 
 __all__ = ["Collate"]
 
@@ -145,16 +145,22 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         if any(t is None for t in tables):  # items without provenance: the count stops
             self._delivered = None
             return
-        if all(isinstance(t, np.ndarray) and t.dtype == np.int64 and t.ndim == 2 for t in tables):
-            rows = np.concatenate(tables)  # Pack's tables, as they are
-        else:
+        try:
+            rows = np.concatenate(tables)  # Pack's tables: (k, PROV_COLUMNS) int64 each
+        except ValueError:
+            rows = np.empty((0, 0))
+        if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != PROV_COLUMNS:
             rows = np.concatenate(
                 [np.asarray(t, np.int64).reshape(-1, PROV_COLUMNS) for t in tables]
             )
-        ds = rows[:, 0]
-        keep = (ds >= 0) & (ds < len(self._delivered))  # document rows (specials: < 0)
         n = len(self._delivered)  # a batch's sums are far below 2**53: exact in float64
-        self._delivered += np.bincount(ds[keep], rows[keep, 4], n).astype(np.int64)
+        ds = rows[:, 0] - PAD  # the specials' rows (LITERAL, PAD < 0) count in bins 0 .. -PAD
+        try:
+            counts = np.bincount(ds, rows[:, 4], n - PAD)
+        except ValueError:  # a code below PAD: none is written, but count documents only
+            keep = ds >= -PAD
+            counts = np.bincount(ds[keep], rows[keep, 4], n - PAD)
+        self._delivered += counts[-PAD : n - PAD].astype(np.int64)
 
     def next(self) -> dict[str, torch.Tensor]:
         items = self._take()

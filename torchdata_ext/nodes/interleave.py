@@ -563,7 +563,7 @@ class Interleave(BaseNode[DocumentBlock]):
         side: Literal["left", "right"] = "right" if s < first_at_r2 else "left"
         end = _ratio_bisect(off, lo + 1, n, t, w, r2, side == "right") - 1  # the rule's last piece
         if self._fill is not None and not (block.stop is not None and self._whole_hand_back):
-            anywhere = any(self._holds_open(i) for i in others)
+            anywhere = self._others_open(s)
             cut = self._row_cut(s, block, lo, end, r2, side, anywhere)
             if cut is not None:
                 return cut
@@ -629,6 +629,13 @@ class Interleave(BaseNode[DocumentBlock]):
             return block is not None
         return c > 0 and not self._whole[i] and not block.last[c - 1]
 
+    def _others_open(self, s: int) -> bool:
+        """Whether a source other than ``s`` holds a document open (:meth:`_holds_open`)."""
+        for i in range(len(self._blocks)):
+            if i != s and self._blocks[i] is not None and self._holds_open(i):
+                return True
+        return False
+
     def _pick_samples(self, active: list[int], u: np.ndarray) -> np.ndarray:
         """Positions in ``active`` of the sources draws ``u`` pick."""
         cw = np.cumsum([self.weights[i] for i in active])
@@ -685,8 +692,7 @@ class Interleave(BaseNode[DocumentBlock]):
                 self._fill = (self._fill + span[1] - span[0]) % self._capacity
             else:
                 self._fill = fill_after(self._mirror.units(out), self._fill, self._capacity)
-            others = any(self._holds_open(i) for i in range(len(self.sources)) if i != s)
-            self._open = s if self._fill and (left_open or others) else None
+            self._open = s if self._fill and (left_open or self._others_open(s)) else None
             if left_open and block.stop is not None and self._whole_hand_back:
                 self._open = s  # a state from before hand-back cuts: its first block as then
         if hi >= len(block) and not left_open:
