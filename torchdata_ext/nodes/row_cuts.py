@@ -131,31 +131,38 @@ def first_row_end(
     ends are looked for in pieces ``j0 .. stop``. Inside piece ``j0`` the rule stops where the
     source's ratio ``(t0 + tokens of the run) / weight`` passes ``r2`` (``side`` as
     ``numpy.searchsorted``'s); after it, at the first row end. None: no row end. Python lists
-    and ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost."""
+    and ints: a piece holds 0-2 row ends here, too few for NumPy's per-call cost (a long
+    document's many are bisected)."""
     pins = pins or []
     origin = start  # the row position of stream offset x is (fill + x - origin) % capacity
     for j in range(j0, stop):
-        p = bisect.bisect_right(pins, unit_off[j])
+        p = bisect.bisect_right(pins, unit_off[j]) if pins else 0
         if p:  # the rows from the last pin at or before this unit start at the pin
             fill, origin = 0, pins[p - 1]
         length = offsets[j + 1] - offsets[j]
         lead = unit_off[j] + bos[j]  # the stream offset of the piece's token 0
         first = max(lead, start)  # of its first token in the run
         at = first + 1 + (origin - fill - first - 1) % capacity  # the first row end after a token
-        cand = list(range(at, lead + length, capacity))  # inside it
+        inside = range(at, lead + length, capacity)  # the row ends inside it
         after = unit_off[j + 1]  # after the piece (and its EOS)
-        if (fill + after - origin) % capacity == 0:
-            cand.append(after)
-        if not cand:
+        k = len(inside)
+        count = k + ((fill + after - origin) % capacity == 0)  # and the one after it
+        if not count:
             continue
         i = 0
-        if j == j0:  # inside the rule's last piece: where the rule stops
-            taken = offsets[j] - base + t0
-            ratios = [(min(c - lead, length) + taken) / weight for c in cand]
-            i = (bisect.bisect_right if side == "right" else bisect.bisect_left)(ratios, r2)
-            if i == len(cand):
+        if j == j0:  # inside the rule's last piece: where the rule stops (a bisect on the
+            taken = offsets[j] - base + t0  # ratios, which grow with the row end: a long
+            # document holds many, and each run of it would otherwise compute them all)
+            i = (bisect.bisect_right if side == "right" else bisect.bisect_left)(
+                range(count),
+                r2,
+                key=lambda x: (
+                    (min((inside[x] if x < k else after) - lead, length) + taken) / weight
+                ),
+            )
+            if i == count:
                 continue
-        if cand[i] == after:
+        if i == k:
             return j, length
-        return j, cand[i] - lead
+        return j, inside[i] - lead
     return None
