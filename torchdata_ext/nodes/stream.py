@@ -49,7 +49,10 @@ from torchdata_ext.nodes.stream_types import (
 )
 from torchdata_ext.provenance import LITERAL, PROV_COLUMNS, literal_code
 
-_SLICE_COPY_PIECES = 64  # up to this many pieces a block's tokens are copied piece by piece
+# a block's tokens are copied piece by piece (a slice copy each, ~1 us) when its pieces are
+# this long on average (tokens), else through a mask (~0.5 ns per token): measured on 60
+# pieces of ~1,000 tokens, 68 us piece by piece against 39 us through the mask
+_SLICE_COPY_TOKENS = 2048
 # what a block's layout is kept under in the block's __dict__ (see _Pieces.of, StreamCursor._units);
 # a block is not changed once made (cut_block and select make new ones)
 _PIECES_MEMO = "_stream_pieces"
@@ -423,7 +426,7 @@ class StreamCursor:
         out = np.empty(int(unit_off[-1]), self.dtype)
         at_bos = None if addbos is None else unit_off[:-1][addbos]
         at_eos = None if addeos is None else unit_off[1:][addeos] - 1
-        if len(off) - 1 <= _SLICE_COPY_PIECES:  # a few long pieces: one slice copy each
+        if (len(off) - 1) * _SLICE_COPY_TOKENS <= int(off[-1]):  # long pieces: a copy each
             dest = unit_off[:-1] if addbos is None else unit_off[:-1] + addbos
             for d, a, b in zip(dest.tolist(), off[:-1].tolist(), off[1:].tolist()):
                 out[d : d + b - a] = tokens[a:b]
