@@ -12,16 +12,18 @@ A strategy takes stream tokens ``a .. b`` as *parts* (``(stream, a, b)``) and ha
 :class:`~.packed.Layout` to make the sequence. The cursor also keeps the clean point a
 restore replays from (:class:`ReplayMark`). The types are in :mod:`.stream_types`.
 
-A run the mix cut from one of its sources' blocks (``cut_block``, marked ``RUN_OF``) is a
-contiguous slice of that block's stream: a piece going on from a token has no BOS, a piece
-cut before its end no EOS, and nothing else changes. So the cursor lays each source block out
-once and slices its runs from it (:meth:`StreamCursor._slice`), and the mix finds row ends and
+A run the mix cut from one of its sources' blocks (a :class:`~.row_cuts.RunBlock`, marked
+``RUN_OF``) is a contiguous slice of that block's stream: a piece going on from a token has no
+BOS, a piece cut before its end no EOS, and nothing else changes. So the cursor lays each
+source block out once and slices its runs from it (:meth:`StreamCursor._slice`, a
+:class:`~.stream_types.SlicedStream`: neither the run's own arrays nor its units are built on
+this path unless something reads them), and the mix finds row ends and
 moves its row position in that stream's offsets (:meth:`StreamCursor.span`), instead of
 laying out each run, and the rest of the block at each run, again. Only when a block's layout
 depends on more than the block (a shared BOS/EOS token, a rescale's delivered BOS pending, a
 block handed back) is each run laid out on its own.
 
-This module is 631 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 606 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
