@@ -23,7 +23,7 @@ laying out each run, and the rest of the block at each run, again. Only when a b
 depends on more than the block (a shared BOS/EOS token, a rescale's delivered BOS pending, a
 block handed back) is each run laid out on its own.
 
-This module is 606 lines, over the ~500 of the style guide: turning a block into a stream
+This module is 604 lines, over the ~500 of the style guide: turning a block into a stream
 (:meth:`StreamCursor._expand`) is one hot path in named stages (which pieces get specials, the
 stream tokens, the provenance rows, the units that start a row) that share the cursor's
 open-document state (:meth:`StreamCursor.units` runs its stages without the tokens, for the
@@ -59,8 +59,6 @@ _SLICE_COPY_TOKENS = 2048
 # a block is not changed once made (cut_block and select make new ones)
 _PIECES_MEMO = "_stream_pieces"
 _UNITS_MEMO = "_stream_units"
-# on a block cut from another (a run of the mix): ``(the other block, lo, skip, hi, cut)`` of
-# ``cut_block``, so Pack's cursor slices the other block's stream instead of laying the run out
 _WHOLE_MEMO = "_stream_whole"  # a block's whole Stream, kept for the runs cut from it
 _OWN_MEMO = "_stream_own"  # a block's own layout (StreamCursor.own_layout)
 _TOKEN_OFFSETS_MEMO = "_stream_token_offsets"  # token_offsets(block)
@@ -299,9 +297,9 @@ class StreamCursor:
             memo = (key, self._expand(whole_block, None))
             whole_block.__dict__[_WHOLE_MEMO] = memo
         whole: Stream = memo[1]
-        own = self.own_layout(whole_block)
-        assert own is not None
-        a, b = own.offset(lo, skip), own.offset(hi, cut)
+        span = self.span(whole_block, lo, skip, hi, cut)
+        assert span is not None
+        a, b = span
         return SlicedStream.cut(
             whole, pre_state, a, b, block, self._no_bos_list, (lo, skip, hi, cut)
         )
