@@ -104,6 +104,10 @@ class Layout:
         line specials and the padding), which :meth:`materialize` spreads over the tokens.
         """
         size = self.packed_len
+        if len(parts) == 1 and self.bol_token is None and self.eol_token is None:
+            s, a, b = parts[0]
+            if b - a == size:  # the usual row: one part of one stream, no line specials
+                return self._one_part(s, a, b)
         x = np.empty(size, self.dtype)
         cuts: list[int] = []  # where each run starts; its positions count from there
         ids: list[int] = []  # its document id
@@ -153,6 +157,21 @@ class Layout:
             pieces.append(np.array([[LITERAL, self.eol_token, 0, 0, 1]], np.int64))
         rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return PackedSequence(x, rows, cuts, ids, (p, max(end, p)))
+
+    def _one_part(self, s: Stream, a: int, b: int) -> PackedSequence:
+        """:meth:`emit` of a full row that is tokens ``a .. b`` of one stream (no padding, no
+        line specials): its runs are the stream's runs inside it, the first starting at 0."""
+        while s.parent is not None:
+            s, at = s.parent
+            a, b = a + at, b + at
+        run_at = self.runs(s)
+        lo = bisect.bisect_right(run_at, a)
+        hi = bisect.bisect_left(run_at, b, lo)
+        cuts = [0, *[r - a for r in run_at[lo:hi]]]
+        size = b - a
+        return PackedSequence(
+            s.tokens[a:b].copy(), s.rows_between(a, b), cuts, list(range(len(cuts))), (size, size)
+        )
 
     def _continues(self, prev: list[int], cur: list[int]) -> bool:
         """:meth:`layout`'s rule for two content rows: whether ``cur`` continues the run of
