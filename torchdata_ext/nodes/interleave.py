@@ -43,7 +43,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 702 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 729 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -91,6 +91,7 @@ from torchdata_ext.document import DocumentBlock
 from torchdata_ext.handlers.base import DocData
 from torchdata_ext.nodes.row_cuts import RunBlock, cut_block, fill_after, first_row_end
 from torchdata_ext.nodes.stream import token_offsets
+from torchdata_ext.nodes.stream_types import LazyState
 from torchdata_ext.order.walk import mix_seed
 from torchdata_ext.state.settings import SETTINGS_KEY, check_settings
 
@@ -392,44 +393,70 @@ class Interleave(BaseNode[DocumentBlock]):
         self._tokens = shares
 
     def get_state(self) -> dict[str, Any]:
-        # Taken at every block the packer pulls. A source's entry that did not change since
-        # the last state is the same dict again (states are never mutated), and so are the
-        # weights while in force: the state delta skips them without looking inside.
+        return self._state_of(*self._state_args())
+
+    def state_at_pull(self) -> LazyState:
+        """The state :meth:`get_state` would give now, made into its dict only if asked for
+        (:meth:`LazyState.resolve`). Pack's cursor takes one at every block it pulls but reads
+        only the state before the block it is in when a state is saved (one in several)."""
+        return LazyState(self._state_of, self._state_args())
+
+    def _state_args(self) -> tuple[Any, ...]:
+        """What the state depends on, taken now (``(source state, consumed, offset, ended)``
+        of each source, the tokens, fill, open source, weights and draw counter)."""
+        per_source = []
+        for i in range(len(self.names)):
+            if self._blocks[i] is not None:  # pieces left, or the last one left a document open
+                per_source.append(
+                    (self._before[i], self._consumed[i], self._offset[i], self._ended[i])
+                )
+            elif self._ahead[i]:
+                per_source.append((self._ahead[i][0][0], 0, 0, self._ended[i]))
+            else:
+                per_source.append((self.sources[i].state_dict(), 0, 0, self._ended[i]))
+        return per_source, tuple(self._tokens), self._fill, self._open, self.weights, self._counter
+
+    def _state_of(
+        self,
+        sources: list[tuple[Any, int, int, bool]],
+        tokens: tuple[int, ...],
+        fill: int | None,
+        open_source: int | None,
+        weights: list[float],
+        counter: int,
+    ) -> dict[str, Any]:
+        """The state dict of :meth:`_state_args`. A source's entry that did not change since
+        the last state made is the same dict again (states are never mutated), and so are the
+        weights while in force: the state delta skips them without looking inside."""
         per_source = {}
         last = self._last_entries
         for i, name in enumerate(self.names):
-            if self._blocks[i] is not None:  # pieces left, or the last one left a document open
-                src, consumed = self._before[i], self._consumed[i]
-            elif self._ahead[i]:
-                src, consumed = self._ahead[i][0][0], 0
-            else:
-                src, consumed = self.sources[i].state_dict(), 0
-            offset = self._offset[i] if self._blocks[i] is not None else 0
+            src, consumed, offset, ended = sources[i]
             entry = last[i]
             if (
                 entry is None
                 or entry[self.SOURCE_KEY] is not src
                 or entry[self.CONSUMED_KEY] != consumed
                 or entry[self.OFFSET_KEY] != offset
-                or entry[self.ENDED_KEY] != self._ended[i]
+                or entry[self.ENDED_KEY] != ended
             ):
                 entry = last[i] = {
                     self.SOURCE_KEY: src,
                     self.CONSUMED_KEY: consumed,
                     self.OFFSET_KEY: offset,
-                    self.ENDED_KEY: self._ended[i],
+                    self.ENDED_KEY: ended,
                 }
             per_source[name] = entry
-        if self._last_weights[0] is not self.weights:
-            self._last_weights = (self.weights, dict(zip(self.names, self.weights)))
+        if self._last_weights[0] is not weights:
+            self._last_weights = (weights, dict(zip(self.names, weights)))
         return {
             self.SOURCES_KEY: per_source,
-            self.TOKENS_KEY: dict(zip(self.names, self._tokens)),
-            self.FILL_KEY: self._fill,
-            self.FINISHING_KEY: None if self._open is None else self.names[self._open],
+            self.TOKENS_KEY: dict(zip(self.names, tokens)),
+            self.FILL_KEY: fill,
+            self.FINISHING_KEY: None if open_source is None else self.names[open_source],
             self.CUTS_BACK_KEY: True,  # handed-back pieces are cut at row ends too
             "weights": self._last_weights[1],  # the weights in force
-            self.COUNTER_KEY: self._counter,
+            self.COUNTER_KEY: counter,
             SETTINGS_KEY: self._settings,
         }
 

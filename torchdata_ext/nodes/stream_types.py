@@ -17,6 +17,7 @@ import numpy as np
 from torchdata_ext.document import DocumentBlock
 
 __all__ = [
+    "LazyState",
     "ReplayMark",
     "SlicedStream",
     "Specials",
@@ -27,6 +28,24 @@ __all__ = [
     "marks_any",
     "row_offsets",
 ]
+
+
+class LazyState:
+    """An upstream state taken at a pull, made into the state dict only when asked for:
+    ``make(*args)``, once (:meth:`resolve`). A source offers them with ``state_at_pull()``
+    (``Interleave``); :meth:`StreamCursor.here <torchdata_ext.nodes.stream.StreamCursor.here>`
+    resolves the one of the block a saved state replays from."""
+
+    __slots__ = ("_args", "_make", "_state")
+
+    def __init__(self, make: Any, args: tuple[Any, ...]) -> None:
+        self._make, self._args, self._state = make, args, None
+
+    def resolve(self) -> Any:
+        if self._state is None:
+            self._state, self._args = self._make(*self._args), ()
+        return self._state
+
 
 StreamPiece = tuple[
     str, int, int, int, int
