@@ -435,3 +435,34 @@ def test_empty_documents_are_dropped_with_their_offsets(tmp_path) -> None:
             assert d.data.tolist() == docs[d.doc].tolist()  # provenance names the document
             got.append(d.doc)
     assert sorted(got) == [i for i in range(30) if i % 3]
+
+
+@pytest.mark.parametrize(
+    "file_dtype,out_dtype",
+    [(np.uint32, np.int32), (np.int32, np.int32), (np.uint16, np.int32), (np.uint32, np.int64)],
+    ids=lambda v: np.dtype(v).name,
+)
+def test_blocks_hold_the_tokens_cast_to_the_output_dtype(tmp_path, file_dtype, out_dtype) -> None:
+    """A block's tokens are its documents cast to the reader's dtype as NumPy's unsafe cast
+    does (a uint32 id above 2**31 wraps in int32, as it always has), whatever the file's
+    integer width: the same-width path concatenates and reinterprets, the others cast."""
+    rng = np.random.default_rng(7)
+    top = np.iinfo(file_dtype).max
+    docs = []
+    for i in range(40):
+        d = rng.integers(0, top, size=int(rng.integers(1, 30)), dtype=np.int64, endpoint=True)
+        d[0] = top - i  # the widest ids of the type, each document told apart by its first
+        docs.append(d.astype(file_dtype))
+    root = tmp_path / "web"
+    root.mkdir()
+    write_arrow_batches(str(root / "part_0.arrow"), docs)
+    index = DatasetIndex.build(str(root))
+    blocks = all_docs(index, 4, World(), block_docs=16, dtype=out_dtype)
+    got = {}
+    for block in blocks:
+        assert block.tokens.dtype == np.dtype(out_dtype)
+        for d in block:
+            got[d.doc] = d.data
+    assert sorted(got) == list(range(40))
+    for k, d in enumerate(docs):
+        assert np.array_equal(got[k], d.astype(out_dtype, casting="unsafe")), k
