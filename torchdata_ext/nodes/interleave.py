@@ -43,7 +43,7 @@ source's block, so it holds one dataset and keeps the source's ``shard`` and ``e
 sources (readers with ``epochs=None``) go through their own epochs; a finite source that raises
 ``StopIteration`` is dropped and the mix goes on with the rest, until all have ended.
 
-This module is 729 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
+This module is 731 lines: the two decision rules, their one-step runs, the row cuts' bookkeeping
 (the pure part is :mod:`torchdata_ext.nodes.row_cuts`) and the replayed state are one node.
 
 State (replay, no token copies)::
@@ -577,8 +577,10 @@ class Interleave(BaseNode[DocumentBlock]):
         others = [i for i in active if i != s]
         if not others:
             return n, 0
-        r2 = min(self._ratio(i) for i in others)
-        first_at_r2 = min(i for i in others if self._ratio(i) == r2)
+        tokens, weights = self._tokens, self.weights
+        ratios = [tokens[i] / weights[i] for i in others]  # as _ratio, without its call
+        r2 = min(ratios)
+        first_at_r2 = others[ratios.index(r2)]  # others ascend: the first listed at r2
         if self.quantum_tokens:
             r2 += self.quantum_tokens / self.weights[s]
         # after taking pieces lo .. lo + j - 1, s is chosen again iff its ratio is below r2, or
