@@ -59,7 +59,19 @@ def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> No
     import torch.multiprocessing as mp
 
     rank_context()
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+    mp.start_processes(
+        _as_torchrun_rank, args=(fn, *args), nprocs=nprocs, start_method="forkserver"
+    )
+
+
+def _as_torchrun_rank(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(rank, *args)`` with the start method of a rank that torchrun started on Linux
+    (``fork``). A process forked from the fork server inherits ``forkserver`` as its start
+    method, so the loader's worker processes came from a new fork server of the rank's own,
+    without preloads: that server and each worker imported torch and this package again
+    (seconds of CPU per rank with workers), which no torchrun rank does."""
+    multiprocessing.set_start_method("fork", force=True)
+    fn(rank, *args)
 
 
 def rank_context() -> Any:
