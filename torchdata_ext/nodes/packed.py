@@ -121,10 +121,8 @@ class Layout:
             p = 1
         first_cut = True  # whether the next part's first row starts a run
         doc = 0
-        for s, a, b in parts:
-            while s.parent is not None:  # a run's stream is tokens at .. of its whole block's:
-                s, at = s.parent  # read those (the same tokens, rows and runs)
-                a, b = a + at, b + at
+        for part in parts:
+            s, a, b = _in_whole(*part)
             run_at = self.runs(s)
             x[p : p + b - a] = s.tokens[a:b]
             rows = s.rows_between(a, b)
@@ -161,9 +159,7 @@ class Layout:
     def _one_part(self, s: Stream, a: int, b: int) -> PackedSequence:
         """:meth:`emit` of a full row that is tokens ``a .. b`` of one stream (no padding, no
         line specials): its runs are the stream's runs inside it, the first starting at 0."""
-        while s.parent is not None:
-            s, at = s.parent
-            a, b = a + at, b + at
+        s, a, b = _in_whole(s, a, b)
         run_at = self.runs(s)
         lo = bisect.bisect_right(run_at, a)
         hi = bisect.bisect_left(run_at, b, lo)
@@ -375,3 +371,12 @@ def _same_owner(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
     literals were named, or a line special)."""
     code = np.where(prev[:, 0] >= 0, literal_code(prev[:, 0], prev[:, 1]), prev[:, 3])
     return (cur[:, 3] >= 0) | ((code == cur[:, 3]) & (prev[:, 2] == cur[:, 2]))
+
+
+def _in_whole(s: Stream, a: int, b: int) -> StreamPart:
+    """Tokens ``a .. b`` of stream ``s`` as the same tokens of its whole block's stream: a
+    run's stream is tokens ``at ..`` of its parent's, with the same tokens, rows and runs."""
+    while s.parent is not None:
+        s, at = s.parent
+        a, b = a + at, b + at
+    return s, a, b
