@@ -175,12 +175,7 @@ class RandomWalk:
                 table = self._table = self._walk_table()
             return table[start : start + count].astype(np.int64)
         x = np.arange(start, start + count, dtype=np.uint64)
-        out = self._encrypt(x)
-        bad = np.flatnonzero(out >= self.n)
-        while bad.size:
-            out[bad] = self._encrypt(out[bad])
-            bad = bad[out[bad] >= self.n]
-        return out.astype(np.int64)
+        return _cycle_walk(self._encrypt(x), self.n, self._encrypt).astype(np.int64)
 
     def _walk_table(self) -> np.ndarray:
         """The whole walk as a ``uint32`` array: the Feistel permutation of the domain, then
@@ -188,12 +183,7 @@ class RandomWalk:
         once), so :meth:`take` is a slice."""
         domain = np.arange(1 << (2 * self._half), dtype=np.uint64)
         perm = self._encrypt(domain).astype(np.uint32)
-        out = perm[: self.n].copy()
-        bad = np.flatnonzero(out >= self.n)
-        while bad.size:  # cycle walking
-            out[bad] = perm[out[bad]]
-            bad = bad[out[bad] >= self.n]
-        return out
+        return _cycle_walk(perm[: self.n].copy(), self.n, perm.__getitem__)
 
     def __iter__(self) -> Iterator[int]:
         chunk = 65536
@@ -214,6 +204,16 @@ class RandomWalk:
 
     def __repr__(self) -> str:
         return f"RandomWalk(n={self.n}, seed={self.seed})"
+
+
+def _cycle_walk(out: np.ndarray, n: int, step: Any) -> np.ndarray:
+    """Cycle walking in place: each value of ``out`` at or above ``n`` (outside the walk's
+    range) is replaced by ``step`` of it until it is below ``n``; returns ``out``."""
+    bad = np.flatnonzero(out >= n)
+    while bad.size:
+        out[bad] = step(out[bad])
+        bad = bad[out[bad] >= n]
+    return out
 
 
 def _feistel(x: np.ndarray, half: Any, mask: Any, keys: Sequence[Any]) -> np.ndarray:
