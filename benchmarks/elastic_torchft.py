@@ -194,7 +194,7 @@ def run_job(
     plain loaders, nobody killed, for 1/3 of the epoch): each group's step records."""
     from torchdata_ext.torchft.local import start_lighthouse, stop_job
 
-    lighthouse = start_lighthouse()
+    lighthouse = start_lighthouse(min_replicas=2)
     outs = {
         rid: Path(tmp) / f"{mode}-{rid}.jsonl" for rid in ("abcd" if mode == "elastic" else "abc")
     }

@@ -147,7 +147,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         lengths = write_corpus(data)
-        lighthouse = start_lighthouse()
+        # a quorum needs 2 groups: no group trains a step alone (two quorums at once would
+        # each deliver that step's data: torchft's split brain, docs/elastic.md)
+        lighthouse = start_lighthouse(min_replicas=2)
         outs = {rid: Path(tmp) / f"{rid}.jsonl" for rid in "abcd"}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         procs = {

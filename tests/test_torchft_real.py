@@ -101,7 +101,7 @@ def test_kill_join_and_failed_step_under_torchft(tmp_path, sync=False) -> None:
 
     data = tmp_path / "data"
     write_random_arrow_datasets(str(data), (("web", 60, 20), ("code", 30, 45)), seed=3)
-    lighthouse = start_lighthouse()
+    lighthouse = start_lighthouse(min_replicas=2)
     # states exchanged in step 0 and after steps 5, 11, 17...: c dies around step 6 (right
     # after an exchange), b fails step 12 alone (right after one), d joins between two
     extra = ["--every", "6", *(["--sync"] if sync else [])]

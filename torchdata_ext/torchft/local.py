@@ -25,15 +25,25 @@ __all__ = ["committed_attempts", "local_manager", "read_step_log", "start_lighth
 _STORES: list[Any] = []
 
 
-def start_lighthouse() -> Any:
-    """A torchft ``LighthouseServer`` on a free port, at least 1 replica group a quorum, tuned
-    for a local job: a 300 ms join timeout, a 20 ms quorum tick and a 1 s heartbeat timeout
-    (a killed group leaves the quorum within a second). Its ``address()`` is what
-    :func:`local_manager` takes."""
+def start_lighthouse(min_replicas: int) -> Any:
+    """A torchft ``LighthouseServer`` on a free port, tuned for a local job: a 300 ms join
+    timeout, a 20 ms quorum tick and a 1 s heartbeat timeout (a killed group leaves the quorum
+    within a second). Its ``address()`` is what :func:`local_manager` takes.
+
+    Args:
+        min_replicas: the replica groups a quorum needs, at least 1: more than half of the
+            groups the job runs (2 of 3). Fewer lets two quorums train the same step at once
+            (split brain): a group that starts alone before the others' first heartbeat, or
+            each of two groups alone once a third has died, commits the step on its own, and
+            both quorums' batches count as trained (the data of that step is delivered twice;
+            the models differ until one heals from the other).
+    """
     from torchft.coordination import LighthouseServer
 
+    if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+        raise ValueError(f"start_lighthouse({min_replicas=!r}): must be an integer >= 1")
     return LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=300, quorum_tick_ms=20,
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=300, quorum_tick_ms=20,
         heartbeat_timeout_ms=1000,
     )  # fmt: skip
 
