@@ -279,6 +279,47 @@ def test_a_worker_state_is_the_in_process_state_value_for_value_and_type(tmp_pat
             )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop", ["loader-and-iterator", "loop-broken"])
+def test_a_loader_dropped_mid_stream_without_close_leaves_nothing_running(
+    corpus, workers, drop
+) -> None:
+    """A loader left mid-stream and dropped without close() (an evaluation loader, a loop
+    broken out of) is freed, its background thread stopped and its worker processes ended: its
+    own thread must not keep it alive. Before, each such loader kept its thread, its pipeline
+    and its 2 workers until the process exited (a test process had 100 threads by the end)."""
+    import gc
+    import multiprocessing
+    import threading
+    import time
+    import weakref
+
+    def running() -> set[object]:
+        """This process's loader threads and child processes (another test's may be live)."""
+        threads = {t for t in threading.enumerate() if t.name == "TokenLoader"}
+        return threads | {p.pid for p in multiprocessing.active_children()}
+
+    before = running()
+    build = functools.partial(build_reader, corpus[0], epochs=None)
+    loader = TokenLoader(build, num_workers=workers)
+    if drop == "loop-broken":
+        assert len(take(loader, 3)) == 3
+    else:
+        it = iter(loader)
+        next(it), next(it)
+        del it
+    assert len(running() - before) == 1 + workers  # its thread and its workers
+    ref = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert ref() is None, "the dropped loader is still referenced"
+    deadline = time.monotonic() + 20
+    while running() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running() - before, "a dropped loader left its thread or workers running"
+
+
 def test_closing_from_the_background_thread_itself_does_not_raise() -> None:
     """The last reference to a loader can be dropped inside its own background thread (the
     thread runs the loader's generator, and TokenLoader.__del__ closes it): closing must then

@@ -144,7 +144,7 @@ class _PipelineIterator(Iterator[_Message]):
         if not self._started:
             self._io_nodes()  # found before a restore fills the buffers (see io_stats)
             self.root.reset(self._initial)
-            # the receiver starts from the same state (TokenLoader._produce), so the first
+            # the receiver starts from the same state (_produce), so the first
             # delta after a restore is what changed since it: a few blocks of a restored
             # shuffle buffer, not the whole buffer
             self._sent = self._initial
@@ -496,7 +496,13 @@ class TokenLoader:
             self._messages = messages
         else:
             messages = iter(self._dataset())
-        produced = self._produce(messages)
+        # a function of its inputs, not a method: the background thread holds it, and a
+        # loader dropped without close() must not be kept alive by its own thread (nor its
+        # workers): its __del__ stops the thread, the workers end with their iterator
+        produced = _produce(
+            messages, self.logical_workers, self._initial, self._offset, self.pin_memory,
+            self.num_workers > 0,
+        )  # fmt: skip
         if self.background:  # the training thread only takes finished batches
             # batches ahead: the messages prepared ahead; when sized by tokens, 8 batches a
             # message as before (a larger message's rest waits in _produce for room)
@@ -710,7 +716,7 @@ class TokenLoader:
 
     def _deliver(self, produced: Iterator[_Delivery]) -> Iterator[Any]:
         """On the training thread: take each ready batch and make its worker's state the
-        current one (the work is done in :meth:`_produce`)."""
+        current one (the work is done in :func:`_produce`)."""
         W, every = self.logical_workers, self.snapshot_every_n_steps
         lagging = self.num_workers > 0 and every > 1  # only then does state_dict read _snap
         while True:
@@ -797,52 +803,6 @@ class TokenLoader:
             f"{progress.done} of the range's {b - a} batches; end the range at step "
             f"{a + progress.done} at most (B excluded) or remove it"
         )
-
-    def _produce(self, messages: Iterator[_Message]) -> Iterator[_Delivery]:
-        """Batches one worker after the other (each worker's message holds several), each
-        with its worker's state after it (deltas applied: every state stays valid) and its
-        other keys built: all of it off the training thread when ``background``."""
-        W = self.logical_workers
-        states: dict[int, Any] = dict(self._initial)
-        pending: dict[int, collections.deque[tuple[Any, Any, bool]]] = {
-            w: collections.deque() for w in range(W)
-        }
-        io: dict[int, dict[str, float]] = {}
-        rings: dict[int, TokenRing] = {}
-        pin = self.pin_memory and _accelerator()  # where the dataloader pins, as it does
-        live = set(range(W))  # workers whose stream has not ended
-        w = self._offset
-        while True:
-            while not pending[w] and w in live:
-                try:
-                    msg = next(messages)
-                except StopIteration:
-                    live.clear()
-                    break
-                if msg.ring is not None:
-                    rings[msg.worker] = msg.ring
-                items = msg.items
-                if isinstance(items, BatchGroup):
-                    items = _split(items, rings.get(msg.worker), pin)
-                pending[msg.worker].extend(
-                    (item, st, msg.delta) for item, st in zip(items, msg.states, strict=True)
-                )
-                io[msg.worker] = msg.io
-                if msg.ended:
-                    live.discard(msg.worker)
-            if not pending[w]:  # w has ended: the next worker that has not
-                if not live and not any(pending.values()):
-                    return
-                w = (w + 1) % W
-                continue
-            item, st, delta = pending[w].popleft()
-            states[w] = apply(states.get(w), st) if delta else st
-            if isinstance(item, PackedBatch):
-                item = item.to_tensors()
-            if self.pin_memory and self.num_workers == 0:
-                item = _pinned(item)
-            yield _Delivery(item, w, states[w], io.get(w, {}))
-            w = (w + 1) % W
 
     def _live_snapshot(self) -> tuple[dict[int, Any], int, int]:
         return dict(self._states), self._next, self._yielded
@@ -1021,6 +981,59 @@ def _split(group: BatchGroup, ring: TokenRing | None, pin: bool) -> list[Any]:
     out = [batch.to_tensors(own=True, pin=pin) for batch in group.split()]
     ring.release()
     return out
+
+
+def _produce(
+    messages: Iterator[_Message],
+    W: int,
+    initial: dict[int, Any],
+    offset: int,
+    pin_memory: bool,
+    workers: bool,
+) -> Iterator[_Delivery]:
+    """Batches one worker after the other (each worker's message holds several), each
+    with its worker's state after it (deltas applied: every state stays valid) and its
+    other keys built: all of it off the training thread when ``background``."""
+    states: dict[int, Any] = dict(initial)
+    pending: dict[int, collections.deque[tuple[Any, Any, bool]]] = {
+        w: collections.deque() for w in range(W)
+    }
+    io: dict[int, dict[str, float]] = {}
+    rings: dict[int, TokenRing] = {}
+    pin = pin_memory and _accelerator()  # where the dataloader pins, as it does
+    live = set(range(W))  # workers whose stream has not ended
+    w = offset
+    while True:
+        while not pending[w] and w in live:
+            try:
+                msg = next(messages)
+            except StopIteration:
+                live.clear()
+                break
+            if msg.ring is not None:
+                rings[msg.worker] = msg.ring
+            items = msg.items
+            if isinstance(items, BatchGroup):
+                items = _split(items, rings.get(msg.worker), pin)
+            pending[msg.worker].extend(
+                (item, st, msg.delta) for item, st in zip(items, msg.states, strict=True)
+            )
+            io[msg.worker] = msg.io
+            if msg.ended:
+                live.discard(msg.worker)
+        if not pending[w]:  # w has ended: the next worker that has not
+            if not live and not any(pending.values()):
+                return
+            w = (w + 1) % W
+            continue
+        item, st, delta = pending[w].popleft()
+        states[w] = apply(states.get(w), st) if delta else st
+        if isinstance(item, PackedBatch):
+            item = item.to_tensors()
+        if pin_memory and not workers:
+            item = _pinned(item)
+        yield _Delivery(item, w, states[w], io.get(w, {}))
+        w = (w + 1) % W
 
 
 def default_worker_context() -> Any | None:
