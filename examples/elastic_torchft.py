@@ -157,7 +157,7 @@ def main() -> None:
                 [sys.executable, __file__, "--replica", lighthouse.address(), data, str(o), rid],
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=open(f"{o}.err", "w"),  # noqa: SIM115 - closed with the process
             )  # fmt: skip
             for rid, o in outs.items()
         }
@@ -175,8 +175,17 @@ def main() -> None:
                 time.sleep(0.02)
             Path(f"{outs['d']}.go").touch()
             print("step ~16: d starts, heals from a live group and joins")
-            for rid in "abd":
-                procs[rid].wait(timeout=300)
+            deadline = time.monotonic() + 300
+            while any(procs[rid].poll() is None for rid in "abd"):
+                failed = [r for r in "abd" if procs[r].poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:  # the others wait for its quorum
+                    rid = failed[0] if failed else "a"
+                    err = Path(f"{outs[rid]}.err").read_text().strip().splitlines()
+                    print(f"replica group {rid} failed or hangs:", *err[-15:], sep="\n")
+                    sys.exit(1)
+                time.sleep(0.05)
+            if any(procs[rid].returncode != 0 for rid in "abd"):
+                sys.exit(f"a replica group failed: {[procs[r].returncode for r in 'abd']}")
         finally:
             stop_job(procs, lighthouse)
         records = {rid: read_step_log(o) for rid, o in outs.items()}

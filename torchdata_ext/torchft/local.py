@@ -59,17 +59,22 @@ def local_manager(
 ) -> Any:
     """A replica group's ``torchft.Manager`` of one rank on gloo, with its own TCP store on
     localhost, joining the Lighthouse at ``lighthouse``; ``timeout_s`` (seconds) bounds its
-    collectives, quorum and connections."""
+    collectives and connections, and 3 x ``timeout_s`` its wait for a quorum: a quorum of
+    ``min_replicas`` may wait for a group held up to ``timeout_s`` in a collective with a peer
+    that died, plus the Lighthouse's heartbeat timeout (a quorum wait as long as the
+    collectives' ended the waiting group: seen under load, a group's quorum timed out while the
+    other waited out its all-reduce with a killed group)."""
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     _STORES.append(store)  # the group's store serves as long as the process runs
     timeout = timedelta(seconds=timeout_s)
+    quorum_timeout = timedelta(seconds=3 * timeout_s)
     return Manager(
         pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
         state_dict=state_dict, min_replica_size=1, use_async_quorum=use_async_quorum,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0,
+        timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout, rank=0,
         world_size=1, store_addr="localhost", store_port=store.port,
         lighthouse_addr=lighthouse, replica_id=replica_id, hostname="localhost",
     )  # fmt: skip
