@@ -33,6 +33,7 @@ import math
 import numbers
 import os
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -708,8 +709,16 @@ class TokenLoader:
         if isinstance(it, _Background):
             it.close()
 
-    def __del__(self, _background: type[_Background] = _Background) -> None:
-        # the class bound here: at interpreter shutdown the module's globals may be gone
+    def __del__(
+        self,
+        _background: type[_Background] = _Background,
+        _finalizing: Callable[[], bool] = sys.is_finalizing,
+    ) -> None:
+        # both bound here: at interpreter shutdown the module's globals may be gone. Nothing
+        # while the interpreter finalizes: the thread (a daemon) and the workers end with the
+        # process; stopping them then can end it in std::terminate (torch's threads)
+        if _finalizing():
+            return
         it = getattr(self, "_it", None)
         if isinstance(it, _background):
             it.close()
