@@ -29,8 +29,9 @@ state-dict hooks: the job's data state travels with the model's
 Guarantee: over an epoch, every token of every document is delivered exactly once in the
 steps that commit, as long as no two quorums commit the same step: start the Lighthouse with
 ``min_replicas`` above half of the replica groups (with fewer, two groups can each train a
-step alone, torchft's split brain, and both deliver its data). One data-loading rank per replica group (a replica group's
-``group_world_size`` of 1, the data ranks of torchft's DDP/HSDP replica dimension).
+step alone, torchft's split brain, and both deliver its data). One data-loading rank per
+replica group (a replica group's ``group_world_size`` of 1, the data ranks of torchft's
+DDP/HSDP replica dimension).
 """
 
 from __future__ import annotations

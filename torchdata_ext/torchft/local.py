@@ -59,11 +59,10 @@ def local_manager(
 ) -> Any:
     """A replica group's ``torchft.Manager`` of one rank on gloo, with its own TCP store on
     localhost, joining the Lighthouse at ``lighthouse``; ``timeout_s`` (seconds) bounds its
-    collectives and connections, and 3 x ``timeout_s`` its wait for a quorum: a quorum of
-    ``min_replicas`` may wait for a group held up to ``timeout_s`` in a collective with a peer
-    that died, plus the Lighthouse's heartbeat timeout (a quorum wait as long as the
-    collectives' ended the waiting group: seen under load, a group's quorum timed out while the
-    other waited out its all-reduce with a killed group)."""
+    collectives and connections, and 3 x ``timeout_s`` its wait for a quorum. A quorum of
+    ``min_replicas`` may have to wait for a group held up to ``timeout_s`` in a collective
+    with a peer that died, plus the Lighthouse's heartbeat timeout: with a quorum wait no
+    longer than the collectives', the waiting group's trainer ended (seen under load)."""
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
