@@ -29,14 +29,17 @@ def rendezvous(folder: str | Path) -> str:
 def init_gloo(init: str, rank: int, world_size: int) -> None:
     """``torch.distributed.init_process_group`` with gloo at ``init`` (see :func:`rendezvous`).
 
-    A rank still alive shortly before the collective timeout prints every thread's stack (the
-    test shows it), so a rank that waits is seen next to the peer it waits for."""
+    A rank still alive shortly before the collective timeout writes every thread's stack to
+    :func:`stacks_file` (a failing :func:`run_ranks` shows it), so a rank that waits is seen
+    next to the peer it waits for. Not to stderr: a rank forked from the fork server writes
+    there into the capture of whichever test started that server, where nobody sees it."""
     import faulthandler
-    import sys
 
     import torch.distributed as dist
 
-    faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=False, file=sys.stderr)
+    global _STACKS
+    _STACKS = open(stacks_file(init, rank), "w")  # noqa: SIM115 (open for the rank's life)
+    faulthandler.dump_traceback_later(TIMEOUT_S - 10, exit=False, file=_STACKS)
 
     dist.init_process_group(
         "gloo",
@@ -45,6 +48,29 @@ def init_gloo(init: str, rank: int, world_size: int) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
+
+
+#: the file a rank's late stack dump goes to (kept open: faulthandler writes to its descriptor)
+_STACKS: Any = None
+
+
+def stacks_file(init: str, rank: int) -> Path:
+    """Where rank ``rank`` of the group at ``init`` (a :func:`rendezvous`) dumps its stacks."""
+    return Path(f"{init.removeprefix('file://')}.stacks-{rank}")
+
+
+def _stack_dumps(args: tuple[Any, ...]) -> str:
+    """The stack dumps the ranks of a :func:`run_ranks` call wrote (its rendezvous is the
+    first ``file://`` argument), or ``""``."""
+    init = next((a for a in args if isinstance(a, str) and a.startswith("file://")), None)
+    if init is None:
+        return ""
+    base = stacks_file(init, 0)
+    dumps = []
+    for path in sorted(base.parent.glob(base.name[:-1] + "*")):
+        if text := path.read_text(errors="replace").strip():
+            dumps.append(f"--- {path.name.rpartition('.')[2]}:\n{text}")
+    return "\n".join(dumps)
 
 
 #: what the ranks' fork server imports once, before it forks them
@@ -59,9 +85,15 @@ def run_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> No
     import torch.multiprocessing as mp
 
     rank_context()
-    mp.start_processes(
-        _as_torchrun_rank, args=(fn, *args), nprocs=nprocs, start_method="forkserver"
-    )
+    try:
+        mp.start_processes(
+            _as_torchrun_rank, args=(fn, *args), nprocs=nprocs, start_method="forkserver"
+        )
+    except Exception as exc:
+        dumps = _stack_dumps(args)
+        if dumps:  # the rank a failed collective waited for, caught where it was
+            raise RuntimeError(f"{exc}\n\nthe ranks' stacks before the timeout:\n{dumps}") from exc
+        raise
 
 
 def _as_torchrun_rank(rank: int, fn: Callable[..., None], *args: Any) -> None:

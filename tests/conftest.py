@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
-import logging
 import socket
 import struct
 import sys
@@ -72,19 +71,75 @@ def _storage_options(endpoint_url: str) -> dict[str, Any]:
     }
 
 
+#: the moto server's process: serves until its stdin closes (the test session ends or dies)
+_MOTO_MAIN = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
-    """One moto S3 server on 127.0.0.1 for the session; yields its endpoint URL."""
+    """One moto S3 server on 127.0.0.1 for the session, in a process of its own; yields its
+    endpoint URL.
+
+    Not a thread of the test process: a loader worker forked from it would inherit the
+    server's connection sockets (a connection the server closes stays open while the worker
+    lives), and the server would wait for the test's own work to release the GIL. The
+    server exits when its stdin closes: at the session's end, or when the test process is
+    killed (nothing is left running)."""
+    import select
+    import subprocess
+
     pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    pytest.importorskip("moto.server")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOTO_MAIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        yield f"http://{host}:{port}"
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        url = proc.stdout.readline().strip() if ready else ""
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the moto server did not start (exit code {proc.poll()})")
+        yield url
     finally:
-        server.stop()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def credentials_checked(endpoint_url: str) -> Iterator[None]:
+    """The moto server at ``endpoint_url`` checks credentials inside the block (it accepts
+    any by default), through its ``/moto-api/reset-auth`` API."""
+    import json
+    import urllib.request
+
+    def reset(count: str) -> str:
+        request = urllib.request.Request(
+            f"{endpoint_url}/moto-api/reset-auth",
+            data=count.encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},  # a form body would be parsed, not read
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return str(json.load(response)["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"])
+
+    before = reset("0")
+    try:
+        yield
+    finally:
+        reset(before)
 
 
 @pytest.fixture

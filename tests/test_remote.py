@@ -24,7 +24,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import S3Endpoint
+from conftest import S3Endpoint, credentials_checked
 from harness import check_restore_at_every_step, item_key, run
 
 from torchdata_ext import DatasetIndex, ShardReader, World
@@ -302,21 +302,13 @@ def test_missing_bucket_object_and_bad_credentials_fail_at_once(s3, s3_corpus, t
     assert sum(len(b) for b in run(skipped)) == 15 and skipped.skipped == 5
     assert time.monotonic() - t0 < 10  # no retries on any of these
 
-    from moto import settings
-    from moto.core.responses import ActionAuthenticatorMixin
-
-    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
-    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # the endpoint now checks credentials
-    ActionAuthenticatorMixin.request_count = 0
-    try:
+    with credentials_checked(s3.endpoint_url):  # the endpoint now checks credentials
         t0 = time.monotonic()
         with pytest.raises(RemoteError, match=r"s3://.*access denied.*AWS_ACCESS_KEY_ID.*endpoint"):
             build(s3_corpus, "books", so)
         with pytest.raises(RemoteError, match=r"part_0\.arrow: stat failed: access denied"):
             ShardCache(tmp_path / "c2").acquire(index.files[0], so)
         assert time.monotonic() - t0 < 5
-    finally:
-        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
 
 
 # ------------------------------------------------------------------------- cache size and safety

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import credentials_checked
 
 from torchdata_ext import DatasetIndex, prepare
 from torchdata_ext.cli import main
@@ -140,16 +141,8 @@ def test_a_store_that_works_is_probed_once(s3) -> None:
 
 
 def test_wrong_credentials_on_a_real_endpoint(s3, capsys) -> None:
-    from moto import settings
-    from moto.core.responses import ActionAuthenticatorMixin
-
-    before = settings.INITIAL_NO_AUTH_ACTION_COUNT
-    settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # the endpoint now checks credentials
-    ActionAuthenticatorMixin.request_count = 0
-    try:
+    with credentials_checked(s3.endpoint_url):  # the endpoint now checks credentials
         wrong = {**s3.storage_options, "key": "no-such-key"}
         err = _cli_fails(capsys, "inspect", s3.url("data"), "--storage-options", json.dumps(wrong))
-    finally:
-        settings.INITIAL_NO_AUTH_ACTION_COUNT = before
     assert f"error: {s3.url('data')}: access failed: access denied (" in err, err
     assert "check the credentials (--storage-options key/secret/token, or the environment" in err
