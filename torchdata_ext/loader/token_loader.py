@@ -33,7 +33,6 @@ import math
 import numbers
 import os
 import pickle
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -48,6 +47,7 @@ from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.orphan import exit_with_parent
 from torchdata_ext.loader.preflight import check_before_workers, check_build
 from torchdata_ext.loader.ring import TokenRing
+from torchdata_ext.loader.running import Running
 from torchdata_ext.loader.skip_epochs import stamp_epochs
 from torchdata_ext.loader.weights import (
     ScheduleRecord,
@@ -419,7 +419,10 @@ class TokenLoader:
         self._names: list[str] = []  # the dataset names provenance ids index (skipped rows)
         self._it: Any = None
         self._checked = False  # the config was checked here before starting workers
-        self._messages: Any = None  # the dataloader's iterator (its workers), with workers
+        # the thread and the dataloader iterator (its workers) this loader runs, stopped
+        # when it is freed, even by the cyclic collector (see running.py)
+        self._running = Running()
+        self._running.stop_when_freed(self)
         self._weights = WeightChanges(original=build)  # the trainer's set_weights calls
         cfg = self.built_config()  # a weight_schedule's entries are changes the loader makes
         self._schedule = (
@@ -494,12 +497,12 @@ class TokenLoader:
                     self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
                 )
                 messages: Iterator[_Message] = iter(self._dl)
-            self._messages = messages
+            self._running.workers = messages
         else:
             messages = iter(self._dataset())
         # a function of its inputs, not a method: the background thread holds it, and a
         # loader dropped without close() must not be kept alive by its own thread (nor its
-        # workers): its __del__ stops the thread, the workers end with their iterator
+        # workers): self._running stops both when the loader is freed (running.py)
         produced = _produce(
             messages, self.logical_workers, self._initial, self._offset, self.pin_memory,
             self.num_workers > 0,
@@ -509,6 +512,7 @@ class TokenLoader:
             # message as before (a larger message's rest waits in _produce for room)
             produced = _Background(produced, self.prefetch * (self.batches_per_message or 8))
         self._it = produced
+        self._running.thread = produced if isinstance(produced, _Background) else None
         return produced
 
     def _restart(self) -> Iterator[_Delivery]:
@@ -698,30 +702,8 @@ class TokenLoader:
         cores from what comes next, e.g. an evaluation loader). ``state_dict()`` still gives
         the state after the last batch delivered; iterating again starts over from the state
         the loader started from (or from one loaded after this)."""
-        self._close()
-        messages, self._messages = self._messages, None
-        shutdown = getattr(messages, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
-
-    def _close(self) -> None:
-        it, self._it = self._it, None
-        if isinstance(it, _Background):
-            it.close()
-
-    def __del__(
-        self,
-        _background: type[_Background] = _Background,
-        _finalizing: Callable[[], bool] = sys.is_finalizing,
-    ) -> None:
-        # both bound here: at interpreter shutdown the module's globals may be gone. Nothing
-        # while the interpreter finalizes: the thread (a daemon) and the workers end with the
-        # process; stopping them then can end it in std::terminate (torch's threads)
-        if _finalizing():
-            return
-        it = getattr(self, "_it", None)
-        if isinstance(it, _background):
-            it.close()
+        self._it = None
+        self._running.stop()
 
     def _deliver(self, produced: Iterator[_Delivery]) -> Iterator[Any]:
         """On the training thread: take each ready batch and make its worker's state the
