@@ -486,7 +486,7 @@ def test_config_errors_with_workers_are_the_one_line_of_the_training_process(
     with pytest.raises(ValueError, match=message) as e:
         next(iter(loader))
     assert "\n" not in str(e.value) and "worker process" not in str(e.value)
-    assert loader._messages is None  # no worker process was started
+    assert loader._running.workers is None  # no worker process was started
 
 
 # -- a restore with the tokenizer changed (issue 44 item 17) -------------------------------------
