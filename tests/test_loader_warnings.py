@@ -56,6 +56,9 @@ def test_the_bamba_example_prints_no_warning() -> None:
 
 
 _AT_EXIT = """
+import atexit, threading  # registered first, so run after the package's exit callback
+atexit.register(lambda: print("alive at exit:", [t.name for t in threading.enumerate()
+                                                 if t.name == "TokenLoader" and t.is_alive()]))
 import functools, sys
 import numpy as np
 from torchdata_ext import PipelineConfig, TokenLoader, build_pipeline
@@ -79,10 +82,14 @@ print("done")
 @pytest.mark.parametrize("close", ["close", "leave"])
 def test_a_loader_alive_at_exit_leaves_a_quiet_console(tmp_path, workers, close) -> None:
     """A loader still referenced at the interpreter's exit (closed or not) ends without an
-    ``Exception ignored in ... __del__`` on stderr (its module's globals may be gone then)."""
+    ``Exception ignored in ... __del__`` on stderr (its module's globals may be gone then),
+    and its thread is stopped before the interpreter finalizes: a daemon thread still in a
+    torch call then ended about 1 exit in 30 in ``std::terminate`` (status -6) on a loaded
+    machine."""
     res = subprocess.run(
         [sys.executable, "-c", _AT_EXIT, str(tmp_path / "data"), str(workers), close],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert res.returncode == 0 and res.stdout.strip() == "done", res.stderr
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["done", "alive at exit: []"], res.stdout
     assert "Exception ignored" not in res.stderr and "Traceback" not in res.stderr, res.stderr
