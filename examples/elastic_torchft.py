@@ -2,7 +2,8 @@
 (SIGKILL) mid-run, a new one joins and heals, and the epoch ends with every document's tokens
 delivered exactly once over the committed steps (checked from the rows' provenance).
 
-    python examples/elastic_torchft.py          # ~1 minute; needs pip install "torchdata-ext[torchft]"
+    python examples/elastic_torchft.py          # ~20-50 s; needs pip install "torchdata-ext[torchft]"
+    python examples/elastic_torchft.py --documents 150   # a smaller epoch (the tests' run)
 
 The script starts a torchft Lighthouse and runs itself as each replica group
 (``--replica``): a Manager on gloo, an :class:`~torchdata_ext.torchft.ElasticLoader`, a tiny
@@ -14,6 +15,7 @@ that committed.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -39,14 +41,15 @@ def config(data: str):
     )  # fmt: skip
 
 
-def write_corpus(root: str) -> dict[tuple[str, int, int], int]:
+def write_corpus(root: str, documents: int = 300) -> dict[tuple[str, int, int], int]:
     """Two small datasets of counting documents (each token the one before + 1, from a random
-    start: a pattern the tiny LM learns); their lengths by (dataset, file, doc)."""
+    start: a pattern the tiny LM learns), ``documents`` in ``web`` and half as many in
+    ``code``; their lengths by (dataset, file, doc)."""
     from torchdata_ext.testing import write_arrow_batches
 
     rng = np.random.default_rng(0)
     lengths = {}
-    for name, n in (("web", 300), ("code", 150)):
+    for name, n in (("web", documents), ("code", documents // 2)):
         docs = [
             (
                 (rng.integers(0, VOCAB) + np.arange(1 + int(rng.exponential(60)))) % (VOCAB - 2) + 2
@@ -132,6 +135,16 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--replica":
         replica(*sys.argv[2:6])
         return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--documents", type=int, default=300,
+        help="documents of the larger dataset (the other has half as many); at least 100, "
+        "so the epoch outlasts the kill at step 8 and the join at step 16",
+    )  # fmt: skip
+    args = parser.parse_args()
+    if args.documents < 100:
+        parser.error(f"--documents {args.documents}: use at least 100 (the epoch must outlast "
+                     "the kill at step 8 and the join at step 16)")  # fmt: skip
     from torchdata_ext.provenance import LITERAL, PAD
     from torchdata_ext.torchft import require_torchft
 
@@ -147,7 +160,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
-        lengths = write_corpus(data)
+        lengths = write_corpus(data, args.documents)
         # a quorum needs 2 groups: no group trains a step alone (two quorums at once would
         # each deliver that step's data: torchft's split brain, docs/elastic.md)
         lighthouse = start_lighthouse(min_replicas=2)
