@@ -73,14 +73,18 @@ def _storage_options(endpoint_url: str) -> dict[str, Any]:
 
 #: the moto server's process: serves until its stdin closes (the test session ends or dies)
 _MOTO_MAIN = """
-import logging, sys
+import ctypes, logging, signal, sys
+try:  # ended with the test process, even by SIGKILL (Linux: PR_SET_PDEATHSIG)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+except (AttributeError, OSError):
+    pass
 from moto.server import ThreadedMotoServer
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
 host, port = server.get_host_and_port()
 print(f"http://{host}:{port}", flush=True)
-sys.stdin.read()
+sys.stdin.readline()  # a line at the session's end; EOF if the test process is gone
 server.stop()
 """
 
@@ -93,8 +97,10 @@ def s3_server() -> Iterator[str]:
     Not a thread of the test process: a loader worker forked from it would inherit the
     server's connection sockets (a connection the server closes stays open while the worker
     lives), and the server would wait for the test's own work to release the GIL. The
-    server exits when its stdin closes: at the session's end, or when the test process is
-    killed (nothing is left running)."""
+    server exits when it reads a line at the session's end (not at EOF alone: a process
+    forked from the test process, e.g. a loader worker, holds a copy of the pipe's write end
+    and kept the server waiting out the 30 s below, at the end of the suite), and when the
+    test process dies, even by SIGKILL (nothing is left running)."""
     import select
     import subprocess
 
@@ -110,7 +116,11 @@ def s3_server() -> Iterator[str]:
             raise RuntimeError(f"the moto server did not start (exit code {proc.poll()})")
         yield url
     finally:
-        proc.stdin.close()
+        with contextlib.suppress(OSError):  # gone already: nothing to stop
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
