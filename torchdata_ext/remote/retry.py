@@ -216,9 +216,12 @@ def with_retries(
             outage = down is not None and down[0] in ("refused", "unknown host")
             if not ((outage and store in _REACHED) or is_transient(exc)):
                 clear = explain_error(url, exc, what)
-                if clear is exc:
-                    raise
-                raise clear from exc
+                try:
+                    if clear is exc:
+                        raise
+                    raise clear from exc
+                finally:  # else this frame (in the error's traceback) holds the error: a
+                    del clear  # cycle that keeps every caller's locals until the collector runs
             elapsed = time.monotonic() - start
             pause = policy.delay(attempt)
             if attempt >= policy.max_attempts or elapsed + pause > policy.total_timeout_s:
