@@ -71,7 +71,7 @@ def _storage_options(endpoint_url: str) -> dict[str, Any]:
     }
 
 
-#: the moto server's process: serves until its stdin closes (the test session ends or dies)
+#: the moto server's process: serves until a line or EOF on its stdin, or its parent's death
 _MOTO_MAIN = """
 import ctypes, logging, signal, sys
 try:  # ended with the test process, even by SIGKILL (Linux: PR_SET_PDEATHSIG)
