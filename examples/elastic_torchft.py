@@ -181,7 +181,11 @@ def main() -> None:
             print("3 replica groups (a, b, c) start; d waits")
             for rid in "abc":
                 Path(f"{outs[rid]}.go").touch()
-            while len(read_step_log(outs["a"])) < 2 * 8:
+            # c is killed after step 8 and after it trained in a quorum of all 3 (on a busy
+            # machine c can start late: killed before that, its death tests nothing)
+            while len(read_step_log(outs["a"])) < 2 * 8 or not any(
+                r.get("n") == 3 for r in read_step_log(outs["c"])
+            ):
                 time.sleep(0.02)
             procs["c"].send_signal(signal.SIGKILL)
             print("step ~8: c killed (SIGKILL)")
