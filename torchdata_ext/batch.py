@@ -346,13 +346,15 @@ class BatchGroup:
     ) -> BatchGroup:
         """The batches' tokens copied into one tensor: ``out`` (``[len(items), B, size]``,
         e.g. a :class:`~torchdata_ext.loader.ring.TokenRing` view, then ``slot`` names it) or a
-        new one."""
+        new one. A batch whose tokens already are ``out[i]`` (Collate wrote them there) is not
+        copied."""
         first = items[0]
         if out is None:
             out = torch.empty((len(items), *first.tokens.shape), dtype=first.tokens.dtype)
         dest = out.numpy()  # NumPy copies: no intra-op threads in a worker's hot path
         for i, x in enumerate(items):
-            dest[i] = x.tokens.numpy()
+            if x.tokens.data_ptr() != out[i].data_ptr():
+                dest[i] = x.tokens.numpy()
         return cls(
             out,
             [x.cuts for x in items],

@@ -117,6 +117,13 @@ class TokenRing:
         self.claimed += 1
         return slot
 
+    def unclaim(self) -> None:
+        """Writer: give back the slot :meth:`claim` returned last, unsent (its group did not
+        fit it after all); the next claim returns it again."""
+        if self.claimed <= int(self.released[0]):
+            raise RuntimeError("unclaim() without a claimed, unreleased slot")
+        self.claimed -= 1
+
     def view(self, slot: int, groups: int) -> torch.Tensor:
         """The first ``groups`` batches of ``slot``: the writer fills it, the reader copies
         out of it before :meth:`release`."""

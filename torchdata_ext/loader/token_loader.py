@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import inspect
 import logging
 import math
 import numbers
@@ -139,7 +140,9 @@ class _PipelineIterator(Iterator[_Message]):
         self._ring_due = False  # the ring is made for the second message on (see _grouped)
         # a worker ships batches in their compact form; in this process they are made whole
         wire = getattr(self.root, "next_packed_batch", None) if delta else None
-        self._wire: Callable[[], Any] = wire if callable(wire) else self.root.__next__
+        self._wire: Callable[..., Any] = wire if callable(wire) else self.root.__next__
+        # Collate writes a batch's tokens straight into the ring slot its message will use
+        self._into_slot = callable(wire) and "out" in inspect.signature(wire).parameters
 
     def _start(self) -> None:
         if not self._started:
@@ -164,30 +167,59 @@ class _PipelineIterator(Iterator[_Message]):
         self._start()
         items: list[Any] = []
         states: list[Any] = []
-        while len(items) < group:
-            try:
-                item = self._wire()
-            except StopIteration:
-                self._ended = True
-                break
-            graph = self.root.state_dict()
-            states.append(diff(self._sent, graph) if self._delta else graph)
-            self._sent = graph
-            items.append(item)
+        slot = None  # the ring slot claimed before the batches are made (written in place)
+        if self._into_slot and self._ring is not None and group == self._group:
+            slot = self._ring.claim()
+        rows = None if slot is None else self._ring.view(slot, group)  # type: ignore[union-attr]
+        try:
+            while len(items) < group:
+                try:
+                    item = self._wire() if rows is None else self._wire(out=rows[len(items)])
+                except StopIteration:
+                    self._ended = True
+                    break
+                graph = self.root.state_dict()
+                states.append(diff(self._sent, graph) if self._delta else graph)
+                self._sent = graph
+                items.append(item)
+        except BaseException:  # an error in the graph: the slot goes back, unsent
+            if slot is not None:
+                self._give_back(slot, items)
+            raise
         if self._group is None and items:
             self._group = batches_for_message(items[0])
         ring = None
         grouped: BatchGroup | list[Any] = items
         if self._delta and BatchGroup.can_group(items):
-            grouped, ring = self._grouped(items)
+            grouped, ring = self._grouped(items, slot)
+        elif slot is not None:  # no group after all (e.g. a short last batch): nothing sent
+            self._give_back(slot, items)
         return _Message(
             self.world.worker_id, grouped, states, self._delta, self.io_stats(), self._ended, ring
         )
 
-    def _grouped(self, items: list[PackedBatch]) -> tuple[BatchGroup, TokenRing | None]:
-        """The batches as one group, their tokens in the next free ring slot if there is one;
-        and the ring, if this is the first message that uses it."""
+    def _give_back(self, slot: int, items: list[Any]) -> None:
+        """Return the unused ring ``slot``, the tokens written into it copied out first (the
+        slot is written again by the next message)."""
+        assert self._ring is not None
+        rows = self._ring.view(slot, self._ring.data.shape[1])
+        for i, item in enumerate(items):
+            if isinstance(item, PackedBatch) and item.tokens.data_ptr() == rows[i].data_ptr():
+                item.tokens = item.tokens.clone()
+        self._ring.unclaim()
+
+    def _grouped(
+        self, items: list[PackedBatch], slot: int | None = None
+    ) -> tuple[BatchGroup, TokenRing | None]:
+        """The batches as one group, their tokens in a ring slot (``slot`` if one was claimed
+        for them, which Collate wrote them into; else the next free one) if there is one; and
+        the ring, if this is the first message that uses it."""
         shape, dtype = (len(items), *items[0].tokens.shape), items[0].tokens.dtype
+        if slot is not None:
+            assert self._ring is not None
+            if not self._ring.fits(shape, dtype):
+                self._give_back(slot, items)
+                return BatchGroup.of(items), None
         if self._ring is None and self._ring_slots and self._ring_due:
             assert self._group is not None  # sized by the first message, which has no ring
             self._ring = TokenRing.make((self._group, *shape[1:]), dtype, self._ring_slots)
@@ -197,7 +229,8 @@ class _PipelineIterator(Iterator[_Message]):
         # handle would hold up the first batch by ~10 ms
         self._ring_due = True
         ring = self._ring
-        slot = ring.claim() if ring is not None and ring.fits(shape, dtype) else None
+        if slot is None:
+            slot = ring.claim() if ring is not None and ring.fits(shape, dtype) else None
         if ring is None or slot is None:
             return BatchGroup.of(items), None
         group = BatchGroup.of(items, ring.view(slot, len(items)), slot)

@@ -212,11 +212,17 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
             )
         return state
 
-    def next_packed_batch(self) -> PackedBatch | dict[str, torch.Tensor]:
+    def next_packed_batch(
+        self, out: torch.Tensor | None = None
+    ) -> PackedBatch | dict[str, torch.Tensor]:
         """The next batch in its compact form (:class:`~torchdata_ext.batch.PackedBatch`: one
         token tensor plus the document runs), which ``to_tensors()`` turns into exactly what
         :meth:`next` returns. What a dataloader worker sends: the training process builds the
-        keys. A source without the packed protocol gives :meth:`next`'s dict."""
+        keys. A source without the packed protocol gives :meth:`next`'s dict.
+
+        ``out``: a ``[batch_size, size]`` tensor of this node's dtype to write the tokens into
+        (the worker's shared-memory ring slot, saving a copy); a batch of another shape (the
+        short last batch) gets a new tensor instead."""
         if not self._fused:
             return self.next()
         items = self._take()
@@ -229,7 +235,11 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
                     f"item {i} packs {len(item.tokens)} tokens but item 0 packs {size}; "
                     "Collate stacks sequences of one length"
                 )
-        tokens = np.empty((len(items), size), self._np_dtype)
+        if out is not None and tuple(out.shape) == (len(items), size) and out.dtype == self.dtype:
+            held = out
+        else:
+            held = torch.from_numpy(np.empty((len(items), size), self._np_dtype))
+        tokens = held.numpy()
         for i, item in enumerate(items):
             tokens[i] = item.tokens
         counts = np.fromiter((len(it.cuts) for it in items), np.int32, len(items))
@@ -240,7 +250,7 @@ class Collate(BaseNode[dict[str, torch.Tensor]]):
         tables = [it.provenance for it in items]
         self._count(tables)
         return PackedBatch(
-            torch.from_numpy(tokens),
+            held,
             np.fromiter(
                 (c + i * size for i, it in enumerate(items) for c in it.cuts),
                 np.int32,
