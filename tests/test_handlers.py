@@ -900,10 +900,58 @@ def test_arrow_many_opens_of_one_file_share_an_index(tmp_path: Any, monkeypatch)
     r = h.open(url)
     assert r.index is not first.index and h.length(r) == 5
     assert [d.tolist() for d in h.get_many(r, range(5))] == [d.tolist() for d in docs2]
-    # handlers pickle without their cache
-    h2 = pickle.loads(pickle.dumps(h))
-    assert len(h._index_cache) == 1 and len(h2._index_cache) == 0
-    assert [d.tolist() for d in h2.get_many(h2.open(url), [4])] == [docs2[4].tolist()]
+    # the index is the process's: a new handler, or one unpickled (a restore, an evaluation
+    # loader, a torchft re-split), finds it parsed
+    for h2 in (ArrowHandler(), pickle.loads(pickle.dumps(h))):
+        r2 = h2.open(url)
+        assert r2.index is r.index and r2.file_reader is None
+        assert [d.tolist() for d in h2.get_many(r2, [4])] == [docs2[4].tolist()]
+        h2.close(r2)
+    assert len(opened) == 1  # the changed file, once
+
+
+def test_arrow_index_of_a_file_rewritten_in_place_is_never_reused(tmp_path: Any) -> None:
+    """Documents of 3 and 4 tokens written over ones of 4 and 3: the same bytes count, the
+    same mtime (set back), the same inode; the file's ctime moved, so its cached index (which
+    would cut the tokens at the old places) is not used. Nor is one of another column."""
+    url, new_url = str(tmp_path / "same.arrow"), str(tmp_path / "new.arrow")
+    T.write_arrow_batches(url, [np.arange(4, dtype=np.int32), np.arange(3, dtype=np.int32)])
+    T.write_arrow_batches(
+        new_url, [np.arange(3, dtype=np.int32) + 7, np.arange(4, dtype=np.int32) + 7]
+    )
+    h = ArrowHandler()
+    assert [d.tolist() for d in h.get_many(h.open(url), [0, 1])] == [[0, 1, 2, 3], [0, 1, 2]]
+    st = os.stat(url)
+    with open(new_url, "rb") as f:
+        body = f.read()
+    assert len(body) == st.st_size
+    with open(url, "r+b") as f:  # in place: same inode, same size
+        f.write(body)
+    os.utime(url, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(url)
+    same = (after.st_ino, after.st_size, after.st_mtime_ns)
+    assert same == (st.st_ino, st.st_size, st.st_mtime_ns)
+    h2 = ArrowHandler()
+    assert [d.tolist() for d in h2.get_many(h2.open(url), [0, 1])] == [[7, 8, 9], [7, 8, 9, 10]]
+    with pytest.raises(DataFileError, match="other"):
+        ArrowHandler(col_name="other").open(url)
+
+
+def test_arrow_index_cache_holds_the_files_opened_last(tmp_path: Any, monkeypatch) -> None:
+    import torchdata_ext.handlers.arrow as arrow_module
+
+    monkeypatch.setattr(arrow_module, "_INDEXES", arrow_module._IndexCache())
+    monkeypatch.setattr(arrow_module, "_INDEX_CACHE_FILES", 3)
+    urls = [str(tmp_path / f"{i}.arrow") for i in range(5)]
+    for i, url in enumerate(urls):
+        T.write_arrow_batches(url, [np.arange(i + 1, dtype=np.int64)])
+    h = ArrowHandler()
+    first = [h.open(u).index for u in urls]  # room for 3: 2, 3 and 4 stay
+    assert [h.open(urls[i]).index is first[i] for i in (4, 2)] == [True, True]
+    # 0 is indexed again and pushes out the one used longest ago: 3
+    assert h.open(urls[0]).index is not first[0]
+    assert [h.open(urls[i]).index is first[i] for i in (2, 4, 3)] == [True, True, False]
+    assert len(arrow_module._INDEXES._entries) == 3
 
 
 def test_arrow_index_not_used_for_streams_and_range_reads(base_url: str) -> None:

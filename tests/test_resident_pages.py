@@ -54,6 +54,7 @@ def test_a_file_kept_open_gives_back_its_pages(tmp_path: Path, form: str) -> Non
     assert access.open(0, []) == len(docs)
     early = [access.get(i) for i in range(0, len(docs), 7)]
     got = [np.asarray(d) for d in access.get_many(np.arange(len(docs)))]
+    assert sum(int(d.sum(dtype=np.int64)) for d in got) > 0  # every token read
     resident = _resident_kib(path)
     assert resident > 4_000, resident  # every page was read
     access.close()  # kept open for the walk's return, its pages given back

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -46,7 +47,7 @@ from torchdata_ext.remote.urls import filesystem, is_local
 
 __all__ = ["ArrowHandler", "ArrowReader", "BatchIndex", "batch_index"]
 
-_INDEX_CACHE_FILES = 16  # per handler: indexes of the local files opened last
+_INDEX_CACHE_FILES = 64  # per process: indexes of the local files opened last
 _INDEX_CACHE_BATCHES = 1 << 22  # ... and of at most this many record batches in all
 
 _SUPPORTED = (
@@ -210,6 +211,45 @@ def _local_path(url: str, storage_options: dict[str, Any]) -> str | None:
     return str(path) if is_local(fs) else None
 
 
+class _IndexCache:
+    """The batch indexes of the local Arrow files opened last in this process, shared by every
+    handler (a restore, an evaluation loader or a torchft re-split builds new handlers: they
+    find the files' indexes parsed). Keyed by the file's ``(path, size, mtime, ctime, inode,
+    device)`` and the column: a file written again (in place too: its ctime moves) is a new
+    key, its old index dropped. Forked workers start with their parent's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[Any, ...], tuple[pa.Schema, int, BatchIndex]] = (
+            OrderedDict()
+        )
+
+    def get(self, key: tuple[Any, ...]) -> tuple[pa.Schema, int, BatchIndex] | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple[Any, ...], entry: tuple[pa.Schema, int, BatchIndex]) -> None:
+        with self._lock:
+            for old in [k for k in self._entries if k[0][0] == key[0][0]]:
+                del self._entries[old]  # an earlier version of the file (or another column)
+            self._entries[key] = entry
+            while len(self._entries) > 1 and (
+                len(self._entries) > _INDEX_CACHE_FILES
+                or sum(len(ix) for _, _, ix in self._entries.values()) > _INDEX_CACHE_BATCHES
+            ):
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_INDEXES = _IndexCache()
+
+
 def _stat_key(path: str, st: os.stat_result) -> tuple[Any, ...]:
     return (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
@@ -333,22 +373,10 @@ class ArrowHandler(FileHandler):
         self, col_name: str = "tokens", storage_options: dict[str, Any] | None = None
     ) -> None:
         super().__init__(col_name, storage_options)
-        self._index_cache: OrderedDict[tuple[Any, ...], tuple[pa.Schema, int, BatchIndex]] = (
-            OrderedDict()
-        )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_index_cache"] = OrderedDict()  # per process, never pickled
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._index_cache = OrderedDict()
 
     def open(self, url: str) -> ArrowReader:
         path = _local_path(url, self.storage_options)
-        if path is not None and self._index_cache:
+        if path is not None:
             reader = self._open_indexed(url, path)
             if reader is not None:
                 return reader
@@ -405,7 +433,7 @@ class ArrowHandler(FileHandler):
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                hit = self._index_cache.get(_stat_key(path, st))
+                hit = _INDEXES.get((_stat_key(path, st), self.col_name))
                 if hit is None or st.st_size == 0:
                     return None
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -414,7 +442,6 @@ class ArrowHandler(FileHandler):
         schema, col_index, index = hit
         if len(buf) != index.size or buf[-10:] != index.tail:
             return None
-        self._index_cache.move_to_end(_stat_key(path, st))
         return ArrowReader(
             url, self.col_name, col_index, schema, "file", "batch", "tokens",
             index=index, source=buf,
@@ -438,14 +465,7 @@ class ArrowHandler(FileHandler):
         except (pa.ArrowException, OSError, ValueError, IndexError):
             return None  # pyarrow reports the problem when the batch is read
         if key is not None:
-            for old in [k for k in self._index_cache if k[0] == key[0]]:
-                del self._index_cache[old]  # an earlier version of the file
-            self._index_cache[key] = (schema, col_index, index)
-            while len(self._index_cache) > 1 and (
-                len(self._index_cache) > _INDEX_CACHE_FILES
-                or sum(len(ix) for _, _, ix in self._index_cache.values()) > _INDEX_CACHE_BATCHES
-            ):
-                self._index_cache.popitem(last=False)
+            _INDEXES.put((key, self.col_name), (schema, col_index, index))
         return index
 
     def produces_for(self, reader: ArrowReader) -> str:
