@@ -85,7 +85,10 @@ def probe_store(url: str, protocol: str, bucket: str, storage_options: dict[str,
         if _permanent(exc):
             clear = explain_error(url, exc, "access")
             if isinstance(clear, RemoteError):
-                raise clear from None  # the message says it all: no client traceback
+                try:
+                    raise clear from None  # the message says it all: no client traceback
+                finally:  # the frame must not hold the error its traceback holds (a cycle)
+                    del clear
         # undecided (a transient error...): the real operation decides, with its retries
     PROBED_STORES.setdefault(key, True)
 

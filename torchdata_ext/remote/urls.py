@@ -253,7 +253,10 @@ def expand_urls(
                     )
                 )
                 error.other_suffixes = list(other)  # type: ignore[attr-defined]
-                raise error
+                try:
+                    raise error
+                finally:  # the frame must not hold the error its traceback holds (a cycle)
+                    del error
             out.extend(unstrip(fs, p) for p in found)
     return sorted(set(out))
 

@@ -590,7 +590,10 @@ def _gather(compute: Callable[[], T], world_size: int, doing: str) -> list[T]:
         gathered, (result, None if error is None else f"{type(error).__name__}: {error}")
     )
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # the frame must not hold the error its traceback holds (a cycle)
+            del error
     for r, (_, their_error) in enumerate(gathered):
         if their_error is not None:
             raise RuntimeError(f"rank {r} could not {doing}: {their_error}")

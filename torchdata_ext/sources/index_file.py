@@ -407,7 +407,10 @@ def shared_by_rank0(build: Callable[[], T], doing: str) -> T:
             payload = [(None, f"{type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(payload, src=0)
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:  # the frame must not hold the error its traceback holds (a cycle)
+            del error
     result, their_error = payload[0]
     if their_error is not None:
         raise RuntimeError(f"rank 0 could not {doing}: {their_error}")
