@@ -7,6 +7,7 @@ collector happened to run. Each place that raises an error it kept is listed her
 
 from __future__ import annotations
 
+import errno
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch.distributed as dist
 
+from torchdata_ext.remote import RemoteError, with_retries
 from torchdata_ext.remote.urls import expand_urls
 from torchdata_ext.sources.fingerprint import _gather
 from torchdata_ext.sources.index_file import shared_by_rank0
@@ -55,6 +57,19 @@ def _freed_without_the_collector(call: Callable[[], object]) -> None:
         assert ref() is None, "freed only by the cyclic collector"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError], ids=["as-is", "explained"])
+def test_a_permanent_error_with_retries_raises_at_once(error) -> None:
+    """A side file that does not exist (raised as it is), refused access (explained):
+    ``with_retries`` raises at once."""
+
+    def fail() -> None:
+        raise error(errno.EACCES, "no", "s3://bucket/meta/counts.csv")
+
+    with pytest.raises(FileNotFoundError if error is FileNotFoundError else RemoteError):
+        with_retries(fail, "s3://bucket/meta/counts.csv")
+    _freed_without_the_collector(lambda: with_retries(fail, "s3://bucket/meta/counts.csv"))
 
 
 def test_no_data_files_found(tmp_path) -> None:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import errno
 import functools
-import gc
 import logging
 import re
 import socket
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -215,37 +213,6 @@ def test_a_store_that_answered_before_is_waited_for_when_it_goes_away() -> None:
 
     assert with_retries(restarting, url, policy, on_retry=retried.append) == "back"
     assert len(retried) == 2
-
-
-@pytest.mark.parametrize("error", [FileNotFoundError, PermissionError], ids=["as-is", "explained"])
-def test_a_permanent_error_caught_by_the_caller_leaves_no_reference_cycle(error) -> None:
-    """An error ``with_retries`` raises at once (a side file that does not exist, refused
-    access) and its caller catches leaves nothing of the caller's alive: its frame held the
-    error its traceback holds, a cycle that kept every caller's locals (e.g. a loader, with
-    its workers) until the cyclic collector ran."""
-
-    class Owned:  # stands for what a caller holds
-        pass
-
-    def caller(owned: Owned) -> None:
-        def fail() -> None:
-            raise error(errno.EACCES, "no", "s3://bucket/meta/counts.csv")
-
-        try:  # noqa: SIM105 - a caller that catches, as read_side_file does
-            with_retries(fail, "s3://bucket/meta/counts.csv")
-        except Exception:
-            pass
-
-    owned = Owned()
-    ref = weakref.ref(owned)
-    gc.collect()
-    gc.disable()
-    try:
-        caller(owned)
-        del owned
-        assert ref() is None, "freed only by the cyclic collector"
-    finally:
-        gc.enable()
 
 
 # ----------------------------------------------------------------- the full pipeline under faults
