@@ -466,3 +466,35 @@ def test_blocks_hold_the_tokens_cast_to_the_output_dtype(tmp_path, file_dtype, o
     assert sorted(got) == list(range(40))
     for k, d in enumerate(docs):
         assert np.array_equal(got[k], d.astype(out_dtype, casting="unsafe")), k
+
+
+def test_plans_are_made_once_per_process_and_read_only(corpus, monkeypatch) -> None:
+    """A reader built again (a restore, a rescale, a torchft re-split) takes its shards'
+    plans made before: each (shard, epoch) is planned once in the process, and the restored
+    reader delivers the rest of the stream. Another seed is planned anew."""
+    import torchdata_ext.nodes.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_PLANS", {})
+    made: list[tuple[int, int]] = []
+    real = reader_module.shard_plan
+    monkeypatch.setattr(
+        reader_module, "shard_plan", lambda *a: made.append((a[2], a[3], a[4])) or real(*a)
+    )
+    index = DatasetIndex.build(corpus[0])
+    reader = ShardReader(index, 8, world=World(), block_docs=20, epochs=2, seed=3)
+    reader.reset()
+    head = [next(reader) for _ in range(9)]
+    state = pickle.loads(pickle.dumps(reader.state_dict()))
+    rest = [doc_keys([b]) for b in reader]
+    assert sorted(made) == sorted(set(made)) and len(made) == 16  # 8 shards, 2 epochs
+    again = ShardReader(index, 8, world=World(), block_docs=20, epochs=2, seed=3)
+    again.reset(state)
+    assert [doc_keys([b]) for b in again] == rest and len(made) == 16 and len(head) == 9
+    plan = again._make_plan(0, 0)
+    with pytest.raises(ValueError, match="read-only"):
+        plan.starts[0] = 1
+    other = ShardReader(index, 8, world=World(), block_docs=20, epochs=1, seed=4)
+    assert doc_keys(run(other)) != doc_keys(
+        run(ShardReader(index, 8, world=World(), block_docs=20, epochs=1, seed=3))
+    )
+    assert len(made) == 24 and {s for s, _, _ in made} == {3, 4}

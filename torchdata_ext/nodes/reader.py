@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -77,6 +78,12 @@ from torchdata_ext.world import World
 __all__ = ["ShardReader", "merge_reader_states"]
 
 logger = logging.getLogger(__name__)
+
+#: shard plans kept in the process ((dataset, shards, seed, shard, epoch) each; a few small
+#: arrays): a restore, a rescale or a torchft re-split builds new readers of the same shards
+_PLANS_KEPT = 4096
+_PLANS: dict[tuple[bytes, int, int, int, int], ShardPlan] = {}
+_PLANS_LOCK = threading.Lock()
 
 
 def _starts_anything(block: DocumentBlock) -> bool:
@@ -215,6 +222,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._given_world = world
         self._fingerprint = dataset.fingerprint()
         self._offsets = file_offsets(dataset.doc_counts)
+        self._offsets_key: bytes | None = None  # the offsets' bytes, the plans' key
         self._cursors: dict[int, Cursor] = {}
         # the state's "cursors" columns and "extras" of the shards as last left: replaced
         # (copy-on-write), never written, once handed out (see reader_state.py)
@@ -492,7 +500,20 @@ class ShardReader(BaseNode[DocumentBlock]):
         return walk
 
     def _make_plan(self, sid: int, epoch: int) -> ShardPlan:
-        return shard_plan(self._offsets, self.n_logical_shards, self.seed, sid, epoch)
+        """Shard ``sid``'s plan in ``epoch``: made once per process (it costs ~30 NumPy calls,
+        and every restore builds new readers), its arrays read-only."""
+        if self._offsets_key is None:
+            self._offsets_key = self._offsets.tobytes()
+        key = (self._offsets_key, self.n_logical_shards, self.seed, sid, epoch)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = shard_plan(self._offsets, self.n_logical_shards, self.seed, sid, epoch)
+            plan.starts.flags.writeable = False
+            with _PLANS_LOCK:
+                while len(_PLANS) >= _PLANS_KEPT:
+                    del _PLANS[next(iter(_PLANS))]
+                _PLANS[key] = plan
+        return plan
 
     def _freeze(self, sid: int) -> None:
         """Record shard ``sid``'s cursor, now left, in the state's columns and extras: new
