@@ -474,7 +474,7 @@ def test_plans_are_made_once_per_process_and_read_only(corpus, monkeypatch) -> N
     reader delivers the rest of the stream. Another seed is planned anew."""
     import torchdata_ext.nodes.reader as reader_module
 
-    monkeypatch.setattr(reader_module, "_PLANS", {})
+    reader_module._shard_plan_of.cache_clear()
     made: list[tuple[int, int]] = []
     real = reader_module.shard_plan
     monkeypatch.setattr(

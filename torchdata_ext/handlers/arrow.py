@@ -242,10 +242,6 @@ class _IndexCache:
             ):
                 self._entries.popitem(last=False)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
 
 _INDEXES = _IndexCache()
 

@@ -41,10 +41,9 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Literal
 
 import numpy as np
@@ -82,8 +81,17 @@ logger = logging.getLogger(__name__)
 #: shard plans kept in the process ((dataset, shards, seed, shard, epoch) each; a few small
 #: arrays): a restore, a rescale or a torchft re-split builds new readers of the same shards
 _PLANS_KEPT = 4096
-_PLANS: dict[tuple[bytes, int, int, int, int], ShardPlan] = {}
-_PLANS_LOCK = threading.Lock()
+
+
+@lru_cache(maxsize=_PLANS_KEPT)
+def _shard_plan_of(
+    offsets: bytes, n_logical_shards: int, seed: int, sid: int, epoch: int
+) -> ShardPlan:
+    """:func:`shard_plan` of the dataset whose file offsets are ``offsets`` (``int64`` bytes),
+    made once per process (~30 NumPy calls), its arrays read-only."""
+    plan = shard_plan(np.frombuffer(offsets, np.int64), n_logical_shards, seed, sid, epoch)
+    plan.starts.flags.writeable = False
+    return plan
 
 
 def _starts_anything(block: DocumentBlock) -> bool:
@@ -222,7 +230,7 @@ class ShardReader(BaseNode[DocumentBlock]):
         self._given_world = world
         self._fingerprint = dataset.fingerprint()
         self._offsets = file_offsets(dataset.doc_counts)
-        self._offsets_key: bytes | None = None  # the offsets' bytes, the plans' key
+        self._offsets_key = self._offsets.tobytes()  # the plans' key (_shard_plan_of)
         self._cursors: dict[int, Cursor] = {}
         # the state's "cursors" columns and "extras" of the shards as last left: replaced
         # (copy-on-write), never written, once handed out (see reader_state.py)
@@ -500,20 +508,9 @@ class ShardReader(BaseNode[DocumentBlock]):
         return walk
 
     def _make_plan(self, sid: int, epoch: int) -> ShardPlan:
-        """Shard ``sid``'s plan in ``epoch``: made once per process (it costs ~30 NumPy calls,
-        and every restore builds new readers), its arrays read-only."""
-        if self._offsets_key is None:
-            self._offsets_key = self._offsets.tobytes()
-        key = (self._offsets_key, self.n_logical_shards, self.seed, sid, epoch)
-        plan = _PLANS.get(key)
-        if plan is None:
-            plan = shard_plan(self._offsets, self.n_logical_shards, self.seed, sid, epoch)
-            plan.starts.flags.writeable = False
-            with _PLANS_LOCK:
-                while len(_PLANS) >= _PLANS_KEPT:
-                    del _PLANS[next(iter(_PLANS))]
-                _PLANS[key] = plan
-        return plan
+        """Shard ``sid``'s plan in ``epoch``, made once per process (every restore builds new
+        readers of the same shards)."""
+        return _shard_plan_of(self._offsets_key, self.n_logical_shards, self.seed, sid, epoch)
 
     def _freeze(self, sid: int) -> None:
         """Record shard ``sid``'s cursor, now left, in the state's columns and extras: new
