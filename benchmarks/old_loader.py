@@ -16,7 +16,8 @@ memory-mapped, its token column taken zero-copy and concatenated to int32 batche
 loader's rate is printed as a share of it.
 
 For each: seconds from building the loader to its first batch; input tokens per second over
-``--batches`` batches after the first; CPU seconds per million tokens of the whole process tree
+``--batches`` batches after the first (after ``--after`` more, untimed: 1250 times the steady
+state, the shuffle buffers full); CPU seconds per million tokens of the whole process tree
 (the training process and its workers); the share of torchdata-ext's input tokens that are
 padding (``document_ids`` -1; fms-fsdp never pads). And the first batch after a restore:
 torchdata-ext's ``load_state_dict`` of a state taken after ``--restore-at`` batches (pickled, as a checkpoint
@@ -37,7 +38,8 @@ placeholder stands in for it.
 
     git clone https://github.com/foundation-model-stack/fms-fsdp /tmp/fms-fsdp
     python benchmarks/old_loader.py --fms-fsdp /tmp/fms-fsdp [--tokens 150_000_000]
-        [--batches 1000] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2] [--ref PATH ...]
+        [--batches 1000] [--after 0] [--repeat 3] [--workers 0 1 2 3] [--old-workers 0 2]
+        [--ref PATH ...]
 """
 
 from __future__ import annotations
@@ -100,13 +102,17 @@ class PeakRss:
 
 
 def timed(make: Callable[[], Iterator[Any]], tokens_of: Callable[[Any], int], batches: int,
-          after: Callable[[], None] = lambda: None) -> Run:  # fmt: skip
-    """Build an iterator, time its first batch, then ``batches`` more with ``after()`` each."""
+          after: Callable[[], None] = lambda: None, skip: int = 0) -> Run:  # fmt: skip
+    """Build an iterator, time its first batch, take ``skip`` more untimed, then time
+    ``batches`` more; ``after()`` after each batch."""
     t0 = time.perf_counter()
     it = make()
     next(it)
     after()
     first = time.perf_counter() - t0
+    for _ in range(skip):
+        next(it)
+        after()
     t1, c1 = time.perf_counter(), tree_cpu()
     tokens = 0
     for _ in range(batches):
@@ -146,7 +152,7 @@ def fms_config(root: str, workers: int, ckpt: str, interval: int, resume: bool) 
 
 
 def old_runs(get_loader: Callable[..., Any], root: str, workers: int, batches: int,
-             restore_at: int) -> tuple[Run, float]:  # fmt: skip
+             restore_at: int, skip: int = 0) -> tuple[Run, float]:  # fmt: skip
     """fms-fsdp: a fresh run that saves nothing (timed), a second run whose workers save after
     ``restore_at`` batches of their own, and the first batch of a run resumed from that save."""
     ckpt = tempfile.mkdtemp(prefix="fms_ckpt_")
@@ -154,7 +160,8 @@ def old_runs(get_loader: Callable[..., Any], root: str, workers: int, batches: i
     try:
         cfg = fms_config(root, workers, ckpt, 10**9, resume=False)  # the timed run saves nothing
         with quiet:
-            run = timed(lambda: iter(get_loader(cfg, 0, 1)), lambda b: b[0].numel(), batches)
+            run = timed(lambda: iter(get_loader(cfg, 0, 1)), lambda b: b[0].numel(), batches,
+                        skip=skip)  # fmt: skip
         # its workers save after restore_at batches of their own (CheckpointDataset counts them)
         cfg = fms_config(root, workers, ckpt, restore_at, resume=False)
         with quiet:
@@ -171,7 +178,9 @@ def old_runs(get_loader: Callable[..., Any], root: str, workers: int, batches: i
         shutil.rmtree(ckpt, ignore_errors=True)
 
 
-def new_runs(cfg: PipelineConfig, workers: int, batches: int, restore_at: int) -> tuple[Run, float]:
+def new_runs(
+    cfg: PipelineConfig, workers: int, batches: int, restore_at: int, skip: int = 0
+) -> tuple[Run, float]:
     """torchdata-ext: a fresh run with a state after every batch, and the first batch after
     ``load_state_dict`` of the (pickled) state taken after ``restore_at`` batches."""
     holder: dict[str, Any] = {}
@@ -181,7 +190,7 @@ def new_runs(cfg: PipelineConfig, workers: int, batches: int, restore_at: int) -
         return iter(holder["loader"])
 
     run = timed(make, lambda b: b["input_ids"].numel(), batches,
-                lambda: holder["loader"].state_dict())  # fmt: skip
+                lambda: holder["loader"].state_dict(), skip)  # fmt: skip
     holder["loader"].close()
     # the padding of the same batches, untimed (document_ids is one more tensor to stack)
     counted = dataclasses.replace(cfg, output_keys=[*cfg.output_keys, "document_ids"])
@@ -244,9 +253,10 @@ def child(args: argparse.Namespace) -> None:
     with PeakRss() as peak:
         if kind == "fms":
             run, restore = old_runs(load_fms(args.fms_fsdp), root, workers, args.batches,
-                                    args.restore_at)  # fmt: skip
+                                    args.restore_at, args.after)  # fmt: skip
         else:
-            run, restore = new_runs(config(root), workers, args.batches, args.restore_at)
+            run, restore = new_runs(config(root), workers, args.batches, args.restore_at,
+                                    args.after)  # fmt: skip
     print(json.dumps({"first": run.first, "rate": run.rate, "cpu": run.cpu, "restore": restore,
                       "rss": peak.peak, "pad": run.pad}))  # fmt: skip
 
@@ -269,7 +279,7 @@ def measured(args: argparse.Namespace, kind: str, workers: int, checkout: str | 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, str(workers),
            "--fms-fsdp", args.fms_fsdp, "--tokens", str(args.tokens), "--data-dir",
            os.path.abspath(args.data_dir), "--batches", str(args.batches), "--restore-at",
-           str(args.restore_at)]  # fmt: skip
+           str(args.restore_at), "--after", str(args.after)]  # fmt: skip
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True,
                          cwd=checkout or os.getcwd())  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -283,6 +293,13 @@ def main() -> None:
     p.add_argument("--data-dir", default="bench_data/pipeline")
     p.add_argument("--batches", type=int, default=1000, help="batches timed after the first")
     p.add_argument("--restore-at", type=int, default=100, help="batches before the state taken")
+    p.add_argument(
+        "--after",
+        type=int,
+        default=0,
+        help="batches taken untimed after the first, before the timed ones (1250: the "
+        "10,000-row shuffle buffers are full, the steady state of a long run)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="alternating rounds; best and median")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--old-workers", type=int, nargs="+", default=[0, 2])
@@ -316,10 +333,15 @@ def main() -> None:
                 label = f"{os.path.basename(os.path.normpath(ref))}, {w} workers"
                 results.setdefault(label, []).append(measured(args, "new", w, ref))
     refs = {w: max(r.rate for r in results[f"fms-fsdp, {w} workers"]) for w in args.old_workers}
+    timed_from = (
+        f" and {args.after} untimed (the steady state)"
+        if args.after
+        else " (the buffers' fill included)"
+    )
     print(
         f"corpus {args.tokens / 1e6:.0f}M tokens, seq {SEQ}+1 x batch {BATCH}, buffer {BUFFER}, "
-        f"{SHARDS} logical shards; {args.batches} batches after the first (the buffers' fill "
-        f"included), best of {args.repeat} (median); torchdata-ext takes state_dict() after "
+        f"{SHARDS} logical shards; {args.batches} batches after the first{timed_from}, best of "
+        f"{args.repeat} (median); torchdata-ext takes state_dict() after "
         "every batch"
     )
     raw = max(raws)
