@@ -235,6 +235,10 @@ class Campaign:
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
+        # the run's temporary folder is the trial's: what a SIGKILLed run cannot remove
+        # (torchrun's torchelastic_* folder, a fork server's pymp-*) stays with its logs
+        env["TMPDIR"] = os.path.join(log_dir, "tmp")
+        os.makedirs(env["TMPDIR"])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={ranks}", os.path.abspath(__file__), "--loop",
                "--data", self.data, "--ckpt", self.ckpt, "--trace", log_dir,

@@ -1,5 +1,6 @@
 """A training process killed by SIGKILL (the OOM killer, a preemption) leaves no dataloader
-worker running: each exits within seconds, whatever it was blocked on (loader/orphan.py)."""
+worker running: each exits within seconds, whatever it was blocked on (loader/orphan.py);
+and no file of the loader's in the temporary folder."""
 
 from __future__ import annotations
 
@@ -60,10 +61,15 @@ def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str) -> No
     rng = np.random.default_rng(0)
     docs = [rng.integers(5, 999, 4_000, dtype=np.uint32) for _ in range(400)]
     write_arrow_batches(str(tmp_path / "web" / "p0.arrow"), docs)
+    # the trainer's temporary folder, so what its death leaves there can be listed (and is
+    # removed with the test's folder instead of piling up in the machine's /tmp)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "_orphan_trainer.py"), str(tmp_path), context],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     workers: set[int] = set()
     try:
@@ -80,6 +86,12 @@ def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str) -> No
             time.sleep(0.1)
         left = [p for p in workers if _alive(p)]
         assert not left, f"processes {left} outlived their killed trainer by 10 s"
+        # nothing of the loader's is left in the temporary folder; a fork server's listening
+        # socket (multiprocessing's pymp-* folder, which only the trainer's exit removes) is
+        # CPython's, and stays in the scratch folder a launcher gives a job
+        files = sorted(p.name for p in scratch.iterdir())
+        expected = 1 if context == "forkserver" else 0  # 0: a Python with abstract sockets
+        assert len(files) <= expected and all(n.startswith("pymp-") for n in files), files
     finally:
         proc.kill()
         for p in _descendants(proc.pid) | workers:
