@@ -227,6 +227,11 @@ class Campaign:
         self.save_s = [0.05]  # rank 0's SAVE -> SAVED
         self.step_s = [0.01]
         os.makedirs(self.ckpt, exist_ok=True)
+        self.scratch = tempfile.mkdtemp(prefix="fault_campaign_tmp_")  # removed by close()
+
+    def close(self) -> None:
+        """Remove the runs' temporary folders (what the killed runs left in them)."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def launch(self, trial: Trial) -> tuple[subprocess.Popen, Logs, float]:
         ranks, workers = trial.topology
@@ -236,8 +241,9 @@ class Campaign:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
         # the run's temporary folder is the trial's: what a SIGKILLed run cannot remove
-        # (torchrun's torchelastic_* folder, a fork server's pymp-*) stays with its logs
-        env["TMPDIR"] = os.path.join(log_dir, "tmp")
+        # (torchrun's torchelastic_* folder, a fork server's pymp-*) goes with the campaign's
+        # scratch folder (short: a socket's path in it must fit AF_UNIX's 108 bytes)
+        env["TMPDIR"] = os.path.join(self.scratch, trial.name)
         os.makedirs(env["TMPDIR"])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={ranks}", os.path.abspath(__file__), "--loop",
@@ -479,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     elif os.path.exists(args.workdir) and os.listdir(args.workdir):
         p.error(f"--workdir {args.workdir} is not empty; give a new or empty folder")
     t0 = time.monotonic()
+    campaign = Campaign(args)
     try:
-        ok = Campaign(args).run()
+        ok = campaign.run()
     finally:
+        campaign.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"({time.monotonic() - t0:.0f}s, seed {args.seed})")

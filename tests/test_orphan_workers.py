@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,10 +64,10 @@ def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str) -> No
     rng = np.random.default_rng(0)
     docs = [rng.integers(5, 999, 4_000, dtype=np.uint32) for _ in range(400)]
     write_arrow_batches(str(tmp_path / "web" / "p0.arrow"), docs)
-    # the trainer's temporary folder, so what its death leaves there can be listed (and is
-    # removed with the test's folder instead of piling up in the machine's /tmp)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # the trainer's temporary folder, so what its death leaves there can be listed and removed
+    # instead of piling up in the machine's /tmp (short: a fork server's socket path in it must
+    # fit AF_UNIX's 108 bytes, which the test's own folder under pytest-xdist does not)
+    scratch = Path(tempfile.mkdtemp(prefix="orphan-"))
     proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "_orphan_trainer.py"), str(tmp_path), context],
         stdout=subprocess.PIPE,
@@ -97,3 +100,4 @@ def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str) -> No
         for p in _descendants(proc.pid) | workers:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
