@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +66,42 @@ def test_a_spawned_trainer_gets_the_stream_of_forked_workers(tmp_path: Path) -> 
     got: Any = np.load(out)
     assert got.shape[0] == 12
     assert [g.tolist() for g in got] == [b["input_ids"].tolist() for b in want]
+
+
+@pytest.mark.multiprocess
+def test_a_temporary_folder_too_deep_for_the_fork_servers_socket_is_named(tmp_path: Path) -> None:
+    """A fork server's socket goes in TMPDIR, and its path must fit AF_UNIX's 108 bytes: a
+    job's deep TMPDIR gets one line naming the folder and what to do, not CPython's bare
+    'AF_UNIX path too long' from inside the dataloader (a fresh process: no fork server yet)."""
+    deep = tmp_path / ("t" * 90)
+    deep.mkdir()
+    data = tmp_path / "data"  # written by the first process
+    script = (
+        "import functools\n"
+        "from harness import two_dataset_config\n"
+        "from torchdata_ext import TokenLoader, build_pipeline\n"
+        f"cfg = two_dataset_config({str(data)!r})\n"
+        "loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=1,\n"
+        "                     multiprocessing_context='forkserver')\n"
+        "next(iter(loader))\n"
+    )
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "TMPDIR": str(deep), "PYTHONPATH": here}
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("OSError: the dataloader's workers could not start"), last
+    assert repr(str(deep)) in last and "set TMPDIR to a shorter folder" in last, last
+    assert "multiprocessing_context='fork'" in last
+    # with a short TMPDIR the same loader starts (the message's advice works)
+    short = Path(tempfile.mkdtemp(prefix="fs-"))
+    try:
+        ok = subprocess.run(
+            [sys.executable, "-c", script], env={**env, "TMPDIR": str(short)},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert ok.returncode == 0, ok.stderr[-2000:]
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

@@ -10,6 +10,7 @@ reader's logical shards against all the workers run first (when iteration starts
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,10 @@ from torchdata_ext.order.shards import check_shard_count
 from torchdata_ext.state.graph import graph_nodes
 from torchdata_ext.world import World
 
-__all__ = ["check_before_workers", "check_build"]
+__all__ = ["check_before_workers", "check_build", "worker_start_message"]
+
+_SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX socket's path on Linux (108 with the NUL)
+_FORKSERVER_SUFFIX = len("/pymp-xxxxxxxx/listener-xxxxxxxx")  # what multiprocessing adds
 
 
 def check_before_workers(build: Callable[[World], Any], world: World) -> None:
@@ -53,3 +57,21 @@ def check_build(build: Any) -> None:
             f"TokenLoader(build): {name} needs the config first; "
             f"pass functools.partial({name}, cfg): a function of the World"
         )
+
+
+def worker_start_message(err: OSError) -> str | None:
+    """The clear message for dataloader workers that could not start because the fork
+    server's socket path does not fit (``OSError: AF_UNIX path too long``; None for any
+    other error): multiprocessing puts it in the temporary folder (``TMPDIR``), which a
+    cluster's job often sets deep (a fork server is the default in a trainer started by
+    ``torch.multiprocessing.spawn``)."""
+    if "AF_UNIX path too long" not in str(err):
+        return None
+    tmp = tempfile.gettempdir()
+    return (
+        f"the dataloader's workers could not start: their fork server's socket goes in the "
+        f"temporary folder {tmp!r} ({len(tmp)} characters), and a socket's path must fit "
+        f"{_SOCKET_PATH_MAX} bytes ({_SOCKET_PATH_MAX - _FORKSERVER_SUFFIX} for the folder); "
+        "set TMPDIR to a shorter folder (e.g. /tmp) for the training process, or pass "
+        "multiprocessing_context='fork' to TokenLoader"
+    )

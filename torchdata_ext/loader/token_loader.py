@@ -46,7 +46,11 @@ from torchdata_ext.batch import BatchGroup, PackedBatch
 from torchdata_ext.loader.background import Background as _Background
 from torchdata_ext.loader.mix_history import DELIVERED_KEY, MixHistory
 from torchdata_ext.loader.orphan import exit_with_parent
-from torchdata_ext.loader.preflight import check_before_workers, check_build
+from torchdata_ext.loader.preflight import (
+    check_before_workers,
+    check_build,
+    worker_start_message,
+)
 from torchdata_ext.loader.ring import TokenRing
 from torchdata_ext.loader.running import Running
 from torchdata_ext.loader.skip_epochs import stamp_epochs
@@ -529,7 +533,13 @@ class TokenLoader:
                 self._dl = StatefulDataLoader(
                     self._dataset(), batch_size=None, collate_fn=_as_is, **self._dl_kwargs
                 )
-                messages: Iterator[_Message] = iter(self._dl)
+                try:
+                    messages: Iterator[_Message] = iter(self._dl)
+                except OSError as e:  # a fork server's socket path that does not fit
+                    message = worker_start_message(e)
+                    if message is None:
+                        raise
+                    raise OSError(message) from e
             self._running.workers = messages
         else:
             messages = iter(self._dataset())
