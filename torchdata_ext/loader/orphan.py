@@ -7,7 +7,9 @@ messages filled the pipe (a message of this package carries a group of batches, 
 than the pipe's 64 KB), that thread waits forever to write to a pipe nobody reads: the worker
 never exits and keeps its memory and shared-memory slots. :func:`exit_with_parent` starts a
 daemon thread in the worker that checks the training process every ``interval`` seconds and
-ends the worker at once (``os._exit``: no finalizer, no join) when it is gone.
+ends the worker at once (``os._exit``: no finalizer, no join) when it is gone, after removing
+the worker's ``multiprocessing`` temporary folder (the one finalizer it needs: a worker that
+sent shared-memory tensors keeps a socket there).
 
 The training process is named by its pid (taken where the dataset was made), not found as the
 worker's parent: with ``multiprocessing_context="forkserver"`` the parent is the fork server,
@@ -18,7 +20,9 @@ A changed parent (the worker reparented to init or a subreaper) counts as gone t
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import shutil
 import sys
 import threading
 import time
@@ -43,8 +47,29 @@ def exit_with_parent(trainer: int, interval: float = PARENT_CHECK_INTERVAL) -> N
     _started_in = pid
     parent = os.getppid()
     threading.Thread(
-        target=_watch, args=(trainer, parent, interval), name="exit_with_parent", daemon=True
+        target=_watch,
+        args=(trainer, parent, interval, _mp_temp_dir()),
+        name="exit_with_parent",
+        daemon=True,
     ).start()
+
+
+def _mp_temp_dir() -> str | None:
+    """This process's ``multiprocessing`` temporary folder (``pymp-*``, where a worker that
+    sends shared-memory tensors keeps its resource sharer's socket), None until one is made.
+    A forked process starts with its parent's, if the parent had made one."""
+    config = getattr(multiprocessing.process.current_process(), "_config", None)
+    folder = config.get("tempdir") if isinstance(config, dict) else None
+    return folder if isinstance(folder, str) else None
+
+
+def _drop_temp_dir(inherited: str | None, trainer: int) -> None:
+    """Remove the ``multiprocessing`` temporary folder before ``os._exit`` (which skips the
+    finalizer that would): the worker's own, or the one it shares with ``trainer`` (made
+    before the fork) once the trainer is gone."""
+    folder = _mp_temp_dir()
+    if folder is not None and (folder != inherited or _gone(trainer)):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _gone(pid: int) -> bool:
@@ -62,7 +87,7 @@ def _gone(pid: int) -> bool:
         return False
 
 
-def _watch(trainer: int, parent: int, interval: float) -> None:
+def _watch(trainer: int, parent: int, interval: float, inherited: str | None) -> None:
     while True:
         time.sleep(interval)
         if os.getppid() != parent or _gone(trainer):
@@ -72,5 +97,6 @@ def _watch(trainer: int, parent: int, interval: float) -> None:
                     f"process (pid {trainer}) is gone\n"
                 )
                 sys.stderr.flush()
+                _drop_temp_dir(inherited, trainer)
             finally:
                 os._exit(1)
