@@ -192,10 +192,15 @@ def new_runs(
     run = timed(make, lambda b: b["input_ids"].numel(), batches,
                 lambda: holder["loader"].state_dict(), skip)  # fmt: skip
     holder["loader"].close()
-    # the padding of the same batches, untimed (document_ids is one more tensor to stack)
+    # the padding of the same batches (the first and the timed ones, not the ``skip`` between),
+    # untimed (document_ids is one more tensor to stack)
     counted = dataclasses.replace(cfg, output_keys=[*cfg.output_keys, "document_ids"])
     loader = TokenLoader(functools.partial(build_pipeline, counted), num_workers=workers)
-    padding = sum(int((b["document_ids"] == -1).sum()) for b, _ in zip(loader, range(batches + 1)))
+    padding = sum(
+        int((b["document_ids"] == -1).sum())
+        for i, (b, _) in enumerate(zip(loader, range(skip + batches + 1)))
+        if i == 0 or i > skip
+    )
     run.pad = padding / ((batches + 1) * BATCH * SEQ)
     loader.close()
     loader = TokenLoader(functools.partial(build_pipeline, cfg), num_workers=workers)
