@@ -300,8 +300,12 @@ class StreamCursor:
         key = (self._key, self._dataset_id(block.dataset))
         memo = whole_block.__dict__.get(_WHOLE_MEMO)
         if memo is None or memo[0] != key:
-            memo = (key, self._expand(whole_block, None))
-            whole_block.__dict__[_WHOLE_MEMO] = memo
+            laid = self._expand(whole_block, None)
+            # kept in the block's own __dict__, so without its block: a stream naming the
+            # block would make a reference cycle, and every block the mix cut would wait for
+            # the cyclic garbage collector (its tokens, twice, with it); slices name their run
+            laid.block = None
+            memo = whole_block.__dict__[_WHOLE_MEMO] = (key, laid)
         whole: Stream = memo[1]
         span = self.span(whole_block, lo, skip, hi, cut)
         assert span is not None

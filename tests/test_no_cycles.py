@@ -1,0 +1,85 @@
+"""The pipeline frees what it read by reference counting alone.
+
+A block the pipeline is done with must go the moment its last reference does: its tokens (and
+the stream laid out from them, a copy with the specials placed) are the largest objects the
+loader holds. An object graph with a reference cycle is freed only by the cyclic garbage
+collector, generations later: on the benchmark corpus the one-process graph ran at 0.8x for
+it, and with the collector off grew to 2 GB (a whole block's stream, kept in the block's own
+``__dict__``, named the block). Every packing mode and mix rule is run here with the collector
+off and everything it would have freed kept (``gc.DEBUG_SAVEALL``): there must be nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from harness import write_random_arrow_datasets
+
+from torchdata_ext import build_pipeline
+from torchdata_ext.pipeline.config import PipelineConfig
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> PipelineConfig:
+    root = tmp_path_factory.mktemp("no_cycles")
+    # short documents, and long ones: cut at row ends and across blocks
+    write_random_arrow_datasets(
+        str(root), (("web", 300, 30), ("code", 80, 300), ("books", 20, 900)), seed=5
+    )
+    return PipelineConfig(
+        data_path=str(root), datasets="web,code,books", weights=[3, 1, 1], seq_length=64,
+        logical_shards=8, batch_size=2, shuffle_buffer=16, block_docs=8, seed=1, eos_token=0,
+        max_chunksize=200,
+    )  # fmt: skip
+
+
+@contextmanager
+def _cyclic_garbage() -> Iterator[list[object]]:
+    """The objects only the cyclic collector would free, made inside the block."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    found: list[object] = []
+    try:
+        yield found
+        gc.collect()
+        found.extend(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},  # the default: concat, the mix cutting documents at row ends
+        {"bos_token": 1},
+        {"bos_token": 0},  # one separator token (epochraft)
+        {"mix_quantum_tokens": 0},
+        {"interleave_mode": "samples"},
+        {"pack_mode": "pad"},
+        {"pack_mode": "best_fit"},
+        {"pack_mode": "chunk"},
+    ],
+    ids=str,
+)
+def test_no_reference_cycles_while_delivering(base, change) -> None:
+    cfg = dataclasses.replace(base, **change)
+    node = build_pipeline(cfg)
+    node.reset()
+    for _ in range(20):  # the buffer full, blocks read and done with
+        next(node)
+    with _cyclic_garbage() as garbage:
+        for _ in range(60):
+            next(node)
+            node.state_dict()
+    kinds = collections.Counter(type(o).__qualname__ for o in garbage)
+    assert not garbage, f"reference cycles left for the cyclic collector: {kinds.most_common(8)}"
