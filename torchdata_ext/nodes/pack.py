@@ -292,7 +292,7 @@ class Pack(BaseNode[dict[str, np.ndarray]]):
         follow = getattr(source, "follow_rows", None)
         if self.mode != "concat" or not callable(follow):
             return None
-        mirror = StreamCursor(source, self.dtype, specials)
+        mirror = StreamCursor(None, self.dtype, specials)  # it never reads
         if specials.eos is not None and not specials.combined:
             # every document ends with its own EOS: a continuation fills the row (see
             # StreamCursor.continue_mid_row), in Pack's cursor and in its mirror alike

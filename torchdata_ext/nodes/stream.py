@@ -69,7 +69,11 @@ class StreamCursor:
     """Where Pack reads upstream: the current :class:`Stream` and a position in it.
 
     Args:
-        source: Pack's source node (yielding token ``DocumentBlock`` s).
+        source: Pack's source node (yielding token ``DocumentBlock`` s); None for a mirror,
+            which lays blocks out and never reads (the mix's, see
+            :meth:`~torchdata_ext.nodes.interleave.Interleave.follow_rows`: the source holds
+            its mirror, so a mirror holding the source would make a reference cycle, and a
+            dropped pipeline's readers, files and blocks would wait for the cyclic collector).
         dtype: the integer dtype of the stream tokens.
         specials: the token ids to place (only BOS and EOS are placed here).
 
@@ -80,7 +84,7 @@ class StreamCursor:
         dataset_names: the dataset names met so far, indexed by provenance dataset ids.
     """
 
-    def __init__(self, source: BaseNode, dtype: np.dtype, specials: Specials) -> None:
+    def __init__(self, source: BaseNode | None, dtype: np.dtype, specials: Specials) -> None:
         self.source = source
         # a source that takes its state lazily (Interleave): most are never read
         self._state_at_pull = getattr(source, "state_at_pull", None)
@@ -137,6 +141,8 @@ class StreamCursor:
         """Read the next block into ``cur``; False when the source is exhausted."""
         if self.exhausted:
             return False
+        if self.source is None:
+            raise RuntimeError("this StreamCursor is a mirror (no source): it never reads")
         pre = self._state_at_pull() if self._state_at_pull else self.source.state_dict()
         try:
             block = next(self.source)
