@@ -90,7 +90,31 @@ server.stop()
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
+def _one_botocore_loader() -> Iterator[None]:
+    """Every botocore session of this process reads the S3 service model and the endpoint
+    data through one ``Loader``, as a session's clients do: each new session parsed those
+    JSON files again, ~0.1 s of CPU per client, and the S3 tests make hundreds of clients
+    (a test's own filesystems, the library's private ones per endpoint, each worker's after
+    a fork, which inherits the parsed files). The data read, the clients and their requests
+    are the same; only the parsing is done once."""
+    pytest.importorskip("botocore")
+    import botocore.session
+
+    loaders: dict[str | None, Any] = {}
+    create_loader = botocore.session.create_loader
+
+    def shared_loader(search_path_string: str | None = None) -> Any:
+        if search_path_string not in loaders:
+            loaders[search_path_string] = create_loader(search_path_string)
+        return loaders[search_path_string]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(botocore.session, "create_loader", shared_loader)
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(_one_botocore_loader: None) -> Iterator[str]:
     """One moto S3 server on 127.0.0.1 for the session, in a process of its own; yields its
     endpoint URL.
 

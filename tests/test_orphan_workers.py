@@ -48,6 +48,35 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _cpu_ticks(pids: set[int]) -> int:
+    """The CPU time (user + system, in clock ticks) the processes ``pids`` have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def _wait_until_idle(pid: int, quiet_s: float = 0.5, at_most_s: float = 10.0) -> set[int]:
+    """The descendants of ``pid`` once they have used no CPU for ``quiet_s`` seconds (the
+    workers have filled the pipe, or the ring, and wait on it), at most ``at_most_s``."""
+    deadline = time.monotonic() + at_most_s
+    procs, ticks, since = _descendants(pid), -1, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _descendants(pid)
+        used = _cpu_ticks(now)
+        if now != procs or used != ticks:
+            procs, ticks, since = now, used, time.monotonic()
+        elif len(procs) >= 2 and time.monotonic() - since >= quiet_s:
+            break
+    return procs
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -84,8 +113,8 @@ def test_workers_exit_when_their_trainer_is_killed(tmp_path, context: str, token
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("READY"), line
-        time.sleep(2)  # the workers fill the pipe meanwhile
-        workers = _descendants(proc.pid)
+        # the workers fill the pipe meanwhile, then wait on it (a fixed 2 s here before)
+        workers = _wait_until_idle(proc.pid)
         assert len(workers) >= 2, workers  # the 2 workers (and a fork server's processes)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
