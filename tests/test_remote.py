@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import gc
 import logging
 import multiprocessing
@@ -34,6 +35,7 @@ from torchdata_ext.remote import (
     RemoteError,
     RetryPolicy,
     ShardCache,
+    disk,
     is_transient,
     read_bytes,
     with_retries,
@@ -402,6 +404,40 @@ def _acquire_all(cache_dir, index, go, queue, k) -> None:
     except Exception as exc:  # reported to the parent
         result["error"] = repr(exc)
     queue.put(result)
+
+
+def test_a_file_another_reader_holds_is_a_hit_not_a_wait_for_its_lock(tmp_path) -> None:
+    """A process that finds a file missing must not wait for its exclusive lock: one that
+    downloaded it meanwhile holds it shared for as long as it reads it (its lock turned from
+    exclusive into shared, a conversion that can pass a waiting request). Three gloo ranks on
+    one cache hung so in the suite (one rank waiting for the lock, the others in a collective
+    waiting for it). Here: a reader's shared lock while the file is still missing, then the
+    file lands; the fetch must find it, without downloading it again."""
+    entry = disk.Entry.of(str(tmp_path), "s3://bucket/web/p1.arrow", None, ())
+    os.makedirs(os.path.dirname(entry.lock))
+    reader = os.open(entry.lock, os.O_RDWR | os.O_CREAT, 0o644)  # its own open file: flock
+    fcntl.flock(reader, fcntl.LOCK_SH)  # conflicts with this one as another process's would
+    downloads: list[int] = []
+    got: dict[str, tuple[int | None, str]] = {}
+
+    def fetch() -> None:
+        got["fetch"] = disk.fetch(entry, lambda: downloads.append(1) is None)
+
+    thread = threading.Thread(target=fetch, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)  # it found the file missing and is after the exclusive lock
+        with open(entry.local, "wb") as f:  # the other reader's download lands
+            f.write(b"tokens")
+        thread.join(5)
+        assert not thread.is_alive(), "fetch waits for the lock a reader holds"
+    finally:
+        os.close(reader)  # (lets a waiting fetch go, so the thread ends either way)
+        thread.join(5)
+    fd, outcome = got["fetch"]
+    assert (outcome, downloads) == ("hit", [])
+    assert fd is not None
+    os.close(fd)
 
 
 def test_partial_downloads_are_never_visible_and_are_cleaned_up(s3, s3_proxy, s3_corpus, tmp_path):

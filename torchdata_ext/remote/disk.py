@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 _PART = ".part-"
 _LOCK_SUFFIX = ".lock"
 _GLOBAL_LOCK = ".cache.lock"
+# seconds between two tries at a file's exclusive lock when another process holds it (it is
+# reading the file, or about to find it missing too: see fetch)
+_LOCK_RETRY_S = 0.005
 
 # suffixes of side files that travel with their main file (see ShardCache.acquire)
 COMPANION_SUFFIXES: set[str] = {".offsets.npy"}
@@ -87,12 +90,23 @@ def fetch(entry: Entry, download: Callable[[], bool]) -> tuple[int | None, str]:
     it returns False to skip (nothing downloaded)."""
     os.makedirs(os.path.dirname(entry.local), exist_ok=True)
     while True:
-        fd = _open_lock(entry.lock, fcntl.LOCK_SH)
+        fd = _open_lock(entry.lock, fcntl.LOCK_SH)  # waits out a download elsewhere
         if os.path.exists(entry.local):
             return fd, "hit"
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        fd = _open_lock(entry.lock, fcntl.LOCK_EX)  # waits for a download elsewhere
+        # Missing: take the exclusive lock to download it, without waiting for it. A process
+        # that holds the shared lock keeps it while it reads the file, for as long as its
+        # loader runs, so a blocked wait for the exclusive lock could last forever: another
+        # process that downloaded the file meanwhile turns its exclusive lock into a shared
+        # one, and flock's conversion is not atomic (a waiter for the exclusive lock can be
+        # passed by it). Without the lock, start again: the shared lock waits out a download
+        # in progress, and finds the file once it is there.
+        got = _try_lock(entry.lock, fcntl.LOCK_EX)
+        if got is None:
+            time.sleep(_LOCK_RETRY_S)
+            continue
+        fd = got
         try:
             if not os.path.exists(entry.local):
                 if not download():
@@ -239,6 +253,15 @@ def evict(local: str) -> int | None:
         return freed
     finally:
         os.close(fd)
+
+
+def _try_lock(path: str, how: int) -> int | None:
+    """:func:`_open_lock` without waiting: None when another process holds a conflicting
+    lock."""
+    try:
+        return _open_lock(path, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None
 
 
 def _open_lock(path: str, how: int) -> int:
