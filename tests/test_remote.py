@@ -420,8 +420,12 @@ def test_a_file_another_reader_holds_is_a_hit_not_a_wait_for_its_lock(tmp_path) 
     downloads: list[int] = []
     got: dict[str, tuple[int | None, str]] = {}
 
+    def download() -> bool:
+        downloads.append(1)
+        return True
+
     def fetch() -> None:
-        got["fetch"] = disk.fetch(entry, lambda: downloads.append(1) is None)
+        got["fetch"] = disk.fetch(entry, download)
 
     thread = threading.Thread(target=fetch, daemon=True)
     thread.start()
